@@ -1,0 +1,5 @@
+import sys
+
+from pipetune.cli import main
+
+sys.exit(main())

@@ -1,0 +1,341 @@
+"""Run configuration: dataclasses with one docstring per key, TOML in and out, `--set` overrides.
+
+`validate()` checks everything that can be checked without a process group, so that a bad
+value fails once, on the launching process, with a message that names it and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEDULES = ("gpipe", "1f1b")
+DTYPES = ("float32", "bfloat16", "float16")
+STRATEGIES = ("pp",)
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work; the message names the value and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "Qwen/Qwen3-4B"
+    """Hub id, local directory, a built-in shape (qwen3-0.6b ... qwen3-32b) or "tiny-qwen3"."""
+    dtype: str = "bfloat16"
+    """Weights and compute dtype of the frozen base; "float32" for numerics tests."""
+    init: str = "pretrained"
+    """"pretrained" loads weights; "random" builds the model from its config alone (benchmarks)."""
+    tokenizer: str = ""
+    """Tokenizer to use; empty = the model's own, or the built-in demo tokenizer for built-in shapes."""
+    trust_remote_code: bool = False
+    """Allow model code from the hub. Off: only architectures transformers ships are built."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "knkarthick/AMI"
+    """Hub dataset, local JSONL/JSON/CSV/Parquet file, or "synthetic" (the demo meetings)."""
+    max_length: int = 512
+    """Tokens per sample; every batch is padded to exactly this length (static shapes)."""
+    max_summary_tokens: int = 256
+    """Cap on the summary's tokens; the transcript is cut in the middle to fit the rest."""
+    transcript_column: str = "dialogue"
+    """Column holding the meeting transcript."""
+    summary_column: str = "summary"
+    """Column holding the reference summary."""
+    synthetic_train: int = 256
+    """Number of synthetic training meetings (source = "synthetic")."""
+    synthetic_validation: int = 32
+    """Number of synthetic validation meetings (source = "synthetic")."""
+
+
+@dataclass
+class LoraConfig:
+    r: int = 16
+    """Rank of the adapters."""
+    alpha: float = 32
+    """Scaling numerator: adapter output is multiplied by alpha / r."""
+    dropout: float = 0.15
+    """Dropout on the adapter input."""
+    target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    """Names of the linear layers that get adapters."""
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 3
+    """Passes over the training split."""
+    max_steps: int = -1
+    """Stop after this many optimizer steps (-1: run all epochs)."""
+    batch_size: int = 8
+    """Samples per schedule step, split into parallel.n_microbatches microbatches."""
+    grad_accum: int = 2
+    """Schedule steps per optimizer step."""
+    lr: float = 2e-4
+    """Peak learning rate of AdamW."""
+    weight_decay: float = 0.01
+    """AdamW weight decay on the adapters."""
+    warmup_steps: int = 0
+    """Linear warmup steps before the cosine decay."""
+    min_lr_ratio: float = 0.1
+    """The cosine decays to lr * min_lr_ratio at the last step."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm (all stages together) to this; 0 disables clipping."""
+    seed: int = 42
+    """Seeds data order, random initialisation and adapter initialisation."""
+    log_every: int = 1
+    """Optimizer steps between metrics rows."""
+    save_every: int = 0
+    """Optimizer steps between checkpoints (0: only at the end)."""
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = "pp"
+    """"pp": pipeline parallel over pp stages."""
+    pp: int = 2
+    """Pipeline stages (one per rank); 1 runs the same loop in one process."""
+    dp: int = 1
+    """Data-parallel replicas of the pipeline."""
+    schedule: str = "1f1b"
+    """Pipeline schedule: gpipe or 1f1b."""
+    n_microbatches: int = 8
+    """Microbatches per schedule step; batch_size must be a multiple of it."""
+    stages_per_rank: int = 1
+    """Virtual stages per rank (interleaved schedules)."""
+    layers_per_stage: list[int] = field(default_factory=list)
+    """Decoder layers of each stage; [] = split evenly."""
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs/qwen3-4b-ami"
+    """Run directory: config.toml, metrics.csv, adapter/, checkpoints/."""
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.train.batch_size // self.parallel.n_microbatches
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- TOML and --set
+
+
+def from_dict(raw: dict[str, Any]) -> Config:
+    """Build a Config from nested dicts, rejecting unknown sections and keys by name."""
+    config = Config()
+    for section_name, values in raw.items():
+        if not hasattr(config, section_name) or not isinstance(values, dict):
+            sections = ", ".join(f.name for f in dataclasses.fields(Config))
+            raise ConfigError(f"unknown config section [{section_name}]; sections are: {sections}")
+        section = getattr(config, section_name)
+        for key, value in values.items():
+            _set_field(section, section_name, key, value)
+    return config
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Read a TOML file (or start from defaults when path is None) and apply `section.key=value` overrides."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist; pass --config with a TOML file")
+        with open(path, "rb") as f:
+            try:
+                raw = tomllib.load(f)
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    config = from_dict(raw)
+    for item in overrides:
+        apply_override(config, item)
+    return config
+
+
+def apply_override(config: Config, item: str) -> None:
+    """Apply one `section.key=value` override; the value is parsed as TOML, else taken as a string."""
+    key_path, sep, text = item.partition("=")
+    section_name, dot, key = key_path.strip().partition(".")
+    if not sep or not dot:
+        raise ConfigError(f"--set {item!r} is not of the form section.key=value (e.g. train.lr=1e-4)")
+    if not hasattr(config, section_name):
+        raise ConfigError(f"--set {item!r}: unknown section {section_name!r}")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text
+    _set_field(getattr(config, section_name), section_name, key, value)
+
+
+def _set_field(section: Any, section_name: str, key: str, value: Any) -> None:
+    fields = {f.name: f for f in dataclasses.fields(section)}
+    if key not in fields:
+        raise ConfigError(f"unknown key {section_name}.{key}; keys of [{section_name}] are: {', '.join(fields)}")
+    default = getattr(section, key)
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, list):
+        ok = isinstance(value, list)
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        raise ConfigError(
+            f"{section_name}.{key} = {value!r} has type {type(value).__name__}; "
+            f"expected {type(default).__name__} like {default!r}"
+        )
+    setattr(section, key, value)
+
+
+def to_toml(config: Config) -> str:
+    """The resolved config as TOML (every key, defaults included)."""
+    lines = []
+    for section_name, values in config.to_dict().items():
+        lines.append(f"[{section_name}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def save_config(config: Config, path: str | Path) -> None:
+    """Write the resolved config through a temporary file and a rename: readers never see half a file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(to_toml(config))
+    os.replace(tmp, path)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot write {value!r} to TOML")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def validate(config: Config, world_size: int) -> None:
+    """Check the values that need no model: raise ConfigError naming the value and the fix."""
+    m, t, p, d = config.model, config.train, config.parallel, config.data
+    _check(m.dtype in DTYPES, f"model.dtype = {m.dtype!r} is unknown; use one of {', '.join(DTYPES)}")
+    _check(
+        m.init in ("pretrained", "random"), f"model.init = {m.init!r} is unknown; use 'pretrained' or 'random'"
+    )
+    _check(
+        p.strategy in STRATEGIES,
+        f"parallel.strategy = {p.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}",
+    )
+    _check(
+        p.schedule in SCHEDULES, f"parallel.schedule = {p.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}"
+    )
+    for name, value in [
+        ("parallel.pp", p.pp),
+        ("parallel.dp", p.dp),
+        ("parallel.n_microbatches", p.n_microbatches),
+        ("parallel.stages_per_rank", p.stages_per_rank),
+        ("train.batch_size", t.batch_size),
+        ("train.grad_accum", t.grad_accum),
+        ("train.epochs", t.epochs),
+        ("train.log_every", t.log_every),
+        ("lora.r", config.lora.r),
+        ("data.max_length", d.max_length),
+        ("data.max_summary_tokens", d.max_summary_tokens),
+    ]:
+        _check(value >= 1, f"{name} = {value} must be at least 1")
+    _check(p.dp == 1, f"parallel.dp = {p.dp}: data parallelism is not available yet; set parallel.dp = 1")
+    _check(
+        p.stages_per_rank == 1,
+        f"parallel.stages_per_rank = {p.stages_per_rank}: schedule {p.schedule!r} runs one stage per rank; "
+        "set parallel.stages_per_rank = 1",
+    )
+    _check(
+        t.max_steps == -1 or t.max_steps >= 1, f"train.max_steps = {t.max_steps} must be -1 (no cap) or at least 1"
+    )
+    _check(t.lr > 0, f"train.lr = {t.lr} must be positive")
+    _check(t.max_grad_norm >= 0, f"train.max_grad_norm = {t.max_grad_norm} must be >= 0 (0 disables clipping)")
+    _check(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio = {t.min_lr_ratio} must be within [0, 1]")
+    _check(0 <= config.lora.dropout < 1, f"lora.dropout = {config.lora.dropout} must be within [0, 1)")
+    _check(bool(config.lora.target_modules), "lora.target_modules is empty; name at least one linear layer")
+    _check(
+        t.batch_size % p.n_microbatches == 0,
+        f"train.batch_size = {t.batch_size} is not divisible by parallel.n_microbatches = {p.n_microbatches}; "
+        f"use a batch_size that is a multiple of {p.n_microbatches} (e.g. {p.n_microbatches * max(1, t.batch_size // p.n_microbatches)})",
+    )
+    _check(
+        world_size == p.pp * p.dp,
+        f"world size {world_size} does not match parallel.pp x parallel.dp = {p.pp} x {p.dp}; "
+        f"start {p.pp * p.dp} processes (--nproc {p.pp * p.dp}) or change parallel.pp",
+    )
+    if p.schedule == "1f1b":
+        _check(
+            p.n_microbatches >= p.pp,
+            f"parallel.n_microbatches = {p.n_microbatches} < parallel.pp = {p.pp}: 1F1B needs at least one "
+            f"microbatch per stage; raise n_microbatches to {p.pp} or more",
+        )
+    if p.layers_per_stage:
+        _check(
+            len(p.layers_per_stage) == p.pp,
+            f"parallel.layers_per_stage = {p.layers_per_stage} has {len(p.layers_per_stage)} entries "
+            f"for parallel.pp = {p.pp} stages; give one count per stage or [] for an even split",
+        )
+        _check(
+            all(n >= 1 for n in p.layers_per_stage),
+            f"parallel.layers_per_stage = {p.layers_per_stage}: every stage needs at least one layer",
+        )
+
+
+def validate_against_model(config: Config, n_layers: int, module_names: set[str]) -> None:
+    """Checks that need the model's shape: layer counts and LoRA target names."""
+    p = config.parallel
+    _check(
+        p.pp <= n_layers,
+        f"parallel.pp = {p.pp} > {n_layers} decoder layers of {config.model.name!r}; "
+        f"use at most {n_layers} stages",
+    )
+    if p.layers_per_stage:
+        _check(
+            sum(p.layers_per_stage) == n_layers,
+            f"parallel.layers_per_stage = {p.layers_per_stage} sums to {sum(p.layers_per_stage)}, "
+            f"but {config.model.name!r} has {n_layers} decoder layers",
+        )
+    unknown = [t for t in config.lora.target_modules if t not in module_names]
+    _check(
+        not unknown,
+        f"lora.target_modules {unknown} match no linear layer of {config.model.name!r}; "
+        f"its linear layers are: {', '.join(sorted(module_names))}",
+    )
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)

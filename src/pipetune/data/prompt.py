@@ -1,0 +1,122 @@
+"""Prompt building, shared by every data source, training and generation.
+
+A sample is the chat template rendered around three parts: the system prompt, the transcript
+(user turn) and the summary (assistant turn). The template's own tokens are never cut. When the
+sample exceeds `max_length`, the summary is capped at `max_summary_tokens` and the transcript
+keeps its head and tail with an elision marker between. Loss falls only on the summary tokens
+and the token that closes the assistant turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers import PreTrainedTokenizerBase
+
+from pipetune.config import ConfigError
+from pipetune.data.prompt_text import SYSTEM_PROMPT
+
+ELISION = "\n[...]\n"
+_TRANSCRIPT, _SUMMARY = "@@TRANSCRIPT@@", "@@SUMMARY@@"
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One tokenized example: ids = prompt (template + transcript) followed by supervised ids."""
+
+    input_ids: list[int]
+    n_prompt: int
+    transcript_tokens_cut: int = 0
+    summary_tokens_cut: int = 0
+
+    @property
+    def n_supervised(self) -> int:
+        return len(self.input_ids) - self.n_prompt
+
+
+class PromptBuilder:
+    """Turns (transcript, summary) into token ids that fit `max_length`, keeping every template token."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        max_length: int,
+        max_summary_tokens: int,
+        system_prompt: str = SYSTEM_PROMPT,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.max_length = max_length
+        self.max_summary_tokens = max_summary_tokens
+        rendered = tokenizer.apply_chat_template(
+            [
+                {"role": "system", "content": system_prompt},
+                {"role": "user", "content": _TRANSCRIPT},
+                {"role": "assistant", "content": _SUMMARY},
+            ],
+            tokenize=False,
+        )
+        if _TRANSCRIPT not in rendered or _SUMMARY not in rendered:
+            raise ValueError("the tokenizer's chat template does not render the user and assistant contents")
+        head, _, rest = rendered.partition(_TRANSCRIPT)
+        middle, _, tail = rest.partition(_SUMMARY)
+        self.head_ids = self._encode(head)
+        self.middle_ids = self._encode(middle)
+        end = self._encode(tail.strip())
+        self.end_ids = end if end else [tokenizer.eos_token_id]
+        self.elision_ids = self._encode(ELISION)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    @property
+    def template_length(self) -> int:
+        """Tokens of the template alone (system prompt, headers, closing token)."""
+        return len(self.head_ids) + len(self.middle_ids) + len(self.end_ids)
+
+    @property
+    def min_max_length(self) -> int:
+        """The smallest max_length that holds the template and one summary token."""
+        return self.template_length + 1
+
+    def check_budget(self) -> None:
+        if self.max_length < self.min_max_length:
+            raise ConfigError(
+                f"data.max_length = {self.max_length} cannot hold the chat template ({self.template_length} tokens "
+                f"with the system prompt) plus one summary token; set data.max_length >= {self.min_max_length}"
+            )
+
+    def build(self, transcript: str, summary: str) -> Sample:
+        """A training sample: prompt ids then summary ids and the closing token."""
+        self.check_budget()
+        summary_ids = self._encode(summary)
+        room = self.max_length - self.template_length
+        cap = min(self.max_summary_tokens, room)
+        kept_summary = summary_ids[:cap]
+        prompt, transcript_cut = self._prompt(transcript, room - len(kept_summary))
+        return Sample(
+            input_ids=prompt + kept_summary + self.end_ids,
+            n_prompt=len(prompt),
+            transcript_tokens_cut=transcript_cut,
+            summary_tokens_cut=len(summary_ids) - len(kept_summary),
+        )
+
+    def prompt_ids(self, transcript: str) -> list[int]:
+        """The generation prompt, cut as in training with room left for a full-length summary."""
+        self.check_budget()
+        room = self.max_length - self.template_length
+        return self._prompt(transcript, room - min(self.max_summary_tokens, room))[0]
+
+    def _prompt(self, transcript: str, budget: int) -> tuple[list[int], int]:
+        ids = self._encode(transcript)
+        n_original = len(ids)
+        if n_original > budget:
+            if budget > len(self.elision_ids):
+                keep = budget - len(self.elision_ids)
+                head = (keep + 1) // 2
+                ids = ids[:head] + self.elision_ids + ids[n_original - (keep - head) :]
+                n_kept = keep
+            else:
+                ids = ids[:budget]
+                n_kept = budget
+            return self.head_ids + ids + self.middle_ids, n_original - n_kept
+        return self.head_ids + ids + self.middle_ids, 0

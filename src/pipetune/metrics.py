@@ -1,0 +1,99 @@
+"""metrics.csv and memory figures.
+
+The first eight columns are the seed script's, so its plots keep working; the rest follow.
+`peak_vram_gb` is the true peak since the previous row (max_memory_allocated, reset after each
+row) on the rank with the highest peak; per-rank peaks follow in `peak_gb_rank<i>`. On the CPU
+the figure is the process's peak resident set size (which cannot be reset).
+"""
+
+from __future__ import annotations
+
+import csv
+import resource
+from pathlib import Path
+
+import torch
+
+SEED_COLUMNS = ["strategy", "epoch", "step", "loss", "tokens_per_sec", "step_time_sec", "peak_vram_gb", "lr"]
+EXTRA_COLUMNS = ["real_tokens_per_sec", "grad_norm", "supervised_tokens"]
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory since the last reset: device allocations on GPU, peak RSS of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+class MetricsWriter:
+    """Appends one row per log step to metrics.csv, flushing each row so a killed run keeps its log."""
+
+    def __init__(self, path: Path, n_ranks: int) -> None:
+        self.columns = SEED_COLUMNS + EXTRA_COLUMNS + [f"peak_gb_rank{i}" for i in range(n_ranks)]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "w", newline="")
+        self._writer = csv.DictWriter(self._file, fieldnames=self.columns)
+        self._writer.writeheader()
+        self._file.flush()
+
+    def write(self, row: dict) -> None:
+        self._writer.writerow({key: _format(value) for key, value in row.items()})
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _format(value: object) -> object:
+    if isinstance(value, float):
+        return f"{value:.8g}"
+    return value
+
+
+class ProgressReporter:
+    """A rich progress bar (step/total, loss, tokens/s, ETA) on a terminal; one plain line per row otherwise."""
+
+    def __init__(self, total: int, enabled: bool, description: str = "train") -> None:
+        self.enabled = enabled
+        self._bar = None
+        if not enabled:
+            return
+        from rich.console import Console
+
+        console = Console()
+        if console.is_terminal:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._bar = Progress(
+                TextColumn(f"[bold]{description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("loss {task.fields[loss]}  {task.fields[speed]} tok/s"),
+                TimeRemainingColumn(),
+                console=console,
+            )
+            self._task = self._bar.add_task(description, total=total, loss="-", speed="-")
+            self._bar.start()
+        self.total = total
+
+    def update(self, step: int, row: dict) -> None:
+        if not self.enabled:
+            return
+        loss, speed = f"{row['loss']:.4f}", f"{row['tokens_per_sec']:,.0f}"
+        if self._bar is not None:
+            self._bar.update(self._task, completed=step, loss=loss, speed=speed)
+        else:
+            print(
+                f"step {step}/{self.total} | loss {loss} | {speed} tok/s | {row['step_time_sec']:.2f} s/step | "
+                f"peak {row['peak_vram_gb']:.2f} GB | lr {row['lr']:.2e}",
+                flush=True,
+            )
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()

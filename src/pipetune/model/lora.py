@@ -1,0 +1,65 @@
+"""LoRA through PEFT: apply with a layout-independent initialisation, gather and save one PEFT adapter."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from pathlib import Path
+
+import peft
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from pipetune.config import LoraConfig
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def peft_config(lora: LoraConfig, base_name: str) -> peft.LoraConfig:
+    return peft.LoraConfig(
+        task_type=peft.TaskType.CAUSAL_LM,
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        base_model_name_or_path=base_name,
+    )
+
+
+def apply_lora(model: nn.Module, lora: LoraConfig, base_name: str, seed: int) -> peft.PeftModel:
+    """Wrap the (possibly pruned) model with LoRA adapters whose initial values depend only on `seed`.
+
+    PEFT draws lora_A from the global RNG in module order, so a stage holding layers 18-35 would
+    get different values than a full model; re-draw each lora_A from a generator seeded by its
+    full-model name instead (same distribution: kaiming-uniform with a = sqrt(5)). lora_B starts at 0.
+    """
+    model.name_or_path = base_name  # PEFT records it as base_model_name_or_path
+    peft_model = peft.get_peft_model(model, peft_config(lora, base_name))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if ".lora_A." in name:
+                generator = torch.Generator(device=param.device).manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+                bound = 1.0 / math.sqrt(param.shape[1])
+                values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+                values.uniform_(-bound, bound, generator=generator)
+                param.copy_(values)
+            elif ".lora_B." in name:
+                param.zero_()
+    return peft_model
+
+
+def adapter_state(peft_model: peft.PeftModel) -> dict[str, torch.Tensor]:
+    """This model's adapter tensors under PEFT's saved names (full-model module names), on the CPU."""
+    state = peft.get_peft_model_state_dict(peft_model)
+    return {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in state.items()}
+
+
+def save_adapter(state: dict[str, torch.Tensor], lora: LoraConfig, base_name: str, out_dir: str | Path) -> Path:
+    """Write a PEFT adapter directory (adapter_config.json + adapter_model.safetensors)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    peft_config(lora, base_name).save_pretrained(str(out_dir))
+    save_file(dict(sorted(state.items())), str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    return out_dir

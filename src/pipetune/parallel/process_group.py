@@ -1,0 +1,60 @@
+"""Process-group setup: one process per stage, NCCL when every local rank has a GPU, else gloo."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def under_launcher() -> bool:
+    """True inside torchrun / the elastic launcher (it sets WORLD_SIZE and RANK)."""
+    return "WORLD_SIZE" in os.environ and "RANK" in os.environ
+
+
+def init_distributed(timeout_s: float = 600.0) -> DistEnv:
+    """Join the process group set up by the launcher (or run alone without one)."""
+    if not under_launcher() or int(os.environ["WORLD_SIZE"]) == 1:
+        device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return DistEnv(0, 1, 0, device)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    use_gpu = torch.cuda.is_available() and torch.cuda.device_count() >= local_world
+    if use_gpu:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(
+        backend="nccl" if use_gpu else "gloo",
+        timeout=timedelta(seconds=timeout_s),
+        device_id=device if use_gpu else None,
+    )
+    return DistEnv(rank, world, local_rank, device)
+
+
+def close_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,80 @@
+"""Everything checked before a process group exists: config values, the model, its tokenizer, the prompt budget.
+
+The launcher runs this once before starting workers, so a bad value costs seconds and prints
+one message; every worker runs it again to get the same resolved model and tokenizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+from pipetune.config import Config, ConfigError, validate, validate_against_model
+from pipetune.data.prompt import PromptBuilder
+from pipetune.model.shapes import ResolvedModel, resolve_model
+
+
+@dataclass
+class Prepared:
+    model: ResolvedModel
+    tokenizer: PreTrainedTokenizerBase
+    prompts: PromptBuilder
+
+    @property
+    def n_layers(self) -> int:
+        return self.model.config.num_hidden_layers
+
+    @property
+    def pad_id(self) -> int:
+        tok = self.tokenizer
+        return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+
+
+def preflight(config: Config, world_size: int) -> Prepared:
+    """All checks for a training run of world_size processes, then the resolved model and tokenizer."""
+    validate(config, world_size)
+    return prepare(config)
+
+
+def prepare(config: Config) -> Prepared:
+    """Resolve the model, load its tokenizer and build the prompt builder (also used for inference)."""
+    resolved = resolve_model(config.model)
+    validate_against_model(config, resolved.config.num_hidden_layers, linear_layer_names(resolved))
+    tokenizer = load_tokenizer(config, resolved)
+    if len(tokenizer) > resolved.config.vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {len(tokenizer)} tokens but {config.model.name!r} embeds only "
+            f"{resolved.config.vocab_size}; set model.tokenizer to the model's own tokenizer"
+        )
+    prompts = PromptBuilder(tokenizer, config.data.max_length, config.data.max_summary_tokens)
+    prompts.check_budget()
+    return Prepared(resolved, tokenizer, prompts)
+
+
+def load_tokenizer(config: Config, resolved: ResolvedModel) -> PreTrainedTokenizerBase:
+    """model.tokenizer if set; else the checkpoint's own; the built-in demo tokenizer for built-in shapes."""
+    name = config.model.tokenizer
+    if not name and resolved.is_builtin:
+        from pipetune.data.tokenizer import demo_tokenizer
+
+        return demo_tokenizer()
+    source = name or str(resolved.weights_dir)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=config.model.trust_remote_code)
+    except Exception as e:  # missing files, offline hub
+        raise ConfigError(f"tokenizer {source!r} could not be loaded ({type(e).__name__}: {e})") from None
+    if tokenizer.chat_template is None:
+        raise ConfigError(f"tokenizer {source!r} has no chat template; use an instruct/chat model's tokenizer")
+    return tokenizer
+
+
+def linear_layer_names(resolved: ResolvedModel) -> set[str]:
+    """Short names of the model's linear layers (q_proj, ...), read off a meta-device instance of one layer."""
+    config = resolved.config.__class__.from_dict(resolved.config.to_dict())
+    config.num_hidden_layers = 1
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name.rsplit(".", 1)[-1] for name, m in model.model.layers.named_modules() if isinstance(m, nn.Linear)}

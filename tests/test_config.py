@@ -1,0 +1,100 @@
+"""Config: TOML round trip, --set overrides, and every validation error named with its fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pipetune.cli import demo_config
+from pipetune.config import Config, ConfigError, apply_override, load_config, save_config, validate
+from pipetune.preflight import preflight
+from tests.conftest import REPO, run_cli, tiny_config, write_config
+
+
+def test_toml_round_trip_keeps_every_value(tmp_path: Path) -> None:
+    config = tiny_config(tmp_path / "run", "parallel.layers_per_stage=[3, 1]", 'lora.target_modules=["q_proj"]')
+    save_config(config, tmp_path / "c.toml")
+    assert load_config(tmp_path / "c.toml") == config
+
+
+def test_set_overrides_parse_toml_values() -> None:
+    config = Config()
+    apply_override(config, "train.lr=1e-3")
+    apply_override(config, "model.name=Qwen/Qwen3-8B")  # bare strings need no quotes
+    apply_override(config, 'lora.target_modules=["q_proj","v_proj"]')
+    assert config.train.lr == 1e-3 and isinstance(config.train.lr, float)
+    assert config.model.name == "Qwen/Qwen3-8B"
+    assert config.lora.target_modules == ["q_proj", "v_proj"]
+
+
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        ("train.nonsense=1", "unknown key train.nonsense"),
+        ("nosection.key=1", "unknown section"),
+        ("train.batch_size=two", "expected int"),
+        ("train.lr", "section.key=value"),
+    ],
+)
+def test_bad_overrides_name_the_problem(item: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        apply_override(Config(), item)
+
+
+def test_demo_config_file_is_the_embedded_default() -> None:
+    assert load_config(REPO / "configs" / "demo.toml") == demo_config()
+
+
+def test_seed_job_config_matches_the_seed_script() -> None:
+    c = load_config(REPO / "configs" / "qwen3-4b-ami.toml")
+    assert (c.model.name, c.data.source, c.data.max_length) == ("Qwen/Qwen3-4B", "knkarthick/AMI", 512)
+    assert (c.train.batch_size, c.parallel.n_microbatches, c.train.grad_accum, c.train.epochs) == (8, 8, 2, 3)
+    assert (c.train.lr, c.lora.r, c.lora.alpha, c.lora.dropout) == (2e-4, 16, 32, 0.15)
+    assert (c.parallel.schedule, c.parallel.pp) == ("1f1b", 2)
+    assert len(c.lora.target_modules) == 7
+    validate(c, world_size=2)
+
+
+@pytest.mark.parametrize(
+    "overrides, world_size, message",
+    [
+        (["parallel.pp=4", "parallel.n_microbatches=2", "train.batch_size=4"], 4, r"n_microbatches = 2 < parallel.pp = 4"),
+        (["train.batch_size=6", "parallel.n_microbatches=4"], 2, r"batch_size = 6 is not divisible by parallel.n_microbatches = 4"),
+        (["parallel.pp=2"], 3, r"world size 3 does not match parallel.pp x parallel.dp = 2 x 1"),
+        (['parallel.schedule="pipedream"'], 2, r"parallel.schedule = 'pipedream' is unknown"),
+        (['model.dtype="int4"'], 2, r"model.dtype = 'int4' is unknown"),
+        (["parallel.layers_per_stage=[4]"], 2, r"has 1 entries for parallel.pp = 2"),
+        (["train.grad_accum=0"], 2, r"train.grad_accum = 0 must be at least 1"),
+    ],
+)
+def test_validation_errors_name_value_and_fix(
+    tmp_path: Path, overrides: list[str], world_size: int, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate(tiny_config(tmp_path, *overrides), world_size)
+
+
+@pytest.mark.parametrize(
+    "overrides, world_size, message",
+    [
+        (["parallel.pp=8", "parallel.n_microbatches=8", "train.batch_size=8"], 8, r"parallel.pp = 8 > 4 decoder layers"),
+        (['lora.target_modules=["q_proj","qkv"]'], 2, r"lora.target_modules \['qkv'\] match no linear layer"),
+        (['model.name="not-a-model-anywhere"'], 2, r"could not be fetched from the Hugging Face hub"),
+        (['model.name="./no/such/dir"'], 2, r"is not a directory with a config.json"),
+        (["parallel.layers_per_stage=[1, 2]"], 2, r"sums to 3, but 'tiny-qwen3' has 4 decoder layers"),
+        (["data.max_length=8"], 2, r"data.max_length = 8 cannot hold the chat template .* set data.max_length >= \d+"),
+    ],
+)
+def test_model_dependent_errors(tmp_path: Path, overrides: list[str], world_size: int, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        preflight(tiny_config(tmp_path, *overrides), world_size)
+
+
+def test_cli_fails_before_starting_workers(tmp_path: Path) -> None:
+    config = tiny_config(tmp_path / "run", "parallel.pp=4", "parallel.n_microbatches=2", "train.batch_size=4")
+    result = run_cli("train", "--config", str(write_config(config, tmp_path / "c.toml")), check=False)
+    assert result.returncode == 2
+    assert "n_microbatches = 2 < parallel.pp = 4" in result.stderr
+    assert "raise n_microbatches" in result.stderr
+    assert not (tmp_path / "run").exists()  # nothing was launched, no run directory
