@@ -135,6 +135,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False) -> RunResult:
                 if out is not None:
                     step_loss += out
             grad_norm = clip_global_grad_norm(params, t.max_grad_norm, device)
+            lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
@@ -144,7 +145,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False) -> RunResult:
 
             if step % t.log_every == 0 or step == total_steps:
                 row = window.flush(env, runner.is_last)
-                row.update(strategy=p.strategy, epoch=epoch, step=step, lr=scheduler.get_last_lr()[0])
+                row.update(strategy=p.strategy, epoch=epoch, step=step, lr=lr)
                 if writer is not None:
                     writer.write(row)
                     losses.append(row["loss"])

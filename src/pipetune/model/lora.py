@@ -52,7 +52,8 @@ def apply_lora(model: nn.Module, lora: LoraConfig, base_name: str, seed: int) ->
 
 def adapter_state(peft_model: peft.PeftModel) -> dict[str, torch.Tensor]:
     """This model's adapter tensors under PEFT's saved names (full-model module names), on the CPU."""
-    state = peft.get_peft_model_state_dict(peft_model)
+    # save_embedding_layers=False: the embeddings are frozen; True makes PEFT look the base up on the hub.
+    state = peft.get_peft_model_state_dict(peft_model, save_embedding_layers=False)
     return {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in state.items()}
 
 
