@@ -59,8 +59,16 @@ def test_seed_job_config_matches_the_seed_script() -> None:
 @pytest.mark.parametrize(
     "overrides, world_size, message",
     [
-        (["parallel.pp=4", "parallel.n_microbatches=2", "train.batch_size=4"], 4, r"n_microbatches = 2 < parallel.pp = 4"),
-        (["train.batch_size=6", "parallel.n_microbatches=4"], 2, r"batch_size = 6 is not divisible by parallel.n_microbatches = 4"),
+        (
+            ["parallel.pp=4", "parallel.n_microbatches=2", "train.batch_size=4"],
+            4,
+            r"n_microbatches = 2 < parallel.pp = 4",
+        ),
+        (
+            ["train.batch_size=6", "parallel.n_microbatches=4"],
+            2,
+            r"batch_size = 6 is not divisible by parallel.n_microbatches = 4",
+        ),
         (["parallel.pp=2"], 3, r"world size 3 does not match parallel.pp x parallel.dp = 2 x 1"),
         (['parallel.schedule="pipedream"'], 2, r"parallel.schedule = 'pipedream' is unknown"),
         (['model.dtype="int4"'], 2, r"model.dtype = 'int4' is unknown"),
@@ -78,12 +86,20 @@ def test_validation_errors_name_value_and_fix(
 @pytest.mark.parametrize(
     "overrides, world_size, message",
     [
-        (["parallel.pp=8", "parallel.n_microbatches=8", "train.batch_size=8"], 8, r"parallel.pp = 8 > 4 decoder layers"),
+        (
+            ["parallel.pp=8", "parallel.n_microbatches=8", "train.batch_size=8"],
+            8,
+            r"parallel.pp = 8 > 4 decoder layers",
+        ),
         (['lora.target_modules=["q_proj","qkv"]'], 2, r"lora.target_modules \['qkv'\] match no linear layer"),
         (['model.name="not-a-model-anywhere"'], 2, r"could not be fetched from the Hugging Face hub"),
         (['model.name="./no/such/dir"'], 2, r"is not a directory with a config.json"),
         (["parallel.layers_per_stage=[1, 2]"], 2, r"sums to 3, but 'tiny-qwen3' has 4 decoder layers"),
-        (["data.max_length=8"], 2, r"data.max_length = 8 cannot hold the chat template .* set data.max_length >= \d+"),
+        (
+            ["data.max_length=8"],
+            2,
+            r"data.max_length = 8 cannot hold the chat template .* set data.max_length >= \d+",
+        ),
     ],
 )
 def test_model_dependent_errors(tmp_path: Path, overrides: list[str], world_size: int, message: str) -> None:

@@ -90,7 +90,10 @@ def launch_local(config: Config, nproc: int, quiet: bool = False, max_restarts: 
         elastic_launch(launch, sys.executable)(*argv)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
-        print(f"pipetune: worker {rank} failed (exit code {failure.exitcode}); its output is above", file=sys.stderr)
+        print(
+            f"pipetune: worker {rank} failed (exit code {failure.exitcode}); its output is above",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

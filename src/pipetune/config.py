@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 SCHEDULES = ("gpipe", "1f1b")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -249,14 +250,16 @@ def validate(config: Config, world_size: int) -> None:
     m, t, p, d = config.model, config.train, config.parallel, config.data
     _check(m.dtype in DTYPES, f"model.dtype = {m.dtype!r} is unknown; use one of {', '.join(DTYPES)}")
     _check(
-        m.init in ("pretrained", "random"), f"model.init = {m.init!r} is unknown; use 'pretrained' or 'random'"
+        m.init in ("pretrained", "random"),
+        f"model.init = {m.init!r} is unknown; use 'pretrained' or 'random'",
     )
     _check(
         p.strategy in STRATEGIES,
         f"parallel.strategy = {p.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}",
     )
     _check(
-        p.schedule in SCHEDULES, f"parallel.schedule = {p.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}"
+        p.schedule in SCHEDULES,
+        f"parallel.schedule = {p.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}",
     )
     for name, value in [
         ("parallel.pp", p.pp),
@@ -279,7 +282,8 @@ def validate(config: Config, world_size: int) -> None:
         "set parallel.stages_per_rank = 1",
     )
     _check(
-        t.max_steps == -1 or t.max_steps >= 1, f"train.max_steps = {t.max_steps} must be -1 (no cap) or at least 1"
+        t.max_steps == -1 or t.max_steps >= 1,
+        f"train.max_steps = {t.max_steps} must be -1 (no cap) or at least 1",
     )
     _check(t.lr > 0, f"train.lr = {t.lr} must be positive")
     _check(t.max_grad_norm >= 0, f"train.max_grad_norm = {t.max_grad_norm} must be >= 0 (0 disables clipping)")
@@ -289,7 +293,7 @@ def validate(config: Config, world_size: int) -> None:
     _check(
         t.batch_size % p.n_microbatches == 0,
         f"train.batch_size = {t.batch_size} is not divisible by parallel.n_microbatches = {p.n_microbatches}; "
-        f"use a batch_size that is a multiple of {p.n_microbatches} (e.g. {p.n_microbatches * max(1, t.batch_size // p.n_microbatches)})",
+        f"use a batch_size that is a multiple of {p.n_microbatches}",
     )
     _check(
         world_size == p.pp * p.dp,
@@ -319,8 +323,7 @@ def validate_against_model(config: Config, n_layers: int, module_names: set[str]
     p = config.parallel
     _check(
         p.pp <= n_layers,
-        f"parallel.pp = {p.pp} > {n_layers} decoder layers of {config.model.name!r}; "
-        f"use at most {n_layers} stages",
+        f"parallel.pp = {p.pp} > {n_layers} decoder layers of {config.model.name!r}; use at most {n_layers} stages",
     )
     if p.layers_per_stage:
         _check(

@@ -35,14 +35,20 @@ def mean_token_loss(model: nn.Module, split: TokenizedSplit, batch_size: int = 8
         ids = split.input_ids[start : start + batch_size].to(device)
         labels = split.labels[start : start + batch_size].to(device)
         logits = model(input_ids=ids, use_cache=False).logits
-        total += float(F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum"))
+        total += float(
+            F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+        )
         count += int((labels != IGNORE).sum())
     return total / max(count, 1)
 
 
 @torch.no_grad()
 def summarize(
-    model: nn.Module, prepared: Prepared, transcripts: list[str], max_new_tokens: int = 128, batch_size: int = 8
+    model: nn.Module,
+    prepared: Prepared,
+    transcripts: list[str],
+    max_new_tokens: int = 128,
+    batch_size: int = 8,
 ) -> list[str]:
     """Greedy summaries, left-padded batches; generation stops at the token that closes the assistant turn."""
     tokenizer, prompts = prepared.tokenizer, prepared.prompts

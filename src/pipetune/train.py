@@ -109,7 +109,9 @@ def train(config: Config, env: DistEnv, quiet: bool = False) -> RunResult:
     else:
         runner = PipelineRunner(module, stage_index, n_stages, device, None, p.schedule, p.n_microbatches, loss_fn)
     optimizer = torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.999), weight_decay=t.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, t.warmup_steps, total_steps, t.min_lr_ratio))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, t.warmup_steps, total_steps, t.min_lr_ratio)
+    )
 
     # ------------------------------------------------------------------ loop
     writer = MetricsWriter(run_dir / "metrics.csv", env.world_size) if env.is_main else None
@@ -140,8 +142,13 @@ def train(config: Config, env: DistEnv, quiet: bool = False) -> RunResult:
             scheduler.step()
             optimizer.zero_grad(set_to_none=True)
             step += 1
-            window.add(step_loss, grad_norm, t.batch_size * t.grad_accum * input_ids.shape[1],
-                       int(train_split.real_tokens[batches[group].flatten()].sum()), n_supervised)
+            window.add(
+                step_loss,
+                grad_norm,
+                t.batch_size * t.grad_accum * input_ids.shape[1],
+                int(train_split.real_tokens[batches[group].flatten()].sum()),
+                n_supervised,
+            )
 
             if step % t.log_every == 0 or step == total_steps:
                 row = window.flush(env, runner.is_last)
@@ -214,11 +221,13 @@ class _Window:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         elapsed = time.perf_counter() - self.start
-        local = torch.stack([
-            self.loss / self.steps if holds_loss else torch.zeros((), device=self.device),
-            self.grad_norm.float(),
-            torch.tensor(peak_memory_gb(self.device), device=self.device),
-        ]).float()
+        local = torch.stack(
+            [
+                self.loss / self.steps if holds_loss else torch.zeros((), device=self.device),
+                self.grad_norm.float(),
+                torch.tensor(peak_memory_gb(self.device), device=self.device),
+            ]
+        ).float()
         rows = [local]
         if env.distributed:
             rows = [torch.empty_like(local) for _ in range(env.world_size)]

@@ -86,9 +86,7 @@ def test_action_items_with_owner_and_deadline_are_in_summary_and_transcript(plan
             # The task is said by its owner, or said to the owner by name, together with the deadline.
             owner_tag = f"{item.role} ({item.name}):"
             said = [line for line in meeting.transcript.split("\n") if item.task in line]
-            assert any(line.startswith(owner_tag) or item.name in line.split(":", 1)[1] for line in said), (
-                said
-            )
+            assert any(line.startswith(owner_tag) or item.name in line.split(":", 1)[1] for line in said), said
             assert any(item.deadline in line for line in said), said
 
 
@@ -98,10 +96,7 @@ def test_rejected_alternatives_reach_the_summary_only_when_discussed(planned):
         for option in plan.rejected:
             assert option.phrase not in meeting.summary
             if option.thing in meeting.summary:
-                assert (
-                    f"{option.thing} would" in meeting.transcript
-                    or f"{option.thing} might" in meeting.transcript
-                )
+                assert f"{option.thing} would" in meeting.transcript or f"{option.thing} might" in meeting.transcript
                 mentioned += 1
     assert mentioned > 0
 

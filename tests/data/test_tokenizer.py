@@ -150,8 +150,7 @@ def test_concurrent_builds_into_one_empty_cache(tmp_path):
     barrier = context.Barrier(2)
     outputs = [tmp_path / f"vocab{i}.json" for i in range(2)]
     processes = [
-        context.Process(target=_build_and_dump, args=(str(tmp_path / "cache"), str(out), barrier))
-        for out in outputs
+        context.Process(target=_build_and_dump, args=(str(tmp_path / "cache"), str(out), barrier)) for out in outputs
     ]
     for process in processes:
         process.start()

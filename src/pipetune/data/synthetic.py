@@ -140,9 +140,7 @@ def _rows_by_first_cell(table: str) -> dict[str, list[list[str]]]:
     return rows
 
 
-OPTIONS = {
-    subject: [Option(*row) for row in rows] for subject, rows in _rows_by_first_cell(_OPTION_TABLE).items()
-}
+OPTIONS = {subject: [Option(*row) for row in rows] for subject, rows in _rows_by_first_cell(_OPTION_TABLE).items()}
 """Design choices by subject."""
 TASKS = {role: [task for _, task in rows] for role, rows in _rows_by_first_cell(_TASK_TABLE).items()}
 """Tasks by role; "{thing}" stands for one of the meeting's decided things."""
@@ -411,9 +409,7 @@ def _assign_speakers(turns: list[_Turn], rng: random.Random) -> list[str]:
         if role in speakers:
             continue
         candidates = [
-            i
-            for i in open_turns
-            if speakers.count(speakers[i]) > 1 and role not in speakers[max(i - 1, 0) : i + 2]
+            i for i in open_turns if speakers.count(speakers[i]) > 1 and role not in speakers[max(i - 1, 0) : i + 2]
         ]
         if candidates:
             speakers[rng.choice(candidates)] = role
@@ -446,9 +442,7 @@ def _render_transcript(plan: MeetingPlan, rng: random.Random) -> tuple[str, list
         block, option = decision_blocks[index], plan.decisions[index]
         if kind == "comment" and unused("comment"):
             used.add(template := rng.choice(unused("comment")))
-            block.insert(
-                rng.randint(1, len(block) - 1), [(None, _fill(rng, template, subject=option.subject))]
-            )
+            block.insert(rng.randint(1, len(block) - 1), [(None, _fill(rng, template, subject=option.subject))])
         elif kind == "alternative" and n_left >= 2 and index not in raised:
             raised.add(index)
             facts = {"thing": plan.rejected[index].thing, "con": rng.choice(_SAY["con"])}
@@ -498,9 +492,7 @@ def _render_summary(plan: MeetingPlan, raised: list[Option], rng: random.Random)
     ]
     if raised and n_facts <= 3:  # only where it keeps the summary short
         rejected = "that idea was" if len(raised) == 1 else "those ideas were"
-        sentences.append(
-            f"They also discussed {_join([o.thing for o in raised])}, but {rejected} turned down."
-        )
+        sentences.append(f"They also discussed {_join([o.thing for o in raised])}, but {rejected} turned down.")
     opening, item, separator = rng.choice(_ACTION_STYLES)
     sentences.append(opening + separator.join(item.format(**vars(i)) for i in plan.action_items) + ".")
     return " ".join(sentences)

@@ -42,6 +42,9 @@ BUILTIN_SHAPES: dict[str, dict] = {
         rope_theta=10_000.0,
         rms_norm_eps=1e-6,
         tie_word_embeddings=True,
+        # Wider than HF's 0.02: behind the frozen final RMSNorm, 0.02 caps the logits near +-5, too flat
+        # for a random base to express a learned distribution through its adapters alone.
+        initializer_range=0.1,
         bos_token_id=None,
         eos_token_id=2,
         pad_token_id=0,

@@ -32,9 +32,7 @@ class TokenLoss:
         self.normalizer = 1.0
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        total = F.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum"
-        )
+        total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
         return total / self.normalizer
 
 
@@ -84,7 +82,7 @@ class SingleRunner:
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         total = torch.zeros((), device=input_ids.device)
-        for ids, target in zip(input_ids.chunk(self.n_microbatches), labels.chunk(self.n_microbatches)):
+        for ids, target in zip(input_ids.chunk(self.n_microbatches), labels.chunk(self.n_microbatches), strict=True):
             loss = self.loss_fn(self.module(ids), target)
             loss.backward()
             total += loss.detach()

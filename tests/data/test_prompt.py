@@ -1,0 +1,115 @@
+"""Prompt building: the template survives every budget, the transcript loses its middle, loss only on the summary."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipetune.config import ConfigError
+from pipetune.data.batching import IGNORE, tokenize_split
+from pipetune.data.prompt import ELISION, PromptBuilder
+from pipetune.data.prompt_text import SYSTEM_PROMPT
+from pipetune.data.sources import Example
+from pipetune.data.tokenizer import demo_tokenizer
+
+TRANSCRIPT = " ".join(f"Project Manager (Anna): point number {i} about the remote control." for i in range(200))
+SUMMARY = (
+    "The team decided to use a rubber case. Action items: the Industrial Designer (Bert) will check costs by Friday."
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return demo_tokenizer()
+
+
+def rendered(tokenizer, transcript: str, summary: str) -> str:
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": transcript},
+        {"role": "assistant", "content": summary},
+    ]
+    return tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def test_short_sample_is_exactly_the_chat_template(tokenizer) -> None:
+    builder = PromptBuilder(tokenizer, max_length=4096, max_summary_tokens=256)
+    sample = builder.build("Marketing Expert (Cleo): yeah, um, fine.", SUMMARY)
+    assert tokenizer.decode(sample.input_ids) == rendered(
+        tokenizer, "Marketing Expert (Cleo): yeah, um, fine.", SUMMARY
+    ).rstrip("\n")
+    assert sample.transcript_tokens_cut == sample.summary_tokens_cut == 0
+    supervised = tokenizer.decode(sample.input_ids[sample.n_prompt :])
+    assert supervised == SUMMARY + "<|im_end|>"
+
+
+def test_empty_transcript_keeps_the_template(tokenizer) -> None:
+    builder = PromptBuilder(tokenizer, max_length=512, max_summary_tokens=64)
+    sample = builder.build("", SUMMARY)
+    assert sample.input_ids[: len(builder.head_ids)] == builder.head_ids
+    assert tokenizer.decode(sample.input_ids[sample.n_prompt :]) == SUMMARY + "<|im_end|>"
+
+
+def test_huge_transcript_keeps_head_tail_and_every_template_token(tokenizer) -> None:
+    builder = PromptBuilder(tokenizer, max_length=256, max_summary_tokens=64)
+    sample = builder.build(TRANSCRIPT, SUMMARY)
+    ids = sample.input_ids
+    assert len(ids) == 256
+    assert ids[: len(builder.head_ids)] == builder.head_ids  # system prompt and user header intact
+    assert ids[sample.n_prompt - len(builder.middle_ids) : sample.n_prompt] == builder.middle_ids  # assistant header
+    assert ids[-len(builder.end_ids) :] == builder.end_ids
+    text = tokenizer.decode(ids)
+    assert SYSTEM_PROMPT in text
+    assert "point number 0 about" in text and "point number 199 about" in text  # head and tail
+    assert ELISION in text and "point number 100 about" not in text  # middle elided
+    assert sample.transcript_tokens_cut > 0 and sample.summary_tokens_cut == 0
+
+
+def test_summary_is_capped_and_still_closed(tokenizer) -> None:
+    builder = PromptBuilder(tokenizer, max_length=512, max_summary_tokens=8)
+    sample = builder.build("short meeting", SUMMARY * 5)
+    assert sample.n_supervised == 8 + len(builder.end_ids)
+    assert sample.input_ids[-len(builder.end_ids) :] == builder.end_ids
+    assert sample.summary_tokens_cut == len(tokenizer.encode(SUMMARY * 5, add_special_tokens=False)) - 8
+
+
+def test_summary_filling_the_budget_never_overflows(tokenizer) -> None:
+    # The seed's prompt_ids[-0:] kept the whole prompt when the summary filled the budget.
+    builder = PromptBuilder(tokenizer, max_length=128, max_summary_tokens=10_000)
+    sample = builder.build(TRANSCRIPT, SUMMARY * 40)
+    assert len(sample.input_ids) == 128
+    assert sample.input_ids[: len(builder.head_ids)] == builder.head_ids
+    assert sample.n_prompt == len(builder.head_ids) + len(builder.middle_ids)  # transcript fully elided
+
+
+def test_template_only_budget_holds_one_summary_token(tokenizer) -> None:
+    probe = PromptBuilder(tokenizer, max_length=4096, max_summary_tokens=8)
+    builder = PromptBuilder(tokenizer, max_length=probe.min_max_length, max_summary_tokens=8)
+    sample = builder.build(TRANSCRIPT, SUMMARY)
+    assert len(sample.input_ids) == probe.min_max_length
+    assert sample.n_supervised == 1 + len(builder.end_ids)
+    too_small = PromptBuilder(tokenizer, max_length=probe.min_max_length - 1, max_summary_tokens=8)
+    with pytest.raises(ConfigError, match=f"data.max_length >= {probe.min_max_length}"):
+        too_small.build(TRANSCRIPT, SUMMARY)
+
+
+def test_generation_prompt_matches_training_prompt(tokenizer) -> None:
+    builder = PromptBuilder(tokenizer, max_length=256, max_summary_tokens=64)
+    prompt = builder.prompt_ids(TRANSCRIPT)
+    assert prompt[-len(builder.middle_ids) :] == builder.middle_ids
+    assert len(prompt) + 64 + len(builder.end_ids) == 256  # room kept for a full-length summary
+
+
+def test_batches_are_static_and_labels_only_on_the_summary(tokenizer) -> None:
+    builder = PromptBuilder(tokenizer, max_length=200, max_summary_tokens=32)
+    examples = [Example("", SUMMARY), Example("a b c", "ok"), Example(TRANSCRIPT, SUMMARY)]
+    split = tokenize_split(examples, builder, pad_id=tokenizer.pad_token_id)
+    assert split.input_ids.shape == split.labels.shape == (3, 200)
+    for row, example in enumerate(examples):
+        sample = builder.build(example.transcript, example.summary)
+        n = len(sample.input_ids)
+        positions = (split.labels[row] != IGNORE).nonzero().flatten().tolist()
+        assert positions == list(range(sample.n_prompt - 1, n - 1))  # position t predicts token t+1
+        assert split.labels[row, positions].tolist() == sample.input_ids[sample.n_prompt :]
+        assert (split.input_ids[row, n:] == tokenizer.pad_token_id).all()
+        assert int(split.real_tokens[row]) == n
+    assert split.truncated == 1

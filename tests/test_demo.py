@@ -1,0 +1,37 @@
+"""`pipetune demo` end to end in a subprocess: loss falls, every output exists and parses."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from pipetune.config import load_config
+from pipetune.metrics import SEED_COLUMNS
+from tests.conftest import run_cli
+
+
+def test_demo_runs_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    result = run_cli("demo", "--out", str(out), "--steps", "10", timeout=300)
+
+    config = load_config(out / "config.toml")
+    assert config.model.name == "tiny-qwen3" and config.parallel.pp == 2 and config.train.max_steps == 10
+
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0])[: len(SEED_COLUMNS)] == SEED_COLUMNS
+    assert [int(r["step"]) for r in rows] == [5, 10]
+    losses = [float(r["loss"]) for r in rows]
+    assert losses[-1] < losses[0]
+    assert all(float(r["tokens_per_sec"]) > 0 and float(r["peak_vram_gb"]) > 0 for r in rows)
+
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["peft_type"] == "LORA"
+    assert len(load_file(out / "adapter" / "adapter_model.safetensors")) == 4 * 7 * 2
+
+    before, after = map(float, re.search(r"([\d.]+) before, ([\d.]+) after", result.stdout).groups())
+    assert after < before
+    assert "reference summary:" in result.stdout and "fine-tuned model's summary (greedy):" in result.stdout
