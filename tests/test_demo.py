@@ -16,15 +16,15 @@ from tests.conftest import run_cli
 
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    result = run_cli("demo", "--out", str(out), "--steps", "10", timeout=300)
+    result = run_cli("demo", "--out", str(out), "--steps", "20", timeout=300)
 
     config = load_config(out / "config.toml")
-    assert config.model.name == "tiny-qwen3" and config.parallel.pp == 2 and config.train.max_steps == 10
+    assert config.model.name == "tiny-qwen3" and config.parallel.pp == 2 and config.train.max_steps == 20
 
     with open(out / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0])[: len(SEED_COLUMNS)] == SEED_COLUMNS
-    assert [int(r["step"]) for r in rows] == [5, 10]
+    assert [int(r["step"]) for r in rows] == [10, 20]
     losses = [float(r["loss"]) for r in rows]
     assert losses[-1] < losses[0]
     assert all(float(r["tokens_per_sec"]) > 0 and float(r["peak_vram_gb"]) > 0 for r in rows)

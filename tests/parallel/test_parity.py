@@ -45,6 +45,9 @@ def test_pipeline_matches_single_process(reference: Path, tmp_path: Path, pp: in
     ref_adapter, adapter = _adapter(reference), _adapter(run_dir)
     assert sorted(adapter) == sorted(ref_adapter)
     for name, tensor in ref_adapter.items():
-        torch.testing.assert_close(adapter[name], tensor, rtol=1e-5, atol=1e-7, msg=name)
+        # Relative error of each tensor as a whole: Adam turns near-zero gradient noise into
+        # element-wise differences of ~1e-6 absolute, far below the tensor's norm.
+        relative = float((adapter[name] - tensor).norm() / tensor.norm())
+        assert relative < 1e-5, f"{name}: relative difference {relative:.2e}"
     # The adapters really trained: lora_B started at zero.
     assert any(t.abs().max() > 0 for name, t in adapter.items() if "lora_B" in name)
