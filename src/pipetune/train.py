@@ -24,7 +24,7 @@ from pipetune.data.sources import load_dataset
 from pipetune.metrics import MetricsWriter, ProgressReporter, peak_memory_gb, reset_peak_memory
 from pipetune.model.load import DTYPES, build_model
 from pipetune.model.lora import adapter_state, apply_lora, save_adapter
-from pipetune.model.split import split_layers
+from pipetune.model.split import estimate_costs, split_layers, stage_costs
 from pipetune.model.stage import StageModule
 from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss
 from pipetune.parallel.process_group import DistEnv, close_distributed, init_distributed
@@ -81,7 +81,8 @@ def train(config: Config, env: DistEnv, quiet: bool = False) -> RunResult:
 
     # ------------------------------------------------------------------ model: this rank's stage
     stage_index, n_stages = env.rank, p.pp
-    ranges = split_layers(prepared.n_layers, n_stages, p.layers_per_stage)
+    costs = estimate_costs(prepared.model.config, config.data.max_length)
+    ranges = split_layers(prepared.n_layers, n_stages, p.layers_per_stage, costs)
     layers = ranges[stage_index]
     model, load_stats = build_model(
         prepared.model,
@@ -95,7 +96,14 @@ def train(config: Config, env: DistEnv, quiet: bool = False) -> RunResult:
     peft_model = apply_lora(model, config.lora, config.model.name, t.seed)
     module = StageModule(peft_model).train()
     params = [param for param in module.parameters() if param.requires_grad]
-    print0(f"stages: {', '.join(f'{i}: layers {r.start}-{r.stop - 1}' for i, r in enumerate(ranges))}")
+    estimated = stage_costs(ranges, costs)
+    print0(
+        "stages: "
+        + ", ".join(
+            f"{i}: layers {r.start}-{r.stop - 1} (~{cost / 1e9:.2f} GFLOP/token)"
+            for i, (r, cost) in enumerate(zip(ranges, estimated, strict=True))
+        )
+    )
     if not quiet:
         print(
             f"rank {env.rank}: stage {stage_index} read {load_stats.tensors} tensors, {load_stats.bytes / 1e9:.2f} GB; "
