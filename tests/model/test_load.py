@@ -1,0 +1,142 @@
+"""Per-stage loading reads exactly the stage's tensors from (sharded) safetensors and equals a full load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+import pipetune.model.load as load_module
+from pipetune.config import ConfigError, ModelConfig
+from pipetune.model.load import build_model
+from pipetune.model.shapes import BUILTIN_SHAPES, ResolvedModel, resolve_model
+from pipetune.model.split import estimate_costs, split_layers, stage_costs
+from pipetune.model.stage import StageModule
+
+CPU = torch.device("cpu")
+TINY = dict(BUILTIN_SHAPES["tiny-qwen3"])
+
+
+def write_checkpoint(path: Path, config, shard: str | None = "300KB") -> Path:
+    model, _ = build_model(ResolvedModel("tiny", config, None), torch.float32, CPU, seed=3)
+    model.save_pretrained(path, max_shard_size=shard) if shard else model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_stages_hold_exactly_the_weights_of_a_full_load(tmp_path: Path, tied: bool) -> None:
+    checkpoint = write_checkpoint(tmp_path / "ckpt", Qwen3Config(**{**TINY, "tie_word_embeddings": tied}))
+    assert (checkpoint / "model.safetensors.index.json").is_file()  # really sharded
+    full = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
+    if tied:
+        assert "lm_head.weight" not in load_module.checkpoint_index(checkpoint)
+
+    resolved = resolve_model(ModelConfig(name=str(checkpoint)))
+    seen = set()
+    for index, layers in enumerate(split_layers(4, 2)):
+        stage, stats = build_model(resolved, torch.float32, CPU, layers=layers, first=index == 0, last=index == 1)
+        for name, tensor in stage.state_dict().items():
+            torch.testing.assert_close(tensor, full[name], rtol=0, atol=0, msg=name)
+            seen.add(name)
+        assert stats.tensors > 0 and stats.bytes > 0
+    assert seen == set(full)  # together the stages hold the whole model, lm_head included
+
+
+def test_a_stage_reads_no_tensor_of_another_stage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    checkpoint = write_checkpoint(tmp_path / "ckpt", Qwen3Config(**TINY))
+    read: list[str] = []
+    real_open = load_module.safe_open
+
+    class Recording:
+        def __init__(self, *args, **kwargs):
+            self._inner = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self._file = self._inner.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._inner.__exit__(*exc)
+
+        def get_tensor(self, name):
+            read.append(name)
+            return self._file.get_tensor(name)
+
+        def keys(self):
+            return self._file.keys()
+
+    monkeypatch.setattr(load_module, "safe_open", Recording)
+    resolved = resolve_model(ModelConfig(name=str(checkpoint)))
+    build_model(resolved, torch.float32, CPU, layers=range(2, 4), first=False, last=True)
+    layers = {int(n.split(".")[2]) for n in read if n.startswith("model.layers.")}
+    assert layers == {2, 3}
+    assert "model.embed_tokens.weight" in read  # tied: the last stage's lm_head comes from the embedding
+    assert len(read) == len(set(read)) == 2 * 11 + 2  # 11 tensors a layer, norm, embedding (as lm_head)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        Qwen2Config(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+        ),
+        LlamaConfig(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        MistralConfig(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=None,
+        ),
+    ],
+    ids=["qwen2", "llama", "mistral"],
+)
+def test_other_families_split_into_stages_that_match_the_full_model(config) -> None:
+    resolved = ResolvedModel(config.model_type, config, None)
+    full, _ = build_model(resolved, torch.float32, CPU, seed=5)
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = full(input_ids=ids).logits
+        hidden = ids
+        for index, layers in enumerate(split_layers(4, 2)):
+            stage, _ = build_model(
+                resolved, torch.float32, CPU, layers=layers, first=index == 0, last=index == 1, seed=5
+            )
+            hidden = StageModule(stage)(hidden)
+    torch.testing.assert_close(hidden, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_family_is_refused_by_name(tmp_path: Path) -> None:
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=2, n_embd=32, n_head=2).save_pretrained(tmp_path / "gpt2")
+    with pytest.raises(ConfigError, match="model_type 'gpt2'"):
+        resolve_model(ModelConfig(name=str(tmp_path / "gpt2")))
+
+
+def test_balanced_split_gives_the_last_stage_of_qwen3_4b_fewer_layers() -> None:
+    config = Qwen3Config(**BUILTIN_SHAPES["qwen3-4b"])
+    costs = estimate_costs(config, seq_len=512)
+    assert 3 < costs.head / costs.layer < 4.5  # lm_head of 151,936 x 2,560 ~ 3-4 decoder layers
+    ranges = split_layers(36, 2, costs=costs)
+    assert [len(r) for r in ranges] == [20, 16]
+    balanced, even = stage_costs(ranges, costs), stage_costs(split_layers(36, 2), costs)
+    assert max(balanced) < max(even)
+    assert [len(r) for r in split_layers(36, 2, [10, 26], costs)] == [10, 26]  # explicit counts win
