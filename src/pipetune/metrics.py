@@ -18,11 +18,16 @@ SEED_COLUMNS = ["strategy", "epoch", "step", "loss", "tokens_per_sec", "step_tim
 EXTRA_COLUMNS = ["real_tokens_per_sec", "grad_norm", "supervised_tokens"]
 
 
+def host_peak_gb() -> float:
+    """Peak resident set size of this process (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+
+
 def peak_memory_gb(device: torch.device) -> float:
     """Peak memory since the last reset: device allocations on GPU, peak RSS of the process on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
+    return host_peak_gb()
 
 
 def reset_peak_memory(device: torch.device) -> None:

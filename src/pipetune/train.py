@@ -21,7 +21,7 @@ import torch.distributed as dist
 from pipetune.config import Config, save_config
 from pipetune.data.batching import IGNORE, epoch_batches, tokenize_split
 from pipetune.data.sources import load_dataset
-from pipetune.metrics import MetricsWriter, ProgressReporter, peak_memory_gb, reset_peak_memory
+from pipetune.metrics import MetricsWriter, ProgressReporter, host_peak_gb, peak_memory_gb, reset_peak_memory
 from pipetune.model.load import DTYPES, build_model
 from pipetune.model.lora import adapter_state, apply_lora, save_adapter
 from pipetune.model.split import estimate_costs, split_layers, stage_costs
@@ -107,7 +107,8 @@ def train(config: Config, env: DistEnv, quiet: bool = False) -> RunResult:
     if not quiet:
         print(
             f"rank {env.rank}: stage {stage_index} read {load_stats.tensors} tensors, {load_stats.bytes / 1e9:.2f} GB; "
-            f"peak memory after load {peak_memory_gb(device):.2f} GB ({device.type})",
+            f"after load: peak host RSS {host_peak_gb():.2f} GB"
+            + (f", peak GPU {peak_memory_gb(device):.2f} GB" if device.type == "cuda" else ""),
             flush=True,
         )
 
