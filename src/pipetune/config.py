@@ -17,6 +17,7 @@ import tomllib
 SCHEDULES = ("gpipe", "1f1b")
 DTYPES = ("float32", "bfloat16", "float16")
 STRATEGIES = ("pp",)
+RESUME_MODES = ("never", "auto")
 
 
 class ConfigError(ValueError):
@@ -53,6 +54,8 @@ class DataConfig:
     """Number of synthetic training meetings (source = "synthetic")."""
     synthetic_validation: int = 32
     """Number of synthetic validation meetings (source = "synthetic")."""
+    validation_fraction: float = 0.0
+    """Share of train held out as validation when the source has none (chosen by train.seed); 0 = none."""
 
 
 @dataclass
@@ -67,6 +70,9 @@ class LoraConfig:
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
     """Names of the linear layers that get adapters."""
+    fast_path: bool = False
+    """Run adapters in the base dtype with the scaling folded into B (fewer, cheaper kernels than PEFT's
+    float32 path; same math). The adapters' master weights and optimizer state stay float32."""
 
 
 @dataclass
@@ -91,10 +97,21 @@ class TrainConfig:
     """Clip the global gradient norm (all stages together) to this; 0 disables clipping."""
     seed: int = 42
     """Seeds data order, random initialisation and adapter initialisation."""
+    compile: bool = False
+    """torch.compile each decoder layer (one graph shared by all layers; the first steps compile)."""
+    timeline_step: int = 0
+    """Record when each stage ran each forward/backward during this optimizer step's first schedule step
+    (timeline.json and timeline.png in the run directory, with the measured bubble); 0 = never."""
     log_every: int = 1
     """Optimizer steps between metrics rows."""
     save_every: int = 0
-    """Optimizer steps between checkpoints (0: only at the end)."""
+    """Optimizer steps between checkpoints; one is also written at each epoch end and at the end (0: only those)."""
+    keep_checkpoints: int = 2
+    """Committed checkpoints kept under <output.dir>/checkpoints; older ones are deleted, the newest never."""
+    resume: str = "never"
+    """"auto": continue from the newest committed checkpoint in output.dir (start fresh if none); "never": start over."""
+    max_skipped_steps: int = 3
+    """Stop the run after this many consecutive optimizer steps skipped for a non-finite loss or gradient norm."""
 
 
 @dataclass
@@ -113,12 +130,16 @@ class ParallelConfig:
     """Virtual stages per rank (interleaved schedules)."""
     layers_per_stage: list[int] = field(default_factory=list)
     """Decoder layers of each stage; [] = split evenly."""
+    timeout_s: float = 600.0
+    """Seconds a rank waits for a peer in a collective or pipeline send/recv before the run fails."""
 
 
 @dataclass
 class OutputConfig:
     dir: str = "runs/qwen3-4b-ami"
     """Run directory: config.toml, metrics.csv, adapter/, checkpoints/."""
+    tensorboard: bool = False
+    """Also write each metrics row as TensorBoard scalars under <dir>/tensorboard (needs the tensorboard package)."""
 
 
 @dataclass
@@ -270,6 +291,8 @@ def validate(config: Config, world_size: int) -> None:
         ("train.grad_accum", t.grad_accum),
         ("train.epochs", t.epochs),
         ("train.log_every", t.log_every),
+        ("train.keep_checkpoints", t.keep_checkpoints),
+        ("train.max_skipped_steps", t.max_skipped_steps),
         ("lora.r", config.lora.r),
         ("data.max_length", d.max_length),
         ("data.max_summary_tokens", d.max_summary_tokens),
@@ -286,9 +309,16 @@ def validate(config: Config, world_size: int) -> None:
         f"train.max_steps = {t.max_steps} must be -1 (no cap) or at least 1",
     )
     _check(t.lr > 0, f"train.lr = {t.lr} must be positive")
+    _check(t.save_every >= 0, f"train.save_every = {t.save_every} must be >= 0 (0: checkpoints at epoch ends only)")
+    _check(t.resume in RESUME_MODES, f"train.resume = {t.resume!r} is unknown; use one of {', '.join(RESUME_MODES)}")
+    _check(p.timeout_s > 0, f"parallel.timeout_s = {p.timeout_s} must be positive (seconds, e.g. 600)")
     _check(t.max_grad_norm >= 0, f"train.max_grad_norm = {t.max_grad_norm} must be >= 0 (0 disables clipping)")
     _check(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio = {t.min_lr_ratio} must be within [0, 1]")
     _check(0 <= config.lora.dropout < 1, f"lora.dropout = {config.lora.dropout} must be within [0, 1)")
+    _check(
+        0 <= d.validation_fraction < 1,
+        f"data.validation_fraction = {d.validation_fraction} must be within [0, 1) (0 = no hold-out); e.g. 0.1",
+    )
     _check(bool(config.lora.target_modules), "lora.target_modules is empty; name at least one linear layer")
     _check(
         t.batch_size % p.n_microbatches == 0,

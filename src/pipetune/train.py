@@ -10,6 +10,7 @@ which normalizes the loss (see parallel/pipeline.py).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -23,11 +24,12 @@ from pipetune.data.batching import IGNORE, epoch_batches, tokenize_split
 from pipetune.data.sources import load_dataset
 from pipetune.metrics import MetricsWriter, ProgressReporter, host_peak_gb, peak_memory_gb, reset_peak_memory
 from pipetune.model.load import DTYPES, build_model
-from pipetune.model.lora import adapter_state, apply_lora, save_adapter
+from pipetune.model.lora import adapter_state, apply_lora, save_adapter, use_fast_path
 from pipetune.model.split import estimate_costs, split_layers, stage_costs
 from pipetune.model.stage import StageModule
 from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss
 from pipetune.parallel.process_group import DistEnv, close_distributed, init_distributed
+from pipetune.parallel.timeline import StageTimeline, gather_timeline, plot_timeline
 from pipetune.preflight import preflight
 
 
@@ -61,7 +63,9 @@ def train(config: Config, env: DistEnv, quiet: bool = False) -> RunResult:
     torch.manual_seed(t.seed + env.rank)  # LoRA dropout: a different stream per stage
 
     # ------------------------------------------------------------------ data
-    dataset = load_dataset(config.data)
+    dataset = load_dataset(config.data, seed=t.seed)
+    if env.is_main:
+        dataset.write_summary(run_dir / "data.json")
     train_split = tokenize_split(dataset.splits["train"], prepared.prompts, prepared.pad_id)
     n_batches = len(train_split) // t.batch_size
     steps_per_epoch = n_batches // t.grad_accum
@@ -94,7 +98,11 @@ def train(config: Config, env: DistEnv, quiet: bool = False) -> RunResult:
         seed=t.seed,
     )
     peft_model = apply_lora(model, config.lora, config.model.name, t.seed)
+    if config.lora.fast_path:
+        use_fast_path(peft_model)
     module = StageModule(peft_model).train()
+    if t.compile:
+        module.compile_layers()
     params = [param for param in module.parameters() if param.requires_grad]
     estimated = stage_costs(ranges, costs)
     print0(
@@ -117,7 +125,12 @@ def train(config: Config, env: DistEnv, quiet: bool = False) -> RunResult:
         runner = SingleRunner(module, p.n_microbatches, loss_fn)
     else:
         runner = PipelineRunner(module, stage_index, n_stages, device, None, p.schedule, p.n_microbatches, loss_fn)
-    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=(0.9, 0.999), weight_decay=t.weight_decay)
+    timeline = None
+    if t.timeline_step and isinstance(runner, PipelineRunner):
+        timeline = StageTimeline(runner.stage, env.rank, device)
+    optimizer = torch.optim.AdamW(
+        params, lr=t.lr, betas=(0.9, 0.999), weight_decay=t.weight_decay, fused=device.type == "cuda"
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, t.warmup_steps, total_steps, t.min_lr_ratio)
     )
@@ -141,10 +154,15 @@ def train(config: Config, env: DistEnv, quiet: bool = False) -> RunResult:
             n_supervised = int(supervised[batches[group].flatten()].sum())
             loss_fn.normalizer = max(n_supervised, 1)  # all-masked step: loss 0, never 0/0
             step_loss = torch.zeros((), device=device)
-            for index in device_batches[group]:
+            for j, index in enumerate(device_batches[group]):
+                recording = timeline is not None and step + 1 == t.timeline_step and j == 0
+                if recording:
+                    timeline.start()
                 out = runner.step(input_ids[index], labels[index])
                 if out is not None:
                     step_loss += out
+                if recording:
+                    save_timeline(timeline, env, run_dir, config)
             grad_norm = clip_global_grad_norm(params, t.max_grad_norm, device)
             lr = optimizer.param_groups[0]["lr"]
             optimizer.step()
@@ -181,6 +199,23 @@ def train(config: Config, env: DistEnv, quiet: bool = False) -> RunResult:
         save_adapter(state, config.lora, config.model.name, run_dir / "adapter")
         print0(f"adapter ({len(state)} tensors) -> {run_dir / 'adapter'}")
     return RunResult(run_dir, losses)
+
+
+def save_timeline(timeline: StageTimeline, env: DistEnv, run_dir: Path, config: Config) -> None:
+    """Gather one schedule step's actions to rank 0; write timeline.json and timeline.png."""
+    summary = gather_timeline(*timeline.stop(), env.world_size)
+    if summary is None:
+        return
+    p = config.parallel
+    m = p.n_microbatches
+    summary["expected_bubble"] = (p.pp - 1) / (m + p.pp - 1)
+    (run_dir / "timeline.json").write_text(json.dumps(summary, indent=1))
+    title = (
+        f"{p.schedule}, pp={p.pp}, {m} microbatches: step {summary['step_ms']:.1f} ms, bubble "
+        + ", ".join(f"{b:.0%}" for b in summary["bubble"])
+        + f" (ideal {summary['expected_bubble']:.0%})"
+    )
+    plot_timeline(summary, run_dir / "timeline.png", title)
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import types
 import zlib
 from pathlib import Path
 
@@ -64,3 +65,31 @@ def save_adapter(state: dict[str, torch.Tensor], lora: LoraConfig, base_name: st
     peft_config(lora, base_name).save_pretrained(str(out_dir))
     save_file(dict(sorted(state.items())), str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     return out_dir
+
+
+def use_fast_path(peft_model: peft.PeftModel) -> int:
+    """Switch every LoRA linear of the model to `_fast_lora_forward`; returns how many were switched.
+
+    PEFT keeps float32 adapters and casts each activation to float32 for them, then back: with a
+    bfloat16 base that is an extra read and write of every adapted activation, and float32 matmuls.
+    The fast path casts the (tiny) adapter weights to the activation dtype instead and folds the
+    scaling into B. Gradients still flow into the float32 adapter weights.
+    """
+    from peft.tuners.lora import Linear as LoraLinear
+
+    switched = 0
+    for module in peft_model.modules():
+        if isinstance(module, LoraLinear):
+            module.forward = types.MethodType(_fast_lora_forward, module)
+            switched += 1
+    return switched
+
+
+def _fast_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    # Training path only: one active, unmerged adapter (what pipetune trains).
+    if self.disable_adapters or self.merged or len(self.active_adapters) != 1:
+        return type(self).forward(self, x, *args, **kwargs)
+    name = self.active_adapters[0]
+    down = torch.nn.functional.linear(self.lora_dropout[name](x), self.lora_A[name].weight.to(x.dtype))
+    up = (self.lora_B[name].weight * self.scaling[name]).to(x.dtype)
+    return self.base_layer(x, *args, **kwargs) + torch.nn.functional.linear(down, up)

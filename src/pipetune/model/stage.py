@@ -47,6 +47,12 @@ class StageModule(nn.Module):
             rotary=decoder.rotary_emb,
         )
 
+    def compile_layers(self) -> None:
+        """torch.compile each decoder layer in place. All layers share one graph (parameters are graph
+        inputs), so compilation happens once, at the first forward."""
+        for layer in self._parts.layers:
+            layer.compile()
+
     @property
     def is_first(self) -> bool:
         return self._parts.embed is not None

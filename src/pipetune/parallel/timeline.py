@@ -1,0 +1,135 @@
+"""When each stage computed what: forward/backward actions of one schedule step, and the measured bubble.
+
+The stage's `forward_one_chunk` / `backward_one_chunk` are wrapped to record start and end of
+each action (CUDA events on GPU, so kernels are timed, not launches; wall clock on CPU). Time a
+rank spends outside those actions within the step is its bubble: waiting for its neighbours.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Action:
+    rank: int
+    kind: str
+    """"F" (forward) or "B" (backward)."""
+    microbatch: int
+    start_ms: float
+    end_ms: float
+
+
+class _Clock:
+    """A point in time: a recorded CUDA event on GPU, perf_counter on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def now(self) -> object:
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def elapsed_ms(self, start: object, end: object) -> float:
+        if self.device.type == "cuda":
+            return start.elapsed_time(end)
+        return (end - start) * 1000.0
+
+
+class StageTimeline:
+    """Records the actions of one pipeline stage while `recording` is True."""
+
+    def __init__(self, stage, rank: int, device: torch.device) -> None:
+        self.rank = rank
+        self.clock = _Clock(device)
+        self.recording = False
+        self._marks: list[tuple[str, int, object, object]] = []
+        self._origin: object = None
+        for kind, method in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+            setattr(stage, method, self._wrap(kind, getattr(stage, method)))
+
+    def _wrap(self, kind: str, fn):
+        def timed(chunk_id, *args, **kwargs):
+            if not self.recording:
+                return fn(chunk_id, *args, **kwargs)
+            start = self.clock.now()
+            out = fn(chunk_id, *args, **kwargs)
+            self._marks.append((kind, chunk_id, start, self.clock.now()))
+            return out
+
+        return timed
+
+    def start(self) -> None:
+        self._marks.clear()
+        self._origin = self.clock.now()
+        self.recording = True
+
+    def stop(self) -> tuple[list[Action], float]:
+        """This rank's actions (ms since start) and the step's duration on this rank."""
+        end = self.clock.now()
+        self.recording = False
+        if self.clock.device.type == "cuda":
+            torch.cuda.synchronize(self.clock.device)
+        actions = [
+            Action(self.rank, kind, mb, self.clock.elapsed_ms(self._origin, s), self.clock.elapsed_ms(self._origin, e))
+            for kind, mb, s, e in self._marks
+        ]
+        return actions, self.clock.elapsed_ms(self._origin, end)
+
+
+def gather_timeline(actions: list[Action], duration_ms: float, world_size: int) -> dict | None:
+    """All ranks' actions on rank 0, with each rank's busy fraction and the measured bubble."""
+    mine = {"actions": [asdict(a) for a in actions], "duration_ms": duration_ms}
+    parts = [mine]
+    if dist.is_initialized():
+        parts = [None] * world_size if dist.get_rank() == 0 else None
+        dist.gather_object(mine, parts, dst=0)
+        if dist.get_rank() != 0:
+            return None
+    step_ms = max(part["duration_ms"] for part in parts)
+    busy = [sum(a["end_ms"] - a["start_ms"] for a in part["actions"]) for part in parts]
+    return {
+        "step_ms": step_ms,
+        "busy_ms": busy,
+        "bubble": [1 - b / step_ms for b in busy],
+        "actions": [a for part in parts for a in part["actions"]],
+    }
+
+
+def plot_timeline(timeline: dict, path: Path, title: str = "") -> Path:
+    """A Gantt chart: one row per rank, forward blue, backward orange, gaps are the bubble."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n_ranks = len(timeline["busy_ms"])
+    fig, ax = plt.subplots(figsize=(12, 1 + 0.6 * n_ranks))
+    colors = {"F": "#4C72B0", "B": "#DD8452"}
+    for a in timeline["actions"]:
+        ax.barh(a["rank"], a["end_ms"] - a["start_ms"], left=a["start_ms"], color=colors[a["kind"]], edgecolor="white")
+        ax.text(
+            (a["start_ms"] + a["end_ms"]) / 2,
+            a["rank"],
+            f"{a['kind']}{a['microbatch']}",
+            ha="center",
+            va="center",
+            fontsize=7,
+            color="white",
+        )
+    ax.set_yticks(range(n_ranks), [f"rank {r}\nbubble {b:.0%}" for r, b in enumerate(timeline["bubble"])])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since step start")
+    ax.set_title(title or f"one schedule step: {timeline['step_ms']:.1f} ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
