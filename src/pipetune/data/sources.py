@@ -1,9 +1,18 @@
-"""Where meetings come from: the synthetic corpus, local files, or a hub dataset; bad rows are skipped and counted."""
+"""Where meetings come from: the synthetic corpus, local files or directories, or a hub dataset.
+
+Every source goes through the same cleaning: a row with a missing, empty or non-string
+transcript or summary, an unparsable JSONL line, or anything that is not a record is skipped
+and counted by reason (per split), never raised. `Dataset.summary()` is what a run writes to
+`data.json`. A source without a validation split can hold out `data.validation_fraction` of
+train, chosen by the seed alone.
+"""
 
 from __future__ import annotations
 
 import csv
 import json
+import os
+import random
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -14,6 +23,14 @@ from pipetune.config import ConfigError, DataConfig
 
 SYNTHETIC = "synthetic"
 LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+SPLITS = ("train", "validation", "test")
+"""Split names a directory source may hold, as `train.jsonl`, `validation.csv`, `test-00000-of-00002.parquet`, ..."""
+
+UNPARSABLE_LINE = "unparsable JSON line"
+NOT_UTF8_LINE = "line not UTF-8"
+NOT_A_RECORD = "not a record"
+NOT_A_LIST = "JSON file not a list of records"
+UNPARSABLE_CSV_ROW = "unparsable CSV row"
 
 
 @dataclass(frozen=True)
@@ -22,53 +39,162 @@ class Example:
     summary: str
 
 
+@dataclass(frozen=True)
+class _Unusable:
+    """Stands in for a raw row that could not even be parsed; `reason` is what gets counted."""
+
+    reason: str
+
+
+@dataclass
+class SplitStats:
+    """How one split was read: raw rows, rows skipped by reason, rows moved between splits."""
+
+    read: int = 0
+    """Raw rows (records, JSONL lines, CSV rows) seen in the source."""
+    skipped: Counter = field(default_factory=Counter)
+    """Rows dropped, by reason ("missing summary", "unparsable JSON line", ...)."""
+    held_out: int = 0
+    """Clean train rows moved to validation by data.validation_fraction."""
+    from_train: int = 0
+    """Validation rows that were taken from train (data.validation_fraction)."""
+
+
 @dataclass
 class Dataset:
-    """Clean examples per split, and how many rows were skipped for which reason."""
+    """Clean examples per split, and how every split was read."""
 
     splits: dict[str, list[Example]]
-    skipped: Counter = field(default_factory=Counter)
+    stats: dict[str, SplitStats] = field(default_factory=dict)
+    source: str = ""
+
+    @property
+    def skipped(self) -> Counter:
+        """Skipped rows by reason, all splits together."""
+        return sum((s.skipped for s in self.stats.values()), Counter())
 
     def skipped_line(self) -> str:
-        if not self.skipped:
+        skipped = self.skipped
+        if not skipped:
             return "skipped rows: none"
-        reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(self.skipped.items()))
-        return f"skipped rows: {sum(self.skipped.values())} ({reasons})"
+        reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(skipped.items()))
+        return f"skipped rows: {sum(skipped.values())} ({reasons})"
+
+    def summary(self) -> dict[str, Any]:
+        """Rows read, kept and skipped by reason, per split: the run directory's `data.json`."""
+        splits = {}
+        for name, examples in self.splits.items():
+            stats = self.stats.get(name, SplitStats(read=len(examples)))
+            splits[name] = {
+                "read": stats.read,
+                "kept": len(examples),
+                "skipped": dict(sorted(stats.skipped.items())),
+                "held_out": stats.held_out,
+                "from_train": stats.from_train,
+            }
+        return {"source": self.source, "splits": splits, "skipped": dict(sorted(self.skipped.items()))}
+
+    def write_summary(self, path: str | Path) -> None:
+        """`summary()` as JSON, through a temporary file and a rename."""
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(self.summary(), indent=2) + "\n")
+        os.replace(tmp, path)
 
 
-def load_dataset(data: DataConfig) -> Dataset:
-    """All splits of `data.source` as Examples; malformed rows are counted, never raised."""
+def load_dataset(data: DataConfig, seed: int = 0) -> Dataset:
+    """All splits of `data.source` as clean Examples; malformed rows are counted, never raised.
+
+    `seed` chooses the validation hold-out (data.validation_fraction): pass train.seed, so that
+    every caller of the same config holds out the same rows.
+    """
     if data.source == SYNTHETIC:
         from pipetune.data.synthetic import synthetic_splits
 
         splits = synthetic_splits(seed=0, n_train=data.synthetic_train, n_validation=data.synthetic_validation)
-        return Dataset({name: [Example(m.transcript, m.summary) for m in rows] for name, rows in splits.items()})
-    path = Path(data.source).expanduser()
-    if path.suffix in LOCAL_SUFFIXES or path.exists():
-        if not path.is_file():
-            raise ConfigError(f"data.source = {data.source!r} does not exist; give a JSONL, JSON, CSV or Parquet file")
-        return clean_rows({"train": read_local_rows(path)}, data)
-    return clean_rows(_hub_rows(data.source), data)
+        dataset = Dataset(
+            {name: [Example(m.transcript, m.summary) for m in rows] for name, rows in splits.items()},
+            {name: SplitStats(read=len(rows)) for name, rows in splits.items()},
+        )
+    else:
+        dataset = clean_rows(_raw_splits(data.source), data)
+        _check_train_usable(dataset, data)
+    dataset.source = data.source
+    if "validation" not in dataset.splits and data.validation_fraction > 0 and "train" in dataset.splits:
+        hold_out_validation(dataset, data.validation_fraction, seed)
+    return dataset
 
 
-def clean_rows(raw: dict[str, Iterable[dict[str, Any]]], data: DataConfig) -> Dataset:
+def _raw_splits(source: str) -> dict[str, Iterable[Any]]:
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return {split: _read_files(files) for split, files in split_files(path).items()}
+    if path.is_file():
+        return {"train": read_local_rows(path)}
+    if path.suffix.lower() in LOCAL_SUFFIXES or source.startswith((".", "/", "~")):
+        raise ConfigError(
+            f"data.source = {source!r} does not exist; give a JSONL, JSON, CSV or Parquet file, a directory "
+            "with train.* (and validation.*, test.*) files, a hub dataset id, or 'synthetic'"
+        )
+    return _hub_rows(source)
+
+
+def split_files(directory: Path) -> dict[str, list[Path]]:
+    """`{split: files}` of a directory source: `train.jsonl` or shards `train-00000-of-00002.parquet`, ..."""
+    found: dict[str, list[Path]] = {}
+    for path in sorted(directory.iterdir()):
+        suffix = path.suffix.lower()
+        if not path.is_file() or suffix not in LOCAL_SUFFIXES:
+            continue
+        stem = path.name[: -len(suffix)]
+        for split in SPLITS:
+            if stem == split or stem.startswith(f"{split}-"):
+                found.setdefault(split, []).append(path)
+    for split, files in found.items():
+        suffixes = {f.suffix.lower() for f in files}
+        if len(suffixes) > 1:
+            names = ", ".join(f.name for f in files)
+            raise ConfigError(
+                f"data.source = {str(directory)!r} holds split {split!r} in several formats ({names}); "
+                "keep one format per split"
+            )
+    if "train" not in found:
+        present = ", ".join(sorted(p.name for p in directory.iterdir())[:10]) or "nothing"
+        raise ConfigError(
+            f"data.source = {str(directory)!r} is a directory without a train file (it holds: {present}); "
+            f"name the files train.jsonl, validation.jsonl, test.jsonl (or .json, .csv, .parquet)"
+        )
+    return {split: found[split] for split in SPLITS if split in found}
+
+
+def _read_files(files: list[Path]) -> list[Any]:
+    return [row for path in files for row in read_local_rows(path)]
+
+
+def clean_rows(raw: dict[str, Iterable[Any]], data: DataConfig) -> Dataset:
+    """Keep the rows with a usable transcript and summary (stripped); count the others by reason."""
     dataset = Dataset({})
     for split, rows in raw.items():
+        stats = SplitStats()
         kept = []
         for row in rows:
+            stats.read += 1
             reason = _problem(row, data)
             if reason:
-                dataset.skipped[reason] += 1
+                stats.skipped[reason] += 1
             else:
                 kept.append(Example(row[data.transcript_column].strip(), row[data.summary_column].strip()))
         dataset.splits[split] = kept
+        dataset.stats[split] = stats
     return dataset
 
 
 def _problem(row: Any, data: DataConfig) -> str | None:
     """Why a row cannot be used, or None."""
+    if isinstance(row, _Unusable):
+        return row.reason
     if not isinstance(row, dict):
-        return "not a record"
+        return NOT_A_RECORD
     for column in (data.transcript_column, data.summary_column):
         value = row.get(column)
         if value is None:
@@ -80,45 +206,133 @@ def _problem(row: Any, data: DataConfig) -> str | None:
     return None
 
 
+def _check_train_usable(dataset: Dataset, data: DataConfig) -> None:
+    """A train split whose every row was skipped is a config problem (wrong columns, wrong file): say so now."""
+    if "train" not in dataset.splits or dataset.splits["train"]:
+        return
+    stats = dataset.stats["train"]
+    reasons = ", ".join(f"{count} {reason}" for reason, count in stats.skipped.most_common())
+    raise ConfigError(
+        f"data.source = {data.source!r}: none of the {stats.read} train rows is usable ({reasons or 'no rows'}); "
+        f"the transcript and summary are read from the columns data.transcript_column = "
+        f"{data.transcript_column!r} and data.summary_column = {data.summary_column!r}: set them to the file's "
+        "column names, or fix the file"
+    )
+
+
+def hold_out_validation(dataset: Dataset, fraction: float, seed: int) -> None:
+    """Move `fraction` of the train examples (at least one, never all) to a new validation split, chosen by seed."""
+    train = dataset.splits["train"]
+    n_held = min(max(1, round(fraction * len(train))), len(train) - 1)
+    if n_held <= 0:
+        return
+    held = set(random.Random(seed).sample(range(len(train)), n_held))
+    dataset.splits["validation"] = [e for i, e in enumerate(train) if i in held]
+    dataset.splits["train"] = [e for i, e in enumerate(train) if i not in held]
+    dataset.stats.setdefault("train", SplitStats(read=len(train))).held_out = n_held
+    dataset.stats["validation"] = SplitStats(read=0, from_train=n_held)
+
+
+# --------------------------------------------------------------------------- local files
+
+
 def read_local_rows(path: Path) -> list[Any]:
-    """Rows of a local JSONL/JSON/CSV/Parquet file; unparsable JSONL lines become None (counted later)."""
+    """Raw rows of a local JSONL/JSON/CSV/Parquet file; rows that cannot be parsed become `_Unusable`."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        rows: list[Any] = []
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    rows.append(None)
-        return rows
+        return _json_lines(path.read_bytes())
     if suffix == ".json":
-        content = json.loads(path.read_text(encoding="utf-8"))
-        return content if isinstance(content, list) else content.get("data", [])
+        return _json_rows(path)
     if suffix == ".csv":
-        with open(path, newline="", encoding="utf-8") as f:
-            return list(csv.DictReader(f))
+        return _csv_rows(path)
     if suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
+        return _parquet_rows(path)
     raise ConfigError(f"data.source = {str(path)!r}: unknown file type {suffix!r}; use .jsonl, .json, .csv or .parquet")
 
 
-def _hub_rows(name: str) -> dict[str, Iterable[dict[str, Any]]]:
+def _json_lines(content: bytes) -> list[Any]:
+    rows: list[Any] = []
+    for line in content.splitlines():
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line.decode("utf-8")))
+        except UnicodeDecodeError:
+            rows.append(_Unusable(NOT_UTF8_LINE))
+        except json.JSONDecodeError:
+            rows.append(_Unusable(UNPARSABLE_LINE))
+    return rows
+
+
+def _json_rows(path: Path) -> list[Any]:
+    """A list of records, or {"data": [records]}; JSON Lines under a .json name (what `datasets` writes) also work."""
+    content = path.read_bytes()
+    try:
+        loaded = json.loads(content.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return _json_lines(content)
+    if isinstance(loaded, dict) and isinstance(loaded.get("data"), list):
+        loaded = loaded["data"]
+    if not isinstance(loaded, list):
+        return [_Unusable(NOT_A_LIST)]
+    return loaded
+
+
+def _csv_rows(path: Path) -> list[Any]:
+    # Meeting transcripts outgrow csv's default 128 KiB field limit.
+    csv.field_size_limit(2**31 - 1)
+    rows: list[Any] = []
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.DictReader(f)
+            while True:
+                try:
+                    rows.append(next(reader))
+                except StopIteration:
+                    break
+                except csv.Error:
+                    rows.append(_Unusable(UNPARSABLE_CSV_ROW))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"data.source file {str(path)!r} is not UTF-8 text ({e}); re-save it as UTF-8") from None
+    return rows
+
+
+def _parquet_rows(path: Path) -> list[Any]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ConfigError(
+            f"data.source file {str(path)!r} is Parquet, which needs pyarrow (pip install pyarrow); "
+            "or export it to JSONL"
+        ) from None
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for damaged files
+        raise ConfigError(f"data.source file {str(path)!r} is not readable Parquet ({type(e).__name__}: {e})") from None
+
+
+# --------------------------------------------------------------------------- hub
+
+
+def _hub_rows(name: str) -> dict[str, Iterable[Any]]:
+    offline = (
+        f"Export it to a local file where the hub is reachable (e.g. datasets.load_dataset({name!r})['train']"
+        ".to_json('ami/train.jsonl'), likewise validation and test) and set data.source to that file or "
+        "directory, or use data.source = 'synthetic'"
+    )
     try:
         import datasets
     except ImportError:
         raise ConfigError(
-            f"data.source = {name!r} is a hub dataset, which needs the `datasets` package "
-            "(pip install 'pipetune[data]'), or give a local JSONL/CSV/Parquet file"
+            f"data.source = {name!r} is neither a local file nor directory, and as a hub dataset it needs the "
+            f"`datasets` package (pip install 'pipetune[data]'). {offline}"
         ) from None
     try:
         loaded = datasets.load_dataset(name)
     except Exception as e:  # offline, missing, auth: the hub raises many kinds
+        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         raise ConfigError(
-            f"data.source = {name!r} could not be loaded from the hub ({type(e).__name__}). Export it to a "
-            f"local file where the hub is reachable (e.g. load_dataset({name!r})['train'].to_json('train.jsonl')) "
-            "and set data.source to that file, or use data.source = 'synthetic'"
+            f"data.source = {name!r} is neither a local file nor directory, and could not be loaded from the hub "
+            f"({type(e).__name__}{': ' + detail if detail else ''}). {offline}"
         ) from None
     return {split: loaded[split] for split in loaded}
