@@ -1,4 +1,4 @@
-"""Command line: `pipetune demo` and `pipetune train`, and the local multi-process launcher.
+"""Command line: `pipetune demo`, `train` and `data inspect`, and the local multi-process launcher.
 
 Outside torchrun, `train --nproc N` (N > 1) starts N local workers through torch's elastic
 launcher; under torchrun (WORLD_SIZE set) it just runs. Multi-node runs use torchrun's c10d
@@ -33,10 +33,69 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--nproc", type=int, default=None, help="local processes (default: parallel.pp x dp)")
     train.add_argument("--quiet", action="store_true", help="no progress bar or per-step lines")
 
+    data = commands.add_parser("data", help="look at a config's data before training")
+    data_commands = data.add_subparsers(dest="data_command", required=True)
+    inspect = data_commands.add_parser("inspect", help="rows, skipped rows, token lengths, truncation, pad waste")
+    inspect.add_argument("--config", required=True, help="TOML config file")
+    inspect.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key")
+    inspect.add_argument("--json", action="store_true", help="write the report as JSON to stdout")
+
+    bench = commands.add_parser("bench", help="compare strategies on the same model, data and batch")
+    bench.add_argument("--config", required=True, help="TOML config file")
+    bench.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key")
+    bench.add_argument("--strategies", default="pp,single", help="comma-separated: pp, single (default: pp,single)")
+    bench.add_argument("--steps", type=int, default=20, help="timed optimizer steps per strategy (default: 20)")
+    bench.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included (default: 5)")
+    bench.add_argument("--out", default="runs/bench", help="output directory (default: runs/bench)")
+    bench.add_argument("--peak-tflops", type=float, default=790.0, help="per-GPU peak for MFU (default: 790)")
+
+    summarize = commands.add_parser("summarize", help="summarize meeting transcripts with a fine-tuned adapter")
+    summarize.add_argument(
+        "input", nargs="?", default="-", metavar="FILE|-", help="a transcript (text), JSONL records, or - for stdin"
+    )
+    summarize.add_argument("--adapter", required=True, help="adapter directory (a run's adapter/)")
+    summarize.add_argument("--base", default=None, help="base model (default: the adapter's base_model_name_or_path)")
+    summarize.add_argument(
+        "--config", default=None, help="TOML config: dtype, seed, tokenizer, lengths (default: the run's config.toml)"
+    )
+    summarize.add_argument("--column", default=None, help="transcript field of JSONL records (data.transcript_column)")
+    summarize.add_argument("--max-new-tokens", type=int, default=None, help="(default: data.max_summary_tokens)")
+    summarize.add_argument("--batch-size", type=int, default=8, help="transcripts generated together (default: 8)")
+    summarize.add_argument("--sample", action="store_true", help="nucleus sampling instead of greedy decoding")
+    summarize.add_argument("--temperature", type=float, default=None, help="with --sample (default: 0.7)")
+    summarize.add_argument("--top-p", type=float, default=None, help="with --sample (default: 0.9)")
+    summarize.add_argument("--quiet", action="store_true", help="no progress bar or settings line")
+
+    evaluate = commands.add_parser("eval", help="ROUGE and loss of the base and the fine-tuned model on a split")
+    evaluate_source = evaluate.add_mutually_exclusive_group(required=True)
+    evaluate_source.add_argument("--run", default=None, help="run directory (its config.toml and adapter/)")
+    evaluate_source.add_argument("--adapter", default=None, help="adapter directory (with --config)")
+    evaluate.add_argument("--config", default=None, help="TOML config (default: the run's config.toml)")
+    evaluate.add_argument("--split", default="validation", help="split to score: validation (default), test, ...")
+    evaluate.add_argument("--limit", type=int, default=None, help="score only the first N meetings of the split")
+    evaluate.add_argument("--max-new-tokens", type=int, default=None, help="(default: data.max_summary_tokens)")
+    evaluate.add_argument("--batch-size", type=int, default=8, help="meetings generated together (default: 8)")
+    evaluate.add_argument("--out", default=None, help="eval.json path or directory (default: the run directory)")
+    evaluate.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    report = commands.add_parser("report", help="charts and an HTML page comparing one or more runs")
+    report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (metrics.csv, config.toml, ...)")
+    report.add_argument("--out", default=None, help="output directory (default: <first run>/report)")
+
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
             return run_demo(Path(args.out), args.steps, args.nproc)
+        if args.command == "bench":
+            return run_bench_command(args)
+        if args.command == "data":
+            return run_data_inspect(load_config(args.config, args.set), args.json)
+        if args.command == "summarize":
+            return run_summarize(args)
+        if args.command == "eval":
+            return run_eval(args)
+        if args.command == "report":
+            return run_report(args.runs, args.out)
         return run_train(load_config(args.config, args.set), args.nproc, args.quiet)
     except ConfigError as e:
         print(f"pipetune: error: {e}", file=sys.stderr)
@@ -98,6 +157,26 @@ def launch_local(config: Config, nproc: int, quiet: bool = False, max_restarts: 
     return 0
 
 
+def run_data_inspect(config: Config, as_json: bool = False) -> int:
+    """Print what the config's data looks like to the model: rows, skipped rows, lengths, truncation, padding."""
+    from pipetune.data.inspect import format_report, inspect_data
+
+    report = inspect_data(config)
+    print(report.to_json() if as_json else format_report(report))
+    return 0
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    from pipetune.bench import run_bench
+    from pipetune.preflight import preflight
+
+    config = load_config(args.config, args.set)
+    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    preflight(config, config.parallel.pp * config.parallel.dp)  # one clear error before any run starts
+    results = run_bench(config, strategies, args.steps, args.warmup, Path(args.out), args.peak_tflops)
+    return 0 if all("error" not in r for r in results) else 1
+
+
 def run_demo(out: Path, steps: int | None, nproc: int) -> int:
     from pipetune.demo import show_results
 
@@ -110,6 +189,96 @@ def run_demo(out: Path, steps: int | None, nproc: int) -> int:
     if code == 0:
         show_results(config)
     return code
+
+
+def run_summarize(args: argparse.Namespace) -> int:
+    """Summaries of a transcript, JSONL records or stdin from base + adapter in this process, printed to stdout."""
+    from pipetune.generate import (
+        Sampling,
+        format_summaries,
+        inference_config,
+        load_finetuned,
+        read_transcripts,
+        summarize,
+    )
+    from pipetune.metrics import TaskProgress
+
+    if not args.sample and (args.temperature is not None or args.top_p is not None):
+        raise ConfigError("--temperature and --top-p set sampling; add --sample (decoding is greedy by default)")
+    if args.batch_size < 1 or (args.max_new_tokens is not None and args.max_new_tokens < 1):
+        raise ConfigError(f"--batch-size {args.batch_size} and --max-new-tokens {args.max_new_tokens} must be >= 1")
+    source = inference_config(args.adapter, args.base, args.config)
+    config = source.config
+    sampling = None
+    if args.sample:
+        temperature = 0.7 if args.temperature is None else args.temperature
+        top_p = 0.9 if args.top_p is None else args.top_p
+        sampling = Sampling(temperature, top_p, seed=config.train.seed)
+    inputs = read_transcripts(args.input, args.column or config.data.transcript_column)
+    if source.warning:
+        print(f"pipetune: warning: {source.warning}", file=sys.stderr)
+    model, prepared = load_finetuned(config, args.adapter)
+    if not args.quiet:
+        settings = source.config_path or "defaults"
+        print(
+            f"base {config.model.name} ({config.model.dtype}, settings: {settings}) + adapter {args.adapter} "
+            f"on {next(model.parameters()).device}; {len(inputs.transcripts)} transcript(s)",
+            file=sys.stderr,
+        )
+    with TaskProgress(enabled=not args.quiet) as progress:
+        summaries = summarize(
+            model,
+            prepared,
+            inputs.transcripts,
+            args.max_new_tokens or config.data.max_summary_tokens,
+            args.batch_size,
+            sampling,
+            progress.task("summarize", len(inputs.transcripts)),
+        )
+    print(format_summaries(summaries, inputs))
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    """ROUGE and token loss of base and fine-tuned model; a table on stdout, eval.json in the run directory."""
+    from pipetune.evaluate import evaluate
+    from pipetune.generate import inference_config
+    from pipetune.metrics import TaskProgress
+
+    if args.run is not None:
+        run_dir = Path(args.run)
+        adapter = run_dir / "adapter"
+        if not adapter.is_dir():
+            raise ConfigError(f"--run {args.run!r} has no adapter/ directory; give a finished run's directory")
+    else:
+        adapter = Path(args.adapter)
+        run_dir = adapter.parent
+        if args.config is None and not (run_dir / "config.toml").is_file():
+            raise ConfigError(
+                f"--adapter {args.adapter!r} has no config.toml beside it; pass --config FILE.toml "
+                "(the data and prompt settings of the run)"
+            )
+    source = inference_config(adapter, None, args.config)
+    if source.warning:
+        print(f"pipetune: warning: {source.warning}", file=sys.stderr)
+    with TaskProgress(enabled=not args.quiet) as progress:
+        result = evaluate(
+            source.config, adapter, args.split, args.limit, args.max_new_tokens, args.batch_size, progress
+        )
+    out = Path(args.out) if args.out else run_dir
+    path = result.save(out if out.suffix == ".json" else out / "eval.json")
+    print(result.table())
+    print(f"\nscores -> {path}")
+    return 0
+
+
+def run_report(run_dirs: list[str], out: str | None) -> int:
+    """PNG charts and index.html for the given runs."""
+    from pipetune.report import build_report
+
+    index = build_report(run_dirs, out)
+    print(f"report -> {index}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,150 @@
+"""`pipetune bench`: run strategies one after another on the same model, data and batch; compare them.
+
+Each strategy is a normal `pipetune train` run in its own process group (so GPU memory is
+released between them) of warmup + timed optimizer steps; figures come from its metrics.csv.
+Warm-up steps (which include compilation) are excluded; tokens/s and step time are medians.
+
+MFU = tokens/s x FLOPs per token / (GPUs x peak FLOP/s), FLOPs per token from the stage cost
+model of model/split.py (4 x weights of every matmul: frozen-base LoRA training is forward plus
+input-gradient backward; plus causal attention) and peak = --peak-tflops (790: bf16 dense matmul
+measured on an H200).
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from pipetune.config import Config, ConfigError, save_config
+from pipetune.model.split import estimate_costs
+from pipetune.preflight import prepare
+
+STRATEGIES = ("pp", "single")
+
+
+def strategy_config(config: Config, strategy: str, steps: int, warmup: int, out_dir: Path) -> Config:
+    variant = copy.deepcopy(config)
+    if strategy == "single":
+        variant.parallel.pp = 1
+    variant.train.max_steps = warmup + steps
+    variant.train.epochs = 10_000  # max_steps ends the run
+    variant.train.log_every = 1
+    variant.train.save_every = 0
+    variant.train.timeline_step = warmup + 1 if variant.parallel.pp > 1 else 0
+    variant.output.dir = str(out_dir / strategy)
+    return variant
+
+
+def run_bench(
+    config: Config, strategies: list[str], steps: int, warmup: int, out_dir: Path, peak_tflops: float = 790.0
+) -> list[dict]:
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown:
+        raise ConfigError(f"--strategies {unknown} unknown; available: {', '.join(STRATEGIES)}")
+    prepared = prepare(config)
+    costs = estimate_costs(prepared.model.config, config.data.max_length)
+    flops_per_token = prepared.n_layers * costs.layer + costs.head
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    for strategy in strategies:
+        variant = strategy_config(config, strategy, steps, warmup, out_dir)
+        shutil.rmtree(variant.output.dir, ignore_errors=True)
+        path = out_dir / f"{strategy}.toml"
+        save_config(variant, path)
+        n_gpus = variant.parallel.pp * variant.parallel.dp
+        print(f"bench: {strategy} ({n_gpus} process{'es' if n_gpus > 1 else ''}), {warmup} + {steps} steps", flush=True)
+        cmd = [sys.executable, "-m", "pipetune", "train", "--config", str(path), "--quiet"]
+        code = subprocess.run(cmd).returncode
+        if code != 0:
+            results.append({"strategy": strategy, "error": f"exit code {code}"})
+            continue
+        results.append(summarize_run(Path(variant.output.dir), strategy, warmup, n_gpus, flops_per_token, peak_tflops))
+    (out_dir / "bench.json").write_text(json.dumps(results, indent=1))
+    print_table(results)
+    plot_bench(results, out_dir / "bench.png")
+    return results
+
+
+def summarize_run(run_dir: Path, strategy: str, warmup: int, n_gpus: int, flops: float, peak_tflops: float) -> dict:
+    with open(run_dir / "metrics.csv") as f:
+        rows = [row for row in csv.DictReader(f) if int(row["step"]) > warmup]
+    tokens = statistics.median(float(r["tokens_per_sec"]) for r in rows)
+    peaks = sorted(k for k in rows[0] if k.startswith("peak_gb_rank"))
+    result = {
+        "strategy": strategy,
+        "gpus": n_gpus,
+        "timed_steps": len(rows),
+        "tokens_per_sec": tokens,
+        "tokens_per_sec_per_gpu": tokens / n_gpus,
+        "real_tokens_per_sec": statistics.median(float(r["real_tokens_per_sec"]) for r in rows),
+        "step_time_sec": statistics.median(float(r["step_time_sec"]) for r in rows),
+        "mfu": tokens * flops / (n_gpus * peak_tflops * 1e12),
+        "peak_gb_per_rank": [max(float(r[k]) for r in rows) for k in peaks],
+        "final_loss": float(rows[-1]["loss"]),
+    }
+    timeline = run_dir / "timeline.json"
+    if timeline.is_file():
+        summary = json.loads(timeline.read_text())
+        result["bubble_per_rank"] = summary["bubble"]
+        result["expected_bubble"] = summary["expected_bubble"]
+    return result
+
+
+def print_table(results: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="pipetune bench")
+    for column in ("strategy", "GPUs", "tokens/s", "tokens/s/GPU", "MFU", "step s", "peak GB/rank", "bubble"):
+        table.add_column(column, justify="right")
+    for r in results:
+        if "error" in r:
+            table.add_row(r["strategy"], "-", r["error"], "", "", "", "", "")
+            continue
+        bubble = ""
+        if "bubble_per_rank" in r:
+            bubble = " ".join(f"{b:.0%}" for b in r["bubble_per_rank"]) + f" (ideal {r['expected_bubble']:.0%})"
+        table.add_row(
+            r["strategy"],
+            str(r["gpus"]),
+            f"{r['tokens_per_sec']:,.0f}",
+            f"{r['tokens_per_sec_per_gpu']:,.0f}",
+            f"{r['mfu']:.1%}",
+            f"{r['step_time_sec']:.3f}",
+            " ".join(f"{p:.1f}" for p in r["peak_gb_per_rank"]),
+            bubble,
+        )
+    Console().print(table)
+
+
+def plot_bench(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if "error" not in r]
+    if not ok:
+        return
+    fig, ax = plt.subplots(figsize=(2 + 1.5 * len(ok), 4))
+    bars = ax.bar([r["strategy"] for r in ok], [r["tokens_per_sec"] for r in ok], color="#4C72B0")
+    for bar, r in zip(bars, ok, strict=True):
+        ax.text(
+            bar.get_x() + bar.get_width() / 2,
+            bar.get_height(),
+            f"{r['tokens_per_sec']:,.0f}\nMFU {r['mfu']:.0%}",
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    ax.set_ylabel("tokens/s (all GPUs)")
+    ax.set_title("pipetune bench")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
