@@ -1,0 +1,246 @@
+"""`pipetune data inspect`: what a config's data looks like to the model before any training.
+
+    pipetune data inspect --config configs/qwen3-4b-ami.toml [--set data.max_length=8192] [--json]
+
+Rows per split and skipped rows by reason; token lengths of transcripts and summaries under the
+model's tokenizer; how many samples the prompt builder cuts to fit `data.max_length` /
+`data.max_summary_tokens`, and by how much; and the share of every batch that is padding at the
+static length, beside what length buckets (max_length/4, /2, 3/4, 1) would leave.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pipetune.config import Config, validate
+from pipetune.data.prompt import PromptBuilder
+from pipetune.data.sources import Example, load_dataset
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class Lengths:
+    """Nearest-rank percentiles of token counts (0 for an empty split)."""
+
+    p50: int
+    p90: int
+    p99: int
+    max: int
+
+    @classmethod
+    def of(cls, values: list[int]) -> Lengths:
+        ordered = sorted(values)
+        return cls(*(percentile(ordered, q) for q in PERCENTILES), ordered[-1] if ordered else 0)
+
+
+@dataclass
+class SplitReport:
+    """Token lengths, truncation and padding of one split under the config's prompt budget."""
+
+    name: str
+    samples: int
+    transcript_tokens: Lengths
+    """The transcript alone, before any cut."""
+    summary_tokens: Lengths
+    """The summary alone, before any cap."""
+    sample_tokens: Lengths
+    """Whole samples as trained: template, cut transcript, capped summary, closing token."""
+    transcripts_cut: int
+    """Samples whose transcript lost its middle to fit max_length."""
+    transcript_cut_mean: float
+    """Mean transcript tokens removed, over the samples that were cut."""
+    transcript_cut_max: int
+    summaries_capped: int
+    """Samples whose summary was capped at max_summary_tokens (or the room left)."""
+    summary_cut_max: int
+    pad_fraction: float | None
+    """1 - real tokens / (samples x max_length): padding at the static shape; None for an empty split."""
+    bucket_pad_fraction: float | None
+    """The same with each sample padded to the smallest bucket that holds it."""
+    bucket_samples: list[int]
+    """Samples per bucket."""
+
+
+@dataclass
+class DataReport:
+    source: str
+    model: str
+    max_length: int
+    max_summary_tokens: int
+    buckets: list[int]
+    rows: dict[str, Any]
+    """`Dataset.summary()`: rows read, kept and skipped by reason per split."""
+    splits: list[SplitReport]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def inspect_data(config: Config, n_buckets: int = 4) -> DataReport:
+    """Validate the config, load its tokenizer (no process starts) and data, and measure every split."""
+    from pipetune.preflight import prepare
+
+    validate(config, config.parallel.pp * config.parallel.dp)
+    prepared = prepare(config)
+    dataset = load_dataset(config.data, seed=config.train.seed)
+    buckets = bucket_boundaries(config.data.max_length, n_buckets)
+    return DataReport(
+        source=config.data.source,
+        model=config.model.name,
+        max_length=config.data.max_length,
+        max_summary_tokens=config.data.max_summary_tokens,
+        buckets=buckets,
+        rows=dataset.summary(),
+        splits=[split_report(name, examples, prepared.prompts, buckets) for name, examples in dataset.splits.items()],
+    )
+
+
+def split_report(name: str, examples: list[Example], builder: PromptBuilder, buckets: list[int]) -> SplitReport:
+    """Tokenize one split as training would (PromptBuilder.build) and measure it."""
+    transcript_lengths = _token_counts(builder, [e.transcript for e in examples])
+    summary_lengths = _token_counts(builder, [e.summary for e in examples])
+    samples = [builder.build(e.transcript, e.summary) for e in examples]
+    lengths = [len(s.input_ids) for s in samples]
+    transcript_cuts = [s.transcript_tokens_cut for s in samples if s.transcript_tokens_cut]
+    summary_cuts = [s.summary_tokens_cut for s in samples if s.summary_tokens_cut]
+    return SplitReport(
+        name=name,
+        samples=len(examples),
+        transcript_tokens=Lengths.of(transcript_lengths),
+        summary_tokens=Lengths.of(summary_lengths),
+        sample_tokens=Lengths.of(lengths),
+        transcripts_cut=len(transcript_cuts),
+        transcript_cut_mean=sum(transcript_cuts) / len(transcript_cuts) if transcript_cuts else 0.0,
+        transcript_cut_max=max(transcript_cuts, default=0),
+        summaries_capped=len(summary_cuts),
+        summary_cut_max=max(summary_cuts, default=0),
+        pad_fraction=pad_fraction(lengths, builder.max_length) if lengths else None,
+        bucket_pad_fraction=bucketed_pad_fraction(lengths, buckets) if lengths else None,
+        bucket_samples=[sum(bucket_for(n, buckets) == b for n in lengths) for b in buckets],
+    )
+
+
+def _token_counts(builder: PromptBuilder, texts: list[str]) -> list[int]:
+    if not texts:
+        return []
+    return [len(ids) for ids in builder.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+
+
+def percentile(ordered: list[int], q: float) -> int:
+    """Nearest-rank percentile of sorted values: the smallest value with at least q% of values at or below it."""
+    if not ordered:
+        return 0
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def bucket_boundaries(max_length: int, n_buckets: int = 4) -> list[int]:
+    """Lengths max_length * k / n for k = 1..n (the last is max_length itself)."""
+    return sorted({max(1, max_length * k // n_buckets) for k in range(1, n_buckets + 1)})
+
+
+def bucket_for(length: int, buckets: list[int]) -> int:
+    """The smallest bucket that holds `length`."""
+    for bucket in buckets:
+        if length <= bucket:
+            return bucket
+    raise ValueError(f"a sample of {length} tokens exceeds the largest bucket {buckets[-1]}")
+
+
+def pad_fraction(lengths: list[int], max_length: int) -> float:
+    """Share of pad tokens when every sample is padded to max_length."""
+    return 1 - sum(lengths) / (len(lengths) * max_length)
+
+
+def bucketed_pad_fraction(lengths: list[int], buckets: list[int]) -> float:
+    """Share of pad tokens when every sample is padded to the smallest bucket that holds it."""
+    return 1 - sum(lengths) / sum(bucket_for(n, buckets) for n in lengths)
+
+
+# --------------------------------------------------------------------------- text
+
+
+def format_report(report: DataReport) -> str:
+    """The report as aligned plain text."""
+    out = [
+        f"data.source = {report.source}   model = {report.model}   "
+        f"max_length = {report.max_length}   max_summary_tokens = {report.max_summary_tokens}",
+        "",
+    ]
+    rows = report.rows["splits"]
+    out += _table(
+        ["rows", "read", "kept", "skipped", "held out"],
+        [[name, r["read"], r["kept"], sum(r["skipped"].values()), r["held_out"] or "-"] for name, r in rows.items()],
+    )
+    if report.rows["skipped"]:
+        out.append("skipped rows by reason:")
+        for reason, count in report.rows["skipped"].items():
+            where = ", ".join(f"{name} {r['skipped'][reason]}" for name, r in rows.items() if reason in r["skipped"])
+            out.append(f"  {count:>6}  {reason}  ({where})")
+    else:
+        out.append("skipped rows: none")
+    out.append("")
+
+    length_rows = []
+    for s in report.splits:
+        for what, lengths in (
+            ("transcript", s.transcript_tokens),
+            ("summary", s.summary_tokens),
+            ("sample as trained", s.sample_tokens),
+        ):
+            length_rows.append([s.name, what, lengths.p50, lengths.p90, lengths.p99, lengths.max])
+    out += _table(["tokens", "", "p50", "p90", "p99", "max"], length_rows, text_columns=2)
+    out.append("")
+
+    out += _table(
+        ["truncation", "samples", "transcripts cut", "cut mean", "cut max", "summaries capped", "capped max"],
+        [
+            [
+                s.name,
+                s.samples,
+                s.transcripts_cut,
+                f"{s.transcript_cut_mean:.0f}" if s.transcripts_cut else "-",
+                s.transcript_cut_max if s.transcripts_cut else "-",
+                s.summaries_capped,
+                s.summary_cut_max if s.summaries_capped else "-",
+            ]
+            for s in report.splits
+        ],
+    )
+    out.append("(cut mean/max: transcript tokens removed from the samples that were cut)")
+    out.append("")
+
+    bucket_names = "/".join(str(b) for b in report.buckets)
+    out += _table(
+        ["padding", f"static {report.max_length}", f"buckets {bucket_names}", "samples per bucket"],
+        [
+            [s.name, _percent(s.pad_fraction), _percent(s.bucket_pad_fraction), "/".join(map(str, s.bucket_samples))]
+            for s in report.splits
+        ],
+    )
+    out.append("(pad share of all tokens; buckets: each sample padded to the smallest bucket that holds it)")
+    return "\n".join(out)
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _table(header: list[str], rows: list[list[Any]], text_columns: int = 1) -> list[str]:
+    """Aligned columns: the first `text_columns` to the left, the numbers to the right."""
+    cells = [header] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    return [
+        "  ".join(
+            cell.ljust(width) if i < text_columns else cell.rjust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in cells
+    ]
