@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 import uuid
 from importlib import resources
@@ -32,6 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key")
     train.add_argument("--nproc", type=int, default=None, help="local processes (default: parallel.pp x dp)")
     train.add_argument("--quiet", action="store_true", help="no progress bar or per-step lines")
+    train.add_argument(
+        "--resume", action="store_true", help="continue from the newest committed checkpoint in output.dir"
+    )
+    train.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="K",
+        help="restart the workers up to K times after a failure; they resume from the newest checkpoint",
+    )
 
     data = commands.add_parser("data", help="look at a config's data before training")
     data_commands = data.add_subparsers(dest="data_command", required=True)
@@ -96,7 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_eval(args)
         if args.command == "report":
             return run_report(args.runs, args.out)
-        return run_train(load_config(args.config, args.set), args.nproc, args.quiet)
+        config = load_config(args.config, args.set)
+        if args.resume:
+            config.train.resume = "auto"
+        return run_train(config, args.nproc, args.quiet, args.max_restarts)
     except ConfigError as e:
         print(f"pipetune: error: {e}", file=sys.stderr)
         return 2
@@ -108,20 +122,26 @@ def demo_config() -> Config:
         return load_config(path)
 
 
-def run_train(config: Config, nproc: int | None = None, quiet: bool = False) -> int:
+def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max_restarts: int = 0) -> int:
     """Validate, then train here (under torchrun, or one process) or start nproc local workers."""
+    from pipetune.checkpoint import find_resume_checkpoint
     from pipetune.preflight import preflight
     from pipetune.train import run_training
 
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts {max_restarts} must be >= 0")
     if under_launcher():
-        run_training(config, quiet)
+        if max_restarts:
+            print("pipetune: note: --max-restarts is the launcher's job under torchrun; use torchrun --max-restarts")
+        run_training(config, quiet)  # a group restarted by torchrun resumes from the newest checkpoint
         return 0
     world_size = nproc or config.parallel.pp * config.parallel.dp
     preflight(config, world_size)  # fail here, once, before any process starts
-    if world_size == 1:
+    find_resume_checkpoint(config)  # likewise: a checkpoint that cannot be resumed, or one a fresh start would clobber
+    if world_size == 1 and max_restarts == 0:
         run_training(config, quiet)
         return 0
-    return launch_local(config, world_size, quiet)
+    return launch_local(config, world_size, quiet, max_restarts)
 
 
 def launch_local(config: Config, nproc: int, quiet: bool = False, max_restarts: int = 0) -> int:
@@ -185,6 +205,7 @@ def run_demo(out: Path, steps: int | None, nproc: int) -> int:
     config.parallel.pp = nproc
     if steps is not None:
         config.train.max_steps = steps
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # the demo always starts over
     code = run_train(config, nproc)
     if code == 0:
         show_results(config)

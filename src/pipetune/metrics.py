@@ -36,15 +36,29 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 class MetricsWriter:
-    """Appends one row per log step to metrics.csv, flushing each row so a killed run keeps its log."""
+    """Appends one row per log step to metrics.csv, flushing each row so a killed run keeps its log.
 
-    def __init__(self, path: Path, n_ranks: int) -> None:
+    `keep_until_step` continues a resumed run's file: its rows up to that step stay, later ones
+    (written after the checkpoint, before the run died) go, so the file reads as one run.
+    """
+
+    def __init__(self, path: Path, n_ranks: int, keep_until_step: int | None = None) -> None:
         self.columns = SEED_COLUMNS + EXTRA_COLUMNS + [f"peak_gb_rank{i}" for i in range(n_ranks)]
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "w", newline="")
+        kept: list[dict] = []
+        if keep_until_step is not None and path.is_file():
+            with open(path, newline="") as f:
+                reader = csv.DictReader(f)
+                kept = [row for row in reader if row.get("step", "").isdigit() and int(row["step"]) <= keep_until_step]
+                self.columns += [c for c in reader.fieldnames or [] if c not in self.columns]  # e.g. another pp
+        tmp = path.with_name(f".{path.name}.tmp")
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self.columns)
+            writer.writeheader()
+            writer.writerows(kept)
+        tmp.replace(path)
+        self._file = open(path, "a", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=self.columns)
-        self._writer.writeheader()
-        self._file.flush()
 
     def write(self, row: dict) -> None:
         self._writer.writerow({key: _format(value) for key, value in row.items()})

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from pipetune.checkpoint import Position, find_resume_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from pipetune.config import Config, save_config
 from pipetune.data.batching import IGNORE, epoch_batches, tokenize_split
 from pipetune.data.sources import load_dataset
@@ -40,20 +44,50 @@ class RunResult:
     """Logged loss of every metrics row (rank 0; empty elsewhere)."""
 
 
+class TrainingError(Exception):
+    """The run cannot go on (non-finite steps in a row, a peer that stopped); the message says why and what to do."""
+
+
+@dataclass
+class LoopStatus:
+    """Where this rank is, for the message when a peer stops responding."""
+
+    step: int = 0
+    phase: str = "setup"
+
+
 def run_training(config: Config, quiet: bool = False) -> RunResult:
-    env = init_distributed()
+    """Train in this process (one rank); a TrainingError or a lost peer ends it with one line and exit code 1."""
+    env = init_distributed(config.parallel.timeout_s)
+    status = LoopStatus()
     try:
-        return train(config, env, quiet)
+        return train(config, env, quiet, status)
+    except TrainingError as e:
+        print(f"pipetune: error: rank {env.rank}: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    except RuntimeError as e:
+        message = peer_failure(e, env.rank, status, config.parallel.timeout_s)
+        if message is None:
+            raise
+        print(f"pipetune: error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     finally:
         close_distributed()
 
 
-def train(config: Config, env: DistEnv, quiet: bool = False) -> RunResult:
+def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus | None = None) -> RunResult:
     def print0(*args: object) -> None:
         if env.is_main and not quiet:
             print(*args, flush=True)
 
+    def warn0(message: str) -> None:  # printed even when quiet
+        if env.is_main:
+            print(f"pipetune: warning: {message}", file=sys.stderr, flush=True)
+
+    status = status or LoopStatus()
     prepared = preflight(config, env.world_size)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # the launcher restarted the group
+    resume_from = find_resume_checkpoint(config, restarted)
     t, p = config.train, config.parallel
     device = env.device
     run_dir = Path(config.output.dir)
@@ -135,21 +169,33 @@ def train(config: Config, env: DistEnv, quiet: bool = False) -> RunResult:
         optimizer, lambda s: lr_factor(s, t.warmup_steps, total_steps, t.min_lr_ratio)
     )
 
+    # ------------------------------------------------------------------ resume: adapters, optimizer, RNG, data position
+    # Optimizer state is saved by full-model parameter name, so another pipeline layout can load it.
+    param_names = {param: name for name, param in peft_model.named_parameters() if param.requires_grad}
+    position = Position()
+    if resume_from is not None:
+        position = load_checkpoint(resume_from, env.rank, peft_model, optimizer, scheduler, param_names)
+        print0(f"resumed from {resume_from.path} at step {position.step}")
+
     # ------------------------------------------------------------------ loop
-    writer = MetricsWriter(run_dir / "metrics.csv", env.world_size) if env.is_main else None
+    writer = None
+    if env.is_main:  # a resumed run continues metrics.csv from its checkpoint's step
+        writer = MetricsWriter(run_dir / "metrics.csv", env.world_size, position.step if resume_from else None)
     progress = ProgressReporter(total_steps, enabled=env.is_main and not quiet)
+    faults = FaultInjection.from_env(env.rank, env.world_size)
     losses: list[float] = []
-    step = 0
+    step, skipped_in_row = position.step, position.skipped_in_row
     window = _Window(device)
     reset_peak_memory(device)
-    for epoch in range(t.epochs):
+    for epoch in range(position.epoch, t.epochs):
         if step >= total_steps:
             break
-        batches = epoch_batches(len(train_split), t.batch_size, t.seed, epoch)
+        batches = epoch_batches(len(train_split), t.batch_size, t.seed, epoch)  # the same order on every (re)start
         device_batches = batches.to(device)
-        for i in range(steps_per_epoch):
+        for i in range(position.batch if epoch == position.epoch else 0, steps_per_epoch):
             if step >= total_steps:
                 break
+            status.step, status.phase = step + 1, "pipeline send/recv"
             group = slice(i * t.grad_accum, (i + 1) * t.grad_accum)
             n_supervised = int(supervised[batches[group].flatten()].sum())
             loss_fn.normalizer = max(n_supervised, 1)  # all-masked step: loss 0, never 0/0
@@ -163,11 +209,30 @@ def train(config: Config, env: DistEnv, quiet: bool = False) -> RunResult:
                     step_loss += out
                 if recording:
                     save_timeline(timeline, env, run_dir, config)
-            grad_norm = clip_global_grad_norm(params, t.max_grad_norm, device)
+            faults.before_grad_norm(step + 1, params)
+            status.phase = "gradient-norm all-reduce"
+            grad_norm, bad_stages = clip_global_grad_norm(params, t.max_grad_norm, device, step_loss)
             lr = optimizer.param_groups[0]["lr"]
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
+            if bad_stages:  # every rank got the same flags from the all-reduce: all skip together
+                optimizer.zero_grad(set_to_none=True)
+                skipped_in_row += 1
+                warn0(
+                    f"step {step + 1}: non-finite loss or gradient norm on stage {', '.join(map(str, bad_stages))}; "
+                    f"optimizer step skipped ({skipped_in_row} in a row, the run stops at {t.max_skipped_steps})"
+                )
+                if skipped_in_row >= t.max_skipped_steps:
+                    last = latest_checkpoint(run_dir)
+                    raise TrainingError(
+                        f"{skipped_in_row} optimizer steps in a row (up to step {step + 1}) had a non-finite loss or "
+                        f"gradient norm; stopping. The last committed checkpoint is "
+                        f"{last.path if last else 'none'}. Lower train.lr, check the data, or raise "
+                        "train.max_skipped_steps, then resume with --resume"
+                    )
+            else:
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                skipped_in_row = 0
             step += 1
             window.add(
                 step_loss,
@@ -175,20 +240,32 @@ def train(config: Config, env: DistEnv, quiet: bool = False) -> RunResult:
                 t.batch_size * t.grad_accum * input_ids.shape[1],
                 int(train_split.real_tokens[batches[group].flatten()].sum()),
                 n_supervised,
+                skipped=bool(bad_stages),
             )
+            faults.after_step(step, saved=False)
 
-            if step % t.log_every == 0 or step == total_steps:
+            epoch_end = i == steps_per_epoch - 1
+            save = (t.save_every > 0 and step % t.save_every == 0) or epoch_end or step == total_steps
+            if step % t.log_every == 0 or save:  # a row at every checkpoint: a resumed run logs the same rows
+                status.phase = "metrics all-gather"
                 row = window.flush(env, runner.is_last)
                 row.update(strategy=p.strategy, epoch=epoch, step=step, lr=lr)
                 if writer is not None:
                     writer.write(row)
                     losses.append(row["loss"])
                 progress.update(step, row)
+            if save:
+                status.phase = "checkpoint barrier"
+                after = Position(step, epoch + 1, 0) if epoch_end else Position(step, epoch, i + 1)
+                after.skipped_in_row = skipped_in_row
+                save_checkpoint(config, after, env.rank, env.world_size, peft_model, optimizer, scheduler, param_names)
+                faults.after_step(step, saved=True)
     progress.close()
     if writer is not None:
         writer.close()
 
     # ------------------------------------------------------------------ adapter: one PEFT directory from all stages
+    status.phase = "adapter gather"
     state = adapter_state(peft_model)
     if env.distributed:
         gathered: list[dict] | None = [None] * env.world_size if env.is_main else None
@@ -226,17 +303,86 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def clip_global_grad_norm(params: list[torch.Tensor], max_norm: float, device: torch.device) -> torch.Tensor:
-    """The L2 norm of all stages' gradients together (one all-reduce of squared norms), then clip by it."""
+def clip_global_grad_norm(
+    params: list[torch.Tensor], max_norm: float, device: torch.device, loss: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list[int]]:
+    """The L2 norm of all stages' gradients together, and the ranks that saw a non-finite loss or gradient norm.
+
+    One all-reduce carries the squared norm and one flag per rank. Clips by the norm when all are finite.
+    """
     grads = [param.grad for param in params if param.grad is not None]
     local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=device)
-    squared = local.float().pow(2)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    finite = torch.isfinite(local) if loss is None else torch.isfinite(local) & torch.isfinite(loss)
+    packed = torch.zeros(1 + world, device=device)
+    packed[0] = local.float().pow(2)
+    packed[1 + rank] = (~finite).float()
     if dist.is_initialized():
-        dist.all_reduce(squared)
-    total = squared.sqrt()
-    if max_norm > 0:
+        dist.all_reduce(packed)
+    flags = packed[1:].cpu()  # the one host sync of a step: skipping must be decided on the host
+    bad_ranks = [r for r in range(world) if flags[r] > 0]
+    total = packed[0].sqrt()
+    if max_norm > 0 and not bad_ranks:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return total
+    return total, bad_ranks
+
+
+def peer_failure(error: RuntimeError, rank: int, status: LoopStatus, timeout_s: float) -> str | None:
+    """One line for a collective that failed because a peer timed out or died (gloo raises both), else None."""
+    text = str(error)
+    detail = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
+    where = f"the {status.phase} of step {status.step}" if status.step else f"the {status.phase}"
+    if "Timed out" in text or "timed out" in text:
+        return (
+            f"rank {rank} waited {timeout_s:g} s for a peer in {where} and gave up ({detail}). A peer stopped "
+            "responding: check the other ranks' output for a crash or hang, or raise parallel.timeout_s if a "
+            "step legitimately takes longer"
+        )
+    if "Connection closed by peer" in text or "Connection reset by peer" in text or "Broken pipe" in text:
+        return f"rank {rank} lost a peer in {where}: another rank exited; its output says why ({detail})"
+    return None
+
+
+class FaultInjection:
+    """Fault-injection hooks for tests, read from the environment; all off unless set (see docs/errors.md).
+
+    PIPETUNE_TEST_KILL_AT_STEP=N[:saved]  the highest rank SIGKILLs itself right after optimizer step N, before
+                                          that step's checkpoint (":saved": after it is committed); only in the
+                                          first attempt of a worker group, so a restarted group runs through
+    PIPETUNE_TEST_NAN_AT=S:N[,N...]       stage S's gradients become NaN at steps N, ...
+    PIPETUNE_TEST_HANG_AT=R:N             rank R stops responding before the gradient-norm all-reduce of step N
+    """
+
+    def __init__(self, rank: int, kill_at: tuple[int, bool] | None, nan_at: set[int], hang_at: int | None) -> None:
+        self.rank, self.kill_at, self.nan_at, self.hang_at = rank, kill_at, nan_at, hang_at
+
+    @classmethod
+    def from_env(cls, rank: int, world_size: int) -> FaultInjection:
+        kill_at = None
+        kill = os.environ.get("PIPETUNE_TEST_KILL_AT_STEP", "")
+        first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        if kill and rank == world_size - 1 and first_attempt:
+            step, _, when = kill.partition(":")
+            kill_at = (int(step), when == "saved")
+        nan_at: set[int] = set()
+        stage, _, steps = os.environ.get("PIPETUNE_TEST_NAN_AT", "").partition(":")
+        if stage and int(stage) == rank:
+            nan_at = {int(s) for s in steps.split(",")}
+        hang_at = None
+        hang_rank, _, hang_step = os.environ.get("PIPETUNE_TEST_HANG_AT", "").partition(":")
+        if hang_rank and int(hang_rank) == rank:
+            hang_at = int(hang_step)
+        return cls(rank, kill_at, nan_at, hang_at)
+
+    def before_grad_norm(self, step: int, params: list[torch.Tensor]) -> None:
+        if step in self.nan_at:
+            params[0].grad = torch.full_like(params[0], float("nan"))
+        if step == self.hang_at:
+            time.sleep(3600)  # the peers' timeout ends the run; the launcher then ends this process
+
+    def after_step(self, step: int, saved: bool) -> None:
+        if self.kill_at == (step, saved):
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class _Window:
@@ -249,11 +395,16 @@ class _Window:
     def _reset(self) -> None:
         self.loss = torch.zeros((), device=self.device)
         self.grad_norm = torch.zeros((), device=self.device)
-        self.steps = self.tokens = self.real_tokens = self.supervised = 0
+        self.steps = self.skipped = self.tokens = self.real_tokens = self.supervised = 0
         self.start = time.perf_counter()
 
-    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: int, real: int, supervised: int) -> None:
-        self.loss += loss
+    def add(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: int, real: int, supervised: int, skipped: bool
+    ) -> None:
+        if skipped:  # a skipped step's non-finite loss stays out of the row's mean
+            self.skipped += 1
+        else:
+            self.loss += loss
         self.grad_norm = grad_norm.detach()
         self.steps += 1
         self.tokens += tokens
@@ -267,7 +418,7 @@ class _Window:
         elapsed = time.perf_counter() - self.start
         local = torch.stack(
             [
-                self.loss / self.steps if holds_loss else torch.zeros((), device=self.device),
+                self._mean_loss() if holds_loss else torch.zeros((), device=self.device),
                 self.grad_norm.float(),
                 torch.tensor(peak_memory_gb(self.device), device=self.device),
             ]
@@ -291,3 +442,7 @@ class _Window:
         reset_peak_memory(self.device)
         self._reset()
         return row
+
+    def _mean_loss(self) -> torch.Tensor:
+        counted = self.steps - self.skipped
+        return self.loss / counted if counted else torch.full((), float("nan"), device=self.device)
