@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import resource
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -116,3 +117,92 @@ class ProgressReporter:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
+
+
+class TensorBoardWriter:
+    """Mirrors each metrics row into TensorBoard scalars (output.tensorboard = true); does nothing when disabled.
+
+    Every row is flushed at once, like metrics.csv, so a killed run keeps its curves and close() is optional.
+    """
+
+    def __init__(self, log_dir: Path, enabled: bool = True) -> None:
+        self._writer = None
+        if not enabled:
+            return
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            from pipetune.config import ConfigError
+
+            raise ConfigError(
+                "output.tensorboard = true needs the tensorboard package: pip install 'pipetune[plots]', "
+                "or set output.tensorboard = false"
+            ) from None
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, row: dict) -> None:
+        if self._writer is None:
+            return
+        step = int(row["step"])
+        for key, value in row.items():
+            if key in ("step", "epoch") or isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+                continue
+            self._writer.add_scalar(key, float(value), step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+class TaskProgress:
+    """Rich progress bars for counted work (generation, evaluation), drawn on stderr so stdout keeps the results.
+
+    Silent when disabled or when stderr is not a terminal. `task()` returns the callback that advances a bar.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self._bar = None
+        if not enabled:
+            return
+        from rich.console import Console
+
+        console = Console(stderr=True)
+        if console.is_terminal:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self._bar = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=console,
+            )
+            self._bar.start()
+
+    def task(self, description: str, total: int) -> Callable[[int], None]:
+        """A new bar of `total` items; call the returned function with the number of items just done."""
+        if self._bar is None:
+            return lambda n=1: None
+        bar, task_id = self._bar, self._bar.add_task(description, total=total)
+        return lambda n=1: bar.advance(task_id, n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
+
+    def __enter__(self) -> TaskProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

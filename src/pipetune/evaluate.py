@@ -1,0 +1,147 @@
+"""ROUGE and token loss of the base model and the fine-tuned one on a held-out split.
+
+    pipetune eval --run runs/demo
+    pipetune eval --adapter runs/x/adapter --config my.toml --split test --limit 50
+
+Both models are the same PEFT model: the base is scored with the adapter disabled, so the
+comparison isolates what fine-tuning learned. ROUGE is rouge-score's F-measure (Porter stemmer),
+averaged over the split; for ROUGE-Lsum each text is split into one sentence per line first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pipetune.config import Config, ConfigError
+from pipetune.data.batching import tokenize_split
+from pipetune.data.sources import load_dataset
+from pipetune.generate import load_finetuned, mean_token_loss, summarize
+from pipetune.metrics import TaskProgress
+
+ROUGE_KEYS = ("rouge1", "rouge2", "rougeLsum")
+ROUGE_NAMES = {"rouge1": "ROUGE-1", "rouge2": "ROUGE-2", "rougeLsum": "ROUGE-Lsum"}
+N_EXAMPLES_SAVED = 3
+"""Generated summaries kept in eval.json beside the scores, for a look at what the numbers mean."""
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def split_sentences(text: str) -> str:
+    """One sentence per line (a break after '. ', '! ' and '? '): the form ROUGE-Lsum reads sentences from."""
+    return "\n".join(part.strip() for part in _SENTENCE_END.split(text.strip()) if part.strip())
+
+
+def rouge_scorer() -> object:
+    """rouge-score's scorer for ROUGE-1/2/Lsum with the Porter stemmer; a clear error when it is missing."""
+    try:
+        from rouge_score import rouge_scorer as scorers
+    except ImportError:
+        raise ConfigError(
+            "ROUGE needs the rouge-score package, which is not installed: pip install 'pipetune[eval]'"
+        ) from None
+    return scorers.RougeScorer(list(ROUGE_KEYS), use_stemmer=True)
+
+
+def rouge_scores(predictions: list[str], references: list[str], scorer: object | None = None) -> dict[str, float]:
+    """ROUGE-1, ROUGE-2 and ROUGE-Lsum F-measures (0..1), each averaged over the pairs."""
+    if len(predictions) != len(references):
+        raise ValueError(f"{len(predictions)} predictions for {len(references)} references")
+    scorer = scorer or rouge_scorer()
+    sums = dict.fromkeys(ROUGE_KEYS, 0.0)
+    for prediction, reference in zip(predictions, references, strict=True):
+        scores = scorer.score(split_sentences(reference), split_sentences(prediction))  # (target, prediction)
+        for key in ROUGE_KEYS:
+            sums[key] += scores[key].fmeasure
+    return {key: total / max(len(predictions), 1) for key, total in sums.items()}
+
+
+@dataclass
+class ModelScores:
+    rouge1: float
+    rouge2: float
+    rougeLsum: float  # noqa: N815 (rouge-score's name)
+    loss: float
+    """Mean cross-entropy per summary token (teacher forcing), as in training."""
+
+
+@dataclass
+class EvalResult:
+    split: str
+    n_examples: int
+    max_new_tokens: int
+    adapter: str
+    base: ModelScores
+    finetuned: ModelScores
+    examples: list[dict[str, str]] = field(default_factory=list)
+    """The first few meetings: reference, base and fine-tuned summaries."""
+
+    def table(self) -> str:
+        """Scores in percent (ROUGE) and nats per token (loss), one row per model."""
+        header = f"{'model':<12}" + "".join(f"{ROUGE_NAMES[key]:>12}" for key in ROUGE_KEYS) + f"{'loss':>10}"
+        lines = [
+            f"{self.split}: {self.n_examples} meetings, greedy, at most {self.max_new_tokens} new tokens",
+            header,
+        ]
+        for name, scores in (("base", self.base), ("fine-tuned", self.finetuned)):
+            values = "".join(f"{100 * getattr(scores, key):>12.1f}" for key in ROUGE_KEYS)
+            lines.append(f"{name:<12}{values}{scores.loss:>10.3f}")
+        return "\n".join(lines)
+
+    def save(self, path: str | Path) -> Path:
+        """Write eval.json through a temporary file and a rename."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2, ensure_ascii=False) + "\n")
+        os.replace(tmp, path)
+        return path
+
+
+def evaluate(
+    config: Config,
+    adapter_dir: str | Path,
+    split: str = "validation",
+    limit: int | None = None,
+    max_new_tokens: int | None = None,
+    batch_size: int = 8,
+    progress: TaskProgress | None = None,
+) -> EvalResult:
+    """Generate summaries of `split` with the base and the fine-tuned model; score ROUGE and token loss of each."""
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--limit {limit} must be at least 1 (or left out for the whole split)")
+    max_new_tokens = max_new_tokens or config.data.max_summary_tokens
+    dataset = load_dataset(config.data, seed=config.train.seed)
+    if split not in dataset.splits or not dataset.splits[split]:
+        available = ", ".join(name for name, rows in dataset.splits.items() if rows) or "none"
+        raise ConfigError(
+            f"--split {split!r}: data.source = {config.data.source!r} has no such split (splits: {available}); "
+            "choose one of those, or hold out a validation split with data.validation_fraction"
+        )
+    examples = dataset.splits[split][:limit]
+    scorer = rouge_scorer()  # a missing rouge-score fails here, before the model is built
+
+    model, prepared = load_finetuned(config, adapter_dir)
+    tokenized = tokenize_split(examples, prepared.prompts, prepared.pad_id)
+    transcripts = [example.transcript for example in examples]
+    references = [example.summary for example in examples]
+    progress = progress or TaskProgress(enabled=False)
+
+    def score(name: str) -> tuple[ModelScores, list[str]]:
+        loss = mean_token_loss(model, tokenized, batch_size)
+        generated = summarize(
+            model, prepared, transcripts, max_new_tokens, batch_size, progress=progress.task(name, len(examples))
+        )
+        return ModelScores(**rouge_scores(generated, references, scorer), loss=loss), generated
+
+    with model.disable_adapter():
+        base, base_summaries = score("base")
+    finetuned, tuned_summaries = score("fine-tuned")
+    shown = [
+        {"reference": references[i], "base": base_summaries[i], "finetuned": tuned_summaries[i]}
+        for i in range(min(N_EXAMPLES_SAVED, len(examples)))
+    ]
+    return EvalResult(split, len(examples), max_new_tokens, str(adapter_dir), base, finetuned, shown)

@@ -1,0 +1,86 @@
+"""ROUGE on hand-checked pairs, and `pipetune eval` showing that a short demo-like fine-tune beats the base."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipetune.cli import main
+from pipetune.config import ConfigError
+from pipetune.evaluate import rouge_scores, split_sentences
+from tests.conftest import REPO, run_cli
+
+# Hand counts (rouge-score lowercases, drops punctuation, stems; F = 2PR / (P + R)):
+#   "the cat sat on the mat" vs "the cat lay on the mat": unigrams 5 of 6 shared (the x2, cat, on, mat) -> 5/6;
+#     bigrams the-cat, on-the, the-mat: 3 of 5 on each side -> 3/5.
+#   "team chose rubber" vs "the team chose a rubber case": unigrams P 3/3, R 3/6 -> 2/3;
+#     bigrams team-chose only: P 1/2, R 1/5 -> 2/7.
+CAT = ("the cat sat on the mat", "the cat lay on the mat")
+TEAM = ("team chose rubber", "the team chose a rubber case")
+
+
+def test_rouge_matches_hand_counts() -> None:
+    cat = rouge_scores([CAT[0]], [CAT[1]])
+    assert cat["rouge1"] == pytest.approx(5 / 6) and cat["rouge2"] == pytest.approx(3 / 5)
+    team = rouge_scores([TEAM[0]], [TEAM[1]])
+    assert team["rouge1"] == pytest.approx(2 / 3) and team["rouge2"] == pytest.approx(2 / 7)
+    both = rouge_scores([CAT[0], TEAM[0]], [CAT[1], TEAM[1]])
+    assert both["rouge1"] == pytest.approx((5 / 6 + 2 / 3) / 2)
+    assert both["rouge2"] == pytest.approx((3 / 5 + 2 / 7) / 2)
+    assert rouge_scores([""], ["the team met"]) == {"rouge1": 0.0, "rouge2": 0.0, "rougeLsum": 0.0}
+
+
+def test_rouge_lsum_reads_sentences() -> None:
+    """Two sentences in swapped order: one LCS over the whole text finds 3 of 6 tokens, per sentence all 6."""
+    prediction, reference = "they chose rubber. the team met.", "the team met. they chose rubber."
+    assert split_sentences(reference) == "the team met.\nthey chose rubber."
+    scores = rouge_scores([prediction], [reference])
+    assert scores["rougeLsum"] == pytest.approx(1.0)
+    # bigrams: 4 of 5 shared (rubber-the and met-they cross the sentence boundary) -> 4/5
+    assert scores["rouge1"] == pytest.approx(1.0) and scores["rouge2"] == pytest.approx(4 / 5)
+
+
+def test_missing_rouge_score_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "rouge_score", None)  # import fails as when not installed
+    with pytest.raises(ConfigError, match=r"pip install 'pipetune\[eval\]'"):
+        rouge_scores(["a"], ["a"])
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's settings, 25 optimizer steps instead of 150 (about 30 s on 2 cores)."""
+    out = tmp_path_factory.mktemp("eval") / "demo25"
+    config = REPO / "src" / "pipetune" / "configs" / "demo.toml"
+    run_cli("train", "--config", str(config), "--set", "train.max_steps=25", "--set", f'output.dir="{out}"', "--quiet")
+    return out
+
+
+def test_finetuned_beats_base(demo_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Measured on 8 validation meetings (48 new tokens): ROUGE-1 2.2 -> 30.9, ROUGE-2 0.0 -> 10.5,
+    ROUGE-Lsum 1.9 -> 28.8, token loss 8.87 -> 3.61. The margins below are 40% of those gaps or less."""
+    code = main(["eval", "--run", str(demo_run), "--limit", "8", "--max-new-tokens", "48", "--quiet"])
+    assert code == 0
+    stdout = capsys.readouterr().out
+    assert "validation: 8 meetings" in stdout and "fine-tuned" in stdout
+
+    result = json.loads((demo_run / "eval.json").read_text())
+    base, tuned = result["base"], result["finetuned"]
+    assert result["n_examples"] == 8 and len(result["examples"]) == 3
+    assert tuned["rouge1"] > base["rouge1"] + 0.10
+    assert tuned["rougeLsum"] > base["rougeLsum"] + 0.10
+    assert tuned["rouge2"] > base["rouge2"] + 0.04
+    assert tuned["loss"] < base["loss"] - 2.0
+
+
+def test_eval_rejects_unknown_split(demo_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["eval", "--run", str(demo_run), "--split", "test", "--quiet"]) == 2
+    error = capsys.readouterr().err
+    assert "--split 'test'" in error and "train, validation" in error
+
+
+def test_eval_needs_a_run_with_an_adapter(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["eval", "--run", str(tmp_path), "--quiet"]) == 2
+    assert "has no adapter/" in capsys.readouterr().err

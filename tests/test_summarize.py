@@ -1,0 +1,137 @@
+"""`pipetune summarize`: the base rebuilt from the run, text / JSONL / stdin inputs, batched generation."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pipetune.cli import main
+from pipetune.config import ConfigError
+from pipetune.data.synthetic import synthetic_splits
+from pipetune.generate import (
+    SUMMARY_FIELD,
+    Sampling,
+    format_summaries,
+    inference_config,
+    load_finetuned,
+    read_transcripts,
+    summarize,
+)
+from tests.conftest import run_cli, tiny_config, write_config
+
+MAX_NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 3-step tiny pipeline run with a non-default seed, so a base rebuilt with the default seed would differ."""
+    out = tmp_path_factory.mktemp("summarize") / "run"
+    config = write_config(tiny_config(out, "train.seed=7"), out.parent / "train.toml")
+    run_cli("train", "--config", str(config), "--quiet")
+    return out
+
+
+@pytest.fixture(scope="module")
+def finetuned(run_dir: Path):
+    return load_finetuned(inference_config(run_dir / "adapter").config, run_dir / "adapter")
+
+
+@pytest.fixture(scope="module")
+def meetings() -> list[str]:
+    return [meeting.transcript for meeting in synthetic_splits(seed=3, n_train=1, n_validation=3)["validation"]]
+
+
+def test_base_comes_from_the_runs_config(run_dir: Path, tmp_path: Path) -> None:
+    source = inference_config(run_dir / "adapter")
+    assert source.config_path == run_dir / "config.toml" and not source.warning
+    model = source.config.model
+    assert (model.name, model.dtype, model.init, source.config.train.seed) == ("tiny-qwen3", "float32", "random", 7)
+
+    alone = shutil.copytree(run_dir / "adapter", tmp_path / "adapter")  # no config.toml beside it
+    source = inference_config(alone)
+    assert source.config.model.name == "tiny-qwen3" and source.config.model.init == "random"
+    assert "--config" in source.warning and "seed 42" in source.warning
+    assert inference_config(alone, config_path=run_dir / "config.toml").config.train.seed == 7
+    assert inference_config(alone, base="qwen3-0.6b").config.model.name == "qwen3-0.6b"
+
+    with pytest.raises(ConfigError, match="has no adapter_config.json"):
+        inference_config(tmp_path)
+
+
+def test_cli_summarizes_jsonl_keeping_other_fields(run_dir: Path, finetuned, meetings, tmp_path: Path) -> None:
+    records = [{"id": i, "dialogue": text, "summary": f"reference {i}"} for i, text in enumerate(meetings)]
+    path = tmp_path / "meetings.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    result = run_cli(
+        "summarize",
+        "--adapter",
+        str(run_dir / "adapter"),
+        str(path),
+        "--max-new-tokens",
+        str(MAX_NEW_TOKENS),
+        "--quiet",
+    )
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [line["id"] for line in lines] == [0, 1, 2]
+    assert all(line["summary"] == f"reference {i}" and "dialogue" not in line for i, line in enumerate(lines))
+    # the CLI process rebuilt the same base (seed 7 from config.toml) and the same adapter: same greedy text
+    model, prepared = finetuned
+    expected = summarize(model, prepared, meetings, MAX_NEW_TOKENS, batch_size=2)
+    assert [line[SUMMARY_FIELD] for line in lines] == expected
+
+
+def test_inputs_text_jsonl_and_stdin(tmp_path: Path, meetings) -> None:
+    text = tmp_path / "meeting.txt"
+    text.write_text(meetings[0] + "\n")
+    one = read_transcripts(str(text), "dialogue")
+    assert one.transcripts == [meetings[0]] and one.records is None
+    assert format_summaries(["short summary"], one) == "short summary"
+
+    jsonl = "".join(json.dumps({"dialogue": m, "n": i}) + "\n" for i, m in enumerate(meetings[:2]))
+    piped = read_transcripts("-", "dialogue", stdin=io.StringIO(jsonl))  # JSONL recognised without a suffix
+    assert piped.transcripts == meetings[:2] and [r["n"] for r in piped.records] == [0, 1]
+    out = [json.loads(line) for line in format_summaries(["a", "b"], piped).splitlines()]
+    assert out == [{"n": 0, SUMMARY_FIELD: "a"}, {"n": 1, SUMMARY_FIELD: "b"}]
+    assert read_transcripts("-", "dialogue", stdin=io.StringIO(meetings[1])).transcripts == [meetings[1]]
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"dialogue": "a"}\n{"transcript": "b"}\n')
+    with pytest.raises(ConfigError, match=r"line 2 has no non-empty string field 'dialogue'.*--column"):
+        read_transcripts(str(bad), "dialogue")
+    with pytest.raises(ConfigError, match="is empty"):
+        read_transcripts("-", "dialogue", stdin=io.StringIO("\n \n"))
+    with pytest.raises(ConfigError, match="does not exist"):
+        read_transcripts(str(tmp_path / "missing.txt"), "dialogue")
+
+
+def test_batches_are_left_padded_and_keep_input_order(finetuned, meetings) -> None:
+    """Prompts of different lengths in one left-padded batch give the same greedy text as one at a time."""
+    model, prepared = finetuned
+    texts = [meetings[0], meetings[1][:60], meetings[2][:120]]
+    assert len({len(prepared.prompts.prompt_ids(text)) for text in texts}) == 3  # three widths: real padding
+    done: list[int] = []
+    together = summarize(model, prepared, texts, MAX_NEW_TOKENS, batch_size=3, progress=done.append)
+    assert done == [3]
+    alone = [summarize(model, prepared, [text], MAX_NEW_TOKENS)[0] for text in texts]
+    assert together == alone
+    assert any(together)  # some generated text, not only the stop token
+
+
+def test_sampling_is_seeded_and_checked(finetuned, meetings) -> None:
+    model, prepared = finetuned
+    first = summarize(model, prepared, meetings[:2], MAX_NEW_TOKENS, sampling=Sampling(0.8, 0.9, seed=1))
+    again = summarize(model, prepared, meetings[:2], MAX_NEW_TOKENS, sampling=Sampling(0.8, 0.9, seed=1))
+    assert first == again and len(first) == 2
+    with pytest.raises(ConfigError, match="--temperature 0"):
+        Sampling(temperature=0)
+    with pytest.raises(ConfigError, match="--top-p 1.5"):
+        Sampling(top_p=1.5)
+
+
+def test_cli_rejects_sampling_flags_without_sample(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["summarize", "--adapter", str(run_dir / "adapter"), "--temperature", "0.5", "-"]) == 2
+    assert "add --sample" in capsys.readouterr().err
