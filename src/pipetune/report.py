@@ -1,0 +1,337 @@
+"""Charts and one HTML page for one or more run directories, overlaid so runs can be compared.
+
+    pipetune report runs/demo
+    pipetune report runs/pp2-1f1b runs/pp2-gpipe --out reports/schedules
+
+Reads what runs write: metrics.csv (loss, val_loss when present, tokens/s, peak memory per rank),
+config.toml (the highlights in the table), bench.json (a list of benchmark rows) and eval.json.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import json
+import math
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from pipetune.config import ConfigError
+
+COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
+
+
+@dataclass
+class RunData:
+    """What one run directory holds, as far as the report needs it."""
+
+    path: Path
+    label: str
+    """Legend and table name: the directory name, with parents added when two runs share it."""
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    """metrics.csv rows; numbers parsed, empty cells dropped."""
+    config: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """config.toml as read (raw TOML: a newer run's keys do not break the report)."""
+    bench: list[dict[str, Any]] = field(default_factory=list)
+    evaluation: dict[str, Any] = field(default_factory=dict)
+
+    def series(self, column: str) -> tuple[list[float], list[float]]:
+        """(steps, values) of the rows where `column` holds a number."""
+        points = [(row["step"], row[column]) for row in self.rows if _is_number(row.get(column))]
+        return [p[0] for p in points], [p[1] for p in points]
+
+    def rank_peaks(self) -> list[float]:
+        """Highest peak memory (GB) of each rank over the run; [overall peak] for runs without per-rank columns."""
+        ranks = sorted(
+            {
+                int(key.removeprefix("peak_gb_rank"))
+                for row in self.rows
+                for key in row
+                if key.startswith("peak_gb_rank")
+            }
+        )
+        if not ranks:
+            _, values = self.series("peak_vram_gb")
+            return [max(values)] if values else []
+        return [max(self.series(f"peak_gb_rank{rank}")[1], default=0.0) for rank in ranks]
+
+
+def load_runs(run_dirs: list[str | Path]) -> list[RunData]:
+    paths = [Path(p) for p in run_dirs]
+    for path in paths:
+        if not path.is_dir():
+            raise ConfigError(f"run directory {str(path)!r} does not exist; give directories written by pipetune train")
+        if not (path / "metrics.csv").is_file() and not (path / "bench.json").is_file():
+            raise ConfigError(
+                f"{str(path)!r} holds neither metrics.csv nor bench.json; give a run directory "
+                "(pipetune train writes <output.dir>/metrics.csv)"
+            )
+    return [_load_run(path, label) for path, label in zip(paths, _labels(paths), strict=True)]
+
+
+def _load_run(path: Path, label: str) -> RunData:
+    run = RunData(path, label)
+    if (path / "metrics.csv").is_file():
+        with open(path / "metrics.csv", newline="") as f:
+            for raw in csv.DictReader(f):
+                row = {key: _parse(value) for key, value in raw.items() if key and value not in (None, "")}
+                if _is_number(row.get("step")):  # a row cut short by a live or killed run has no usable step
+                    run.rows.append(row)
+    if (path / "config.toml").is_file():
+        run.config = tomllib.loads((path / "config.toml").read_text())
+    if (path / "bench.json").is_file():
+        bench = json.loads((path / "bench.json").read_text())
+        run.bench = [entry for entry in bench if isinstance(entry, dict)] if isinstance(bench, list) else []
+    if (path / "eval.json").is_file():
+        run.evaluation = json.loads((path / "eval.json").read_text())
+    return run
+
+
+def _labels(paths: list[Path]) -> list[str]:
+    """The shortest path suffixes that tell the runs apart (runs/a/demo and runs/b/demo: a/demo, b/demo)."""
+    parts = [path.resolve().parts for path in paths]
+    for depth in range(1, max(len(p) for p in parts) + 1):
+        labels = ["/".join(p[-depth:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(path) for path in paths]
+
+
+def _parse(value: str) -> Any:
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, float) and math.isfinite(value)
+
+
+# --------------------------------------------------------------------------- charts
+
+
+def _figure(width: float = 7.0, height: float = 4.0) -> Any:
+    """A matplotlib Figure drawn by the Agg canvas: no display, no pyplot global state."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ConfigError(
+            "pipetune report needs matplotlib, which is not installed: pip install 'pipetune[plots]'"
+        ) from None
+    figure = Figure(figsize=(width, height), dpi=110, layout="constrained")
+    FigureCanvasAgg(figure)
+    return figure
+
+
+def plot_loss(runs: list[RunData], path: Path) -> Path | None:
+    """Train loss against step, validation loss dashed in the same color where metrics.csv has val_loss."""
+    figure = _figure()
+    axes = figure.subplots()
+    drawn = False
+    for color, run in zip(COLORS * 10, runs, strict=False):
+        steps, values = run.series("loss")
+        if steps:
+            axes.plot(steps, values, color=color, label=f"{run.label} (train)" if _has(run, "val_loss") else run.label)
+            drawn = True
+        steps, values = run.series("val_loss")
+        if steps:
+            axes.plot(steps, values, color=color, linestyle="--", marker="o", markersize=3, label=f"{run.label} (val)")
+    if not drawn:
+        return None
+    axes.set(xlabel="optimizer step", ylabel="loss (nats per summary token)", title="Loss")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.savefig(path)
+    return path
+
+
+def plot_throughput(runs: list[RunData], path: Path) -> Path | None:
+    """tokens/s (all tokens of the static batches, pads included: the seed's column) against step."""
+    figure = _figure()
+    axes = figure.subplots()
+    drawn = False
+    for color, run in zip(COLORS * 10, runs, strict=False):
+        steps, values = run.series("tokens_per_sec")
+        if steps:
+            axes.plot(steps, values, color=color, marker="o", markersize=3, label=run.label)
+            drawn = True
+    if not drawn:
+        return None
+    axes.set(xlabel="optimizer step", ylabel="tokens/s (all ranks)", title="Throughput")
+    axes.set_ylim(bottom=0)
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.savefig(path)
+    return path
+
+
+def plot_memory(runs: list[RunData], path: Path) -> Path | None:
+    """Peak memory of each rank over the whole run, one group of bars per rank, one bar per run."""
+    peaks = [(run, run.rank_peaks()) for run in runs]
+    peaks = [(run, values) for run, values in peaks if values]
+    if not peaks:
+        return None
+    figure = _figure()
+    axes = figure.subplots()
+    n_ranks = max(len(values) for _, values in peaks)
+    width = 0.8 / len(peaks)
+    for index, (color, (run, values)) in enumerate(zip(COLORS * 10, peaks, strict=False)):
+        positions = [rank - 0.4 + width * (index + 0.5) for rank in range(len(values))]
+        axes.bar(positions, values, width=width, color=color, label=run.label)
+    axes.set_xticks(range(n_ranks), [f"rank {rank}" for rank in range(n_ranks)])
+    axes.set_ylim(0, 1.3 * max(max(values) for _, values in peaks))  # room for the legend above the bars
+    axes.set(ylabel="peak memory (GB)", title="Peak memory per rank (GPU allocations; peak RSS on CPU)")
+    axes.grid(alpha=0.3, axis="y")
+    axes.legend()
+    figure.savefig(path)
+    return path
+
+
+def plot_bench(run: RunData, path: Path) -> Path | None:
+    """bench.json as bars: tokens/s of each benchmarked setting, and its peak memory when recorded."""
+    entries = [entry for entry in run.bench if _is_number(_float(entry.get("tokens_per_sec")))]
+    if not entries:
+        return None
+    names = [bench_label(entry, index) for index, entry in enumerate(entries)]
+    with_memory = any(_is_number(_float(entry.get("peak_gb"))) for entry in entries)
+    figure = _figure(width=4.0 + 0.6 * len(entries), height=4.0 * (2 if with_memory else 1))
+    panels = figure.subplots(2 if with_memory else 1, 1, squeeze=False)[:, 0]
+    bars = panels[0].bar(names, [float(entry["tokens_per_sec"]) for entry in entries], color=COLORS[0])
+    panels[0].bar_label(bars, fmt="{:,.0f}")
+    panels[0].set(ylabel="tokens/s", title=f"Benchmark: {run.label}")
+    if with_memory:
+        values = [_float(entry.get("peak_gb")) for entry in entries]
+        bars = panels[1].bar(names, [v if _is_number(v) else 0.0 for v in values], color=COLORS[1])
+        panels[1].bar_label(bars, fmt="{:.1f}")
+        panels[1].set(ylabel="peak memory (GB)")
+    for axes in panels:
+        axes.tick_params(axis="x", rotation=20)
+        axes.grid(alpha=0.3, axis="y")
+    figure.savefig(path)
+    return path
+
+
+def bench_label(entry: dict[str, Any], index: int) -> str:
+    """A bar's name: the entry's text fields (strategy, schedule, ...) joined, else its position."""
+    words = [str(value) for value in entry.values() if isinstance(value, str) and value]
+    return " ".join(words) or f"#{index + 1}"
+
+
+def _float(value: Any) -> float | None:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _has(run: RunData, column: str) -> bool:
+    return any(_is_number(row.get(column)) for row in run.rows)
+
+
+# --------------------------------------------------------------------------- index.html
+
+
+def summary_row(run: RunData) -> dict[str, str]:
+    """The table row of one run: config highlights, final losses, speed, memory, eval scores."""
+    model, train, parallel = (run.config.get(key, {}) for key in ("model", "train", "parallel"))
+    _, losses = run.series("loss")
+    _, val_losses = run.series("val_loss")
+    _, speeds = run.series("tokens_per_sec")
+    steps, _ = run.series("loss")
+    peaks = run.rank_peaks()
+    batch = train.get("batch_size")
+    if batch is not None and train.get("grad_accum", 1) != 1:
+        batch = f"{batch} x {train['grad_accum']}"
+    tuned = run.evaluation.get("finetuned", {})
+    return {
+        "run": run.label,
+        "model": str(model.get("name", "")),
+        "pp": str(parallel.get("pp", "")),
+        "schedule": str(parallel.get("schedule", "")),
+        "n_microbatches": str(parallel.get("n_microbatches", "")),
+        "batch": "" if batch is None else str(batch),
+        "steps": f"{steps[-1]:.0f}" if steps else "",
+        "final loss": f"{losses[-1]:.4f}" if losses else "",
+        "final val loss": f"{val_losses[-1]:.4f}" if val_losses else "",
+        "median tokens/s": f"{statistics.median(speeds):,.0f}" if speeds else "",
+        "peak GB (max rank)": f"{max(peaks):.2f}" if peaks else "",
+        "eval ROUGE-1": f"{100 * tuned['rouge1']:.1f}" if _is_number(_float(tuned.get("rouge1"))) else "",
+    }
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    columns = [
+        column
+        for column in dict.fromkeys(key for row in rows for key in row)
+        if any(row.get(column, "") != "" for row in rows)
+    ]
+    head = "".join(f"<th>{html.escape(column)}</th>" for column in columns)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(_cell(row.get(column, '')))}</td>" for column in columns) + "</tr>"
+        for row in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    return str(value)
+
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
+table { border-collapse: collapse; margin: 1em 0 2em; }
+th, td { border: 1px solid #ccc; padding: 4px 10px; text-align: right; }
+th:first-child, td:first-child { text-align: left; }
+th { background: #f3f3f3; }
+img { max-width: 100%; margin: 0.5em 1em 1.5em 0; border: 1px solid #eee; }
+"""
+
+
+def write_index(runs: list[RunData], charts: list[Path], bench_charts: dict[str, Path], out: Path) -> Path:
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>pipetune report</title>",
+        f"<style>{_STYLE}</style></head><body>",
+        f"<h1>pipetune report: {html.escape(', '.join(run.label for run in runs))}</h1>",
+        _table([summary_row(run) for run in runs]),
+    ]
+    parts += [f"<img src='{html.escape(chart.name)}' alt='{html.escape(chart.stem)}'>" for chart in charts]
+    for run in runs:
+        if run.bench:
+            parts.append(f"<h2>Benchmark: {html.escape(run.label)}</h2>")
+            parts.append(_table(run.bench))
+            if run.label in bench_charts:
+                parts.append(f"<img src='{html.escape(bench_charts[run.label].name)}' alt='benchmark'>")
+    parts.append("<p>Directories: " + ", ".join(html.escape(str(run.path)) for run in runs) + "</p></body></html>")
+    path = out / "index.html"
+    path.write_text("\n".join(parts) + "\n")
+    return path
+
+
+def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
+    """Render the charts and index.html into `out` (default: <first run>/report/); return index.html's path."""
+    runs = load_runs(run_dirs)
+    out = Path(out) if out is not None else runs[0].path / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    charts = [
+        chart
+        for chart in (
+            plot_loss(runs, out / "loss.png"),
+            plot_throughput(runs, out / "throughput.png"),
+            plot_memory(runs, out / "memory.png"),
+        )
+        if chart is not None
+    ]
+    bench_charts = {}
+    for index, run in enumerate(runs):
+        chart = plot_bench(run, out / (f"bench_{index}.png" if len(runs) > 1 else "bench.png"))
+        if chart is not None:
+            bench_charts[run.label] = chart
+    return write_index(runs, charts, bench_charts, out)

@@ -1,0 +1,124 @@
+"""`pipetune report` renders charts and index.html from run directories; TensorBoard mirrors metrics rows."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from pipetune.cli import main
+from pipetune.config import ConfigError, save_config
+from pipetune.metrics import MetricsWriter, TensorBoardWriter
+from pipetune.report import build_report, load_runs, summary_row
+from tests.conftest import tiny_config
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _row(step: int, loss: float) -> dict:
+    return {
+        "strategy": "pp",
+        "epoch": 0,
+        "step": step,
+        "loss": loss,
+        "tokens_per_sec": 1000.0 + step,
+        "step_time_sec": 0.5,
+        "peak_vram_gb": 0.9,
+        "lr": 1e-3,
+        "real_tokens_per_sec": 800.0,
+        "grad_norm": 1.0,
+        "supervised_tokens": 100,
+        "peak_gb_rank0": 0.9,
+        "peak_gb_rank1": 0.7,
+    }
+
+
+def _run(directory: Path, schedule: str, losses: list[float]) -> Path:
+    """A run directory as training writes it: config.toml and metrics.csv (through MetricsWriter)."""
+    save_config(tiny_config(directory, f'parallel.schedule="{schedule}"'), _mkdir(directory) / "config.toml")
+    writer = MetricsWriter(directory / "metrics.csv", n_ranks=2)
+    for step, loss in enumerate(losses, start=1):
+        writer.write(_row(step, loss))
+    writer.close()
+    return directory
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _add_val_loss(run: Path, values: dict[int, float]) -> None:
+    """Rewrite metrics.csv with a val_loss column filled on some steps (as a run with validation writes it)."""
+    with open(run / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    with open(run / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=[*rows[0], "val_loss"])
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({**row, "val_loss": values.get(int(row["step"]), "")})
+
+
+def test_report_of_two_runs(tmp_path: Path) -> None:
+    first = _run(tmp_path / "runs" / "one" / "sched", "1f1b", [5.0, 4.0, 3.0])
+    second = _run(tmp_path / "runs" / "two" / "sched", "gpipe", [5.5, 4.5, 3.25])
+    _add_val_loss(first, {2: 4.4, 3: 3.3})
+    bench = [
+        {"strategy": "pp", "tokens_per_sec": 3170.0, "peak_gb": 9.7},
+        {"strategy": "ddp", "tokens_per_sec": 19780.0, "peak_gb": 12.1},
+    ]
+    (second / "bench.json").write_text(json.dumps(bench))
+    (second / "eval.json").write_text(json.dumps({"finetuned": {"rouge1": 0.401}}))
+
+    index = build_report([first, second])
+    out = first / "report"  # the default: <first run>/report
+    assert index == out / "index.html"
+    for chart in ("loss.png", "throughput.png", "memory.png", "bench_1.png"):
+        assert (out / chart).read_bytes()[:8] == PNG, chart
+
+    page = index.read_text()
+    assert "one/sched" in page and "two/sched" in page  # same directory name: parents tell them apart
+    assert "1f1b" in page and "gpipe" in page and "tiny-qwen3" in page
+    assert "3.0000" in page and "3.2500" in page and "3.3000" in page  # final loss of each, final val loss
+    assert "40.1" in page  # eval ROUGE-1 of the second run
+    assert "19,780" in page  # the benchmark table
+    for chart in ("loss.png", "throughput.png", "memory.png", "bench_1.png"):
+        assert f"src='{chart}'" in page
+
+    one, two = load_runs([first, second])
+    assert one.series("val_loss") == ([2.0, 3.0], [4.4, 3.3])
+    assert one.rank_peaks() == [0.9, 0.7]
+    row = summary_row(two)
+    assert (row["pp"], row["n_microbatches"], row["batch"], row["steps"]) == ("2", "4", "4 x 2", "3")
+
+
+def test_report_cli_and_bad_directories(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = _run(tmp_path / "run", "1f1b", [2.0, 1.0])
+    assert main(["report", str(run), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "index.html").is_file() and (tmp_path / "out" / "loss.png").is_file()
+    assert not (tmp_path / "out" / "bench.png").exists()
+
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="neither metrics.csv nor bench.json"):
+        load_runs([_mkdir(tmp_path / "empty")])
+
+
+def test_tensorboard_mirrors_metrics_rows(tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    writer = TensorBoardWriter(tmp_path / "tensorboard")
+    for step, loss in ((1, 5.0), (2, 4.0)):
+        writer.write(_row(step, loss))  # no close(): each row is flushed
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert "strategy" not in events.Tags()["scalars"] and "step" not in events.Tags()["scalars"]
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 5.0), (2, 4.0)]
+    assert [e.value for e in events.Scalars("peak_gb_rank1")] == pytest.approx([0.7, 0.7])
+    writer.close()
+
+    disabled = TensorBoardWriter(tmp_path / "off", enabled=False)
+    disabled.write(_row(1, 1.0))
+    assert not (tmp_path / "off").exists()
