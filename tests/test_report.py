@@ -11,7 +11,7 @@ import pytest
 from pipetune.cli import main
 from pipetune.config import ConfigError, save_config
 from pipetune.metrics import MetricsWriter, TensorBoardWriter
-from pipetune.report import build_report, load_runs, summary_row
+from pipetune.report import bench_peak_gb, build_report, load_runs, summary_row
 from tests.conftest import tiny_config
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -65,9 +65,10 @@ def test_report_of_two_runs(tmp_path: Path) -> None:
     first = _run(tmp_path / "runs" / "one" / "sched", "1f1b", [5.0, 4.0, 3.0])
     second = _run(tmp_path / "runs" / "two" / "sched", "gpipe", [5.5, 4.5, 3.25])
     _add_val_loss(first, {2: 4.4, 3: 3.3})
-    bench = [
-        {"strategy": "pp", "tokens_per_sec": 3170.0, "peak_gb": 9.7},
+    bench = [  # pipetune bench's rows (per-rank peaks, a failed strategy) and a plain peak_gb row
+        {"strategy": "pp", "gpus": 2, "tokens_per_sec": 3170.0, "peak_gb_per_rank": [9.7, 8.1], "mfu": 0.03},
         {"strategy": "ddp", "tokens_per_sec": 19780.0, "peak_gb": 12.1},
+        {"strategy": "single", "error": "exit code 1"},
     ]
     (second / "bench.json").write_text(json.dumps(bench))
     (second / "eval.json").write_text(json.dumps({"finetuned": {"rouge1": 0.401}}))
@@ -83,13 +84,14 @@ def test_report_of_two_runs(tmp_path: Path) -> None:
     assert "1f1b" in page and "gpipe" in page and "tiny-qwen3" in page
     assert "3.0000" in page and "3.2500" in page and "3.3000" in page  # final loss of each, final val loss
     assert "40.1" in page  # eval ROUGE-1 of the second run
-    assert "19,780" in page  # the benchmark table
+    assert "19,780" in page and "9.7 8.1" in page and "exit code 1" in page  # the benchmark table
     for chart in ("loss.png", "throughput.png", "memory.png", "bench_1.png"):
         assert f"src='{chart}'" in page
 
     one, two = load_runs([first, second])
     assert one.series("val_loss") == ([2.0, 3.0], [4.4, 3.3])
     assert one.rank_peaks() == [0.9, 0.7]
+    assert [bench_peak_gb(entry) for entry in two.bench] == [9.7, 12.1, None]
     row = summary_row(two)
     assert (row["pp"], row["n_microbatches"], row["batch"], row["steps"]) == ("2", "4", "4 x 2", "3")
 

@@ -199,22 +199,31 @@ def plot_bench(run: RunData, path: Path) -> Path | None:
     if not entries:
         return None
     names = [bench_label(entry, index) for index, entry in enumerate(entries)]
-    with_memory = any(_is_number(_float(entry.get("peak_gb"))) for entry in entries)
+    peaks = [bench_peak_gb(entry) for entry in entries]
+    with_memory = any(_is_number(peak) for peak in peaks)
     figure = _figure(width=4.0 + 0.6 * len(entries), height=4.0 * (2 if with_memory else 1))
     panels = figure.subplots(2 if with_memory else 1, 1, squeeze=False)[:, 0]
     bars = panels[0].bar(names, [float(entry["tokens_per_sec"]) for entry in entries], color=COLORS[0])
     panels[0].bar_label(bars, fmt="{:,.0f}")
     panels[0].set(ylabel="tokens/s", title=f"Benchmark: {run.label}")
     if with_memory:
-        values = [_float(entry.get("peak_gb")) for entry in entries]
-        bars = panels[1].bar(names, [v if _is_number(v) else 0.0 for v in values], color=COLORS[1])
+        bars = panels[1].bar(names, [peak if _is_number(peak) else 0.0 for peak in peaks], color=COLORS[1])
         panels[1].bar_label(bars, fmt="{:.1f}")
-        panels[1].set(ylabel="peak memory (GB)")
+        panels[1].set(ylabel="peak memory (GB, highest rank)")
     for axes in panels:
         axes.tick_params(axis="x", rotation=20)
         axes.grid(alpha=0.3, axis="y")
     figure.savefig(path)
     return path
+
+
+def bench_peak_gb(entry: dict[str, Any]) -> float | None:
+    """A benchmark row's peak memory: `peak_gb`, else the highest of `peak_gb_per_rank` (pipetune bench)."""
+    peak = _float(entry.get("peak_gb"))
+    per_rank = entry.get("peak_gb_per_rank")
+    if peak is None and isinstance(per_rank, list) and per_rank:
+        peak = max((value for value in map(_float, per_rank) if value is not None), default=None)
+    return peak
 
 
 def bench_label(entry: dict[str, Any], index: int) -> str:
@@ -282,6 +291,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
 def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    if isinstance(value, list):
+        return " ".join(_cell(item) for item in value)
     return str(value)
 
 
