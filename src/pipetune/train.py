@@ -62,8 +62,9 @@ def run_training(config: Config, quiet: bool = False) -> RunResult:
     status = LoopStatus()
     try:
         return train(config, env, quiet, status)
-    except TrainingError as e:
-        print(f"pipetune: error: rank {env.rank}: {e}", file=sys.stderr, flush=True)
+    except TrainingError as e:  # every rank reached the same verdict: one of them says it
+        if env.is_main:
+            print(f"pipetune: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     except RuntimeError as e:
         message = peer_failure(e, env.rank, status, config.parallel.timeout_s)

@@ -1,0 +1,155 @@
+"""Checkpoints in one process: a round trip restores everything, markers decide, retention keeps the newest."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipetune.checkpoint import (
+    MARKER,
+    Position,
+    checkpoint_dir,
+    committed_checkpoints,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+)
+from pipetune.metrics import MetricsWriter
+from pipetune.model.load import build_model
+from pipetune.model.lora import adapter_state, apply_lora
+from pipetune.model.split import split_layers
+from pipetune.preflight import prepare
+from tests.conftest import tiny_config
+
+
+def _stage(config, layers: range, first: bool, last: bool, seed: int):
+    """A tiny LoRA stage, its AdamW and scheduler, and the full-model name of each trainable parameter."""
+    base, _ = build_model(prepare(config).model, torch.float32, torch.device("cpu"), layers, first, last, seed=0)
+    model = apply_lora(base, config.lora, config.model.name, seed)
+    names = {param: name for name, param in model.named_parameters() if param.requires_grad}
+    optimizer = torch.optim.AdamW(list(names), lr=1e-3, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (s + 1))
+    return model, optimizer, scheduler, names
+
+
+def _train_a_little(model, optimizer, scheduler, names, steps: int = 2) -> None:
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for param in names:
+            param.grad = torch.randn(param.shape, generator=generator)
+        optimizer.step()
+        scheduler.step()
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory: pytest.TempPathFactory):
+    return tiny_config(tmp_path_factory.mktemp("ckpt") / "run", "parallel.pp=1", "train.keep_checkpoints=5")
+
+
+def test_round_trip_restores_adapter_optimizer_scheduler_rng_and_position(config) -> None:
+    layers = range(0, 4)
+    model, optimizer, scheduler, names = _stage(config, layers, True, True, seed=1)
+    _train_a_little(model, optimizer, scheduler, names)
+    random.seed(5)
+    torch.manual_seed(5)
+    position = Position(step=7, epoch=1, batch=3, skipped_in_row=1)
+    path = save_checkpoint(config, position, 0, 1, model, optimizer, scheduler, names)
+    expected_draws = (torch.rand(3), random.random())
+
+    assert (path / MARKER).is_file() and latest_checkpoint(Path(config.output.dir)).step == 7
+    saved = load_file(path / "adapter.rank0.safetensors")
+    assert sorted(saved) == sorted(adapter_state(model))  # PEFT names, as the final adapter has them
+    assert all(".layers." in name and ".default." not in name for name in saved)
+
+    # A fresh model (another init seed), optimizer and scheduler, and disturbed RNGs.
+    fresh, fresh_optimizer, fresh_scheduler, fresh_names = _stage(config, layers, True, True, seed=2)
+    torch.manual_seed(99)
+    random.seed(99)
+    restored = load_checkpoint(
+        latest_checkpoint(Path(config.output.dir)), 0, fresh, fresh_optimizer, fresh_scheduler, fresh_names
+    )
+
+    assert restored == position
+    for name, tensor in adapter_state(model).items():
+        assert torch.equal(adapter_state(fresh)[name], tensor), name
+    by_name = {fresh_names[p]: p for p in fresh_names}
+    for param, name in names.items():
+        old, new = optimizer.state[param], fresh_optimizer.state[by_name[name]]
+        assert sorted(old) == sorted(new)
+        for field in old:
+            assert torch.equal(old[field], new[field]), (name, field)
+    assert fresh_scheduler.last_epoch == scheduler.last_epoch == 2
+    assert fresh_optimizer.param_groups[0]["lr"] == optimizer.param_groups[0]["lr"]
+    assert torch.equal(torch.rand(3), expected_draws[0]) and random.random() == expected_draws[1]
+
+
+def test_optimizer_state_follows_parameter_names_into_another_layout(config, tmp_path: Path) -> None:
+    """Saved by two stages (layers 0-1 and 2-3), loaded by one process holding all four layers."""
+    two_stage = tiny_config(tmp_path / "run", "parallel.pp=2")
+    parts = []
+    for rank, layers in enumerate(split_layers(4, 2)):
+        stage = _stage(two_stage, layers, rank == 0, rank == 1, seed=1)
+        _train_a_little(*stage)
+        parts.append(stage)
+    position = Position(step=2, epoch=0, batch=2)
+    for rank, (model, optimizer, scheduler, names) in enumerate(parts):
+        save_checkpoint(two_stage, position, rank, 2, model, optimizer, scheduler, names)
+    marker = json.loads((checkpoint_dir(tmp_path / "run", 2) / MARKER).read_text())
+    assert (marker["world_size"], marker["pp"], marker["model"], marker["lora"]["r"]) == (2, 2, "tiny-qwen3", 16)
+
+    whole, optimizer, scheduler, names = _stage(two_stage, range(0, 4), True, True, seed=3)
+    load_checkpoint(latest_checkpoint(tmp_path / "run"), 0, whole, optimizer, scheduler, names)
+    saved = {name: param for _, _, _, stage_names in parts for param, name in stage_names.items()}
+    saved_state = {name: opt.state[p] for _, opt, _, stage_names in parts for p, name in stage_names.items()}
+    assert sorted(names.values()) == sorted(saved)
+    for param, name in names.items():
+        assert torch.equal(param, saved[name]), name
+        assert torch.equal(optimizer.state[param]["exp_avg_sq"], saved_state[name]["exp_avg_sq"]), name
+
+
+def _fake_checkpoint(run_dir: Path, step: int, committed: bool) -> Path:
+    path = checkpoint_dir(run_dir, step)
+    path.mkdir(parents=True)
+    (path / "adapter.rank0.safetensors").write_bytes(b"x")
+    if committed:
+        (path / MARKER).write_text(json.dumps({"step": step, "world_size": 1}))
+    return path
+
+
+def test_retention_keeps_the_newest_and_drops_older_leftovers(tmp_path: Path) -> None:
+    for step, committed in [(2, True), (3, False), (4, True), (6, True), (8, False)]:
+        _fake_checkpoint(tmp_path, step, committed)
+    assert [c.step for c in committed_checkpoints(tmp_path)] == [2, 4, 6]
+    assert latest_checkpoint(tmp_path).step == 6  # step-8 has no marker: never loaded
+
+    removed = prune_checkpoints(tmp_path, keep=2)
+
+    assert sorted(p.name for p in removed) == ["step-2", "step-3"]
+    remaining = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert remaining == ["step-4", "step-6", "step-8"]  # step-8 may be in progress: newer than the newest commit
+    prune_checkpoints(tmp_path, keep=1)
+    assert [c.step for c in committed_checkpoints(tmp_path)] == [6]  # the newest committed one always stays
+
+
+def test_metrics_csv_continues_from_the_checkpoint_step(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.csv"
+    writer = MetricsWriter(path, n_ranks=2)
+    for step in (1, 2, 3, 4):
+        writer.write({"strategy": "pp", "epoch": 0, "step": step, "loss": float(step), "peak_gb_rank1": 0.5})
+    writer.close()
+
+    writer = MetricsWriter(path, n_ranks=1, keep_until_step=2)  # resumed at step 2, with one stage fewer
+    writer.write({"strategy": "pp", "epoch": 0, "step": 3, "loss": 30.0})
+    writer.close()
+
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["step"], r["loss"]) for r in rows] == [("1", "1"), ("2", "2"), ("3", "30")]
+    assert rows[0]["peak_gb_rank1"] == "0.5" and rows[2]["peak_gb_rank1"] == ""

@@ -1,0 +1,119 @@
+"""Kill a rank mid-run and resume: metrics.csv and the adapter equal those of a run never interrupted.
+
+Runs have 2 epochs of 4 optimizer steps, a checkpoint every 3 steps and at epoch ends (3, 4, 6, 8),
+and LoRA dropout, so an exact match needs the dropout RNG of every rank restored.
+PIPETUNE_TEST_KILL_AT_STEP makes the highest rank SIGKILL itself (see train.FaultInjection).
+"""
+
+from __future__ import annotations
+
+import csv
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipetune.checkpoint import MARKER, committed_checkpoints
+from tests.conftest import run_cli, tiny_config, write_config
+
+RUN = ("train.epochs=2", "train.max_steps=-1", "train.save_every=3", "lora.dropout=0.1")
+
+
+def _metrics(run_dir: Path) -> list[tuple[str, str, str]]:
+    """(epoch, step, loss) of every row, as written."""
+    with open(run_dir / "metrics.csv") as f:
+        return [(row["epoch"], row["step"], row["loss"]) for row in csv.DictReader(f)]
+
+
+def _adapter_bytes(run_dir: Path) -> bytes:
+    return (run_dir / "adapter" / "adapter_model.safetensors").read_bytes()
+
+
+def _config_file(tmp: Path, name: str, *overrides: str) -> str:
+    config = tiny_config(tmp / name, *RUN, *overrides)
+    return str(write_config(config, tmp / f"{name}.toml"))
+
+
+def _train(config_file: str, *args: str, check: bool = True):
+    return run_cli("train", "--config", config_file, "--quiet", *args, check=check)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    _train(_config_file(tmp, "run"))
+    return tmp / "run"
+
+
+def test_reference_run_checkpoints_and_keeps_the_last_two(reference: Path) -> None:
+    assert [step for _, step, _ in _metrics(reference)] == [str(s) for s in range(1, 9)]
+    assert [c.step for c in committed_checkpoints(reference)] == [6, 8]
+    assert sorted(p.name for p in (reference / "checkpoints").iterdir()) == ["step-6", "step-8"]
+
+
+def test_killed_and_resumed_run_equals_the_uninterrupted_one(
+    reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config_file = _config_file(tmp_path, "run")
+    run_dir = tmp_path / "run"
+    monkeypatch.setenv("PIPETUNE_TEST_KILL_AT_STEP", "6")  # before step 6's checkpoint is committed
+    killed = _train(config_file, check=False)
+    assert killed.returncode != 0
+    assert "lost a peer" in killed.stderr  # the survivor says what happened instead of hanging
+    assert [c.step for c in committed_checkpoints(run_dir)] == [3, 4]  # a part-written step-6 does not count
+    assert not (run_dir / "adapter").exists()
+
+    monkeypatch.delenv("PIPETUNE_TEST_KILL_AT_STEP")
+    resumed = run_cli("train", "--config", config_file, "--resume")
+    assert f"resumed from {run_dir / 'checkpoints' / 'step-4'} at step 4" in resumed.stdout
+
+    assert _metrics(run_dir) == _metrics(reference)  # every row once, losses identical
+    assert _adapter_bytes(run_dir) == _adapter_bytes(reference)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-6", "step-8"]
+
+
+def test_max_restarts_finishes_a_run_whose_rank_was_killed(
+    reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed mid-epoch, right after step 3's checkpoint is committed; the restarted group resumes from it."""
+    monkeypatch.setenv("PIPETUNE_TEST_KILL_AT_STEP", "3:saved")  # fires in the first attempt only
+    result = run_cli("train", "--config", _config_file(tmp_path, "run"), "--max-restarts", "1")
+    assert "exitcode: -9" in result.stderr  # a rank really died
+    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step-3'} at step 3" in result.stdout
+    assert _metrics(tmp_path / "run") == _metrics(reference)
+    assert _adapter_bytes(tmp_path / "run") == _adapter_bytes(reference)
+
+
+def test_checkpoint_of_two_stages_resumes_under_four(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Adapter and optimizer state are keyed by full-model names: the layout may change on resume.
+
+    Without dropout (its random stream belongs to a rank, not a layer), the continued run matches.
+    """
+    tmp = tmp_path_factory.mktemp("layout")
+    reference = tmp / "pp2"
+    _train(_config_file(tmp, "pp2", "lora.dropout=0.0", "train.keep_checkpoints=4"))
+    assert [c.step for c in committed_checkpoints(reference)] == [3, 4, 6, 8]
+
+    # The pp=2 run as it stood at step 4: its checkpoints up to there, metrics.csv (trimmed on resume).
+    resumed = tmp / "pp4"
+    resumed.mkdir()
+    shutil.copy(reference / "metrics.csv", resumed / "metrics.csv")
+    for step in (3, 4):
+        shutil.copytree(reference / "checkpoints" / f"step-{step}", resumed / "checkpoints" / f"step-{step}")
+    config_file = _config_file(tmp, "pp4", "lora.dropout=0.0", "parallel.pp=4")
+    _train(config_file, "--resume")
+
+    expected = [float(loss) for _, step, loss in _metrics(reference) if int(step) > 4]
+    got = [float(loss) for _, step, loss in _metrics(resumed) if int(step) > 4]
+    assert len(got) == len(expected) == 4
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+    ref_adapter, adapter = (
+        load_file(reference / "adapter" / "adapter_model.safetensors"),
+        load_file(resumed / "adapter" / "adapter_model.safetensors"),
+    )
+    assert sorted(adapter) == sorted(ref_adapter)
+    for name, tensor in ref_adapter.items():
+        assert float((adapter[name] - tensor).norm() / tensor.norm()) < 1e-5, name
+    assert (resumed / "checkpoints" / "step-8" / MARKER).is_file()
