@@ -7,6 +7,7 @@ rank spends outside those actions within the step is its bubble: waiting for its
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -69,6 +70,13 @@ class StageTimeline:
 
     def start(self) -> None:
         self._marks.clear()
+        self._profiler = None
+        if os.environ.get("PIPETUNE_PROFILE") == "1":  # diagnosis: torch.profiler tables of the recorded step
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.clock.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=activities)
+            self._profiler.__enter__()
         self._origin = self.clock.now()
         self.recording = True
 
@@ -78,6 +86,11 @@ class StageTimeline:
         self.recording = False
         if self.clock.device.type == "cuda":
             torch.cuda.synchronize(self.clock.device)
+        if self._profiler is not None:
+            self._profiler.__exit__(None, None, None)
+            averages = self._profiler.key_averages()
+            for sort_by in ("self_cpu_time_total", "self_device_time_total"):
+                print(f"rank {self.rank} profile by {sort_by}:\n{averages.table(sort_by=sort_by, row_limit=12)}")
         actions = [
             Action(self.rank, kind, mb, self.clock.elapsed_ms(self._origin, s), self.clock.elapsed_ms(self._origin, e))
             for kind, mb, s, e in self._marks
