@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from pipetune.checkpoint import Position, find_resume_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
-from pipetune.config import Config, save_config
+from pipetune.config import Config, ConfigError, save_config
 from pipetune.data.batching import IGNORE, epoch_batches, tokenize_split
 from pipetune.data.sources import load_dataset
 from pipetune.metrics import MetricsWriter, ProgressReporter, host_peak_gb, peak_memory_gb, reset_peak_memory
@@ -105,9 +105,9 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     n_batches = len(train_split) // t.batch_size
     steps_per_epoch = n_batches // t.grad_accum
     if steps_per_epoch == 0:
-        raise ValueError(
-            f"{len(train_split)} training samples make no optimizer step of batch_size {t.batch_size} x "
-            f"grad_accum {t.grad_accum}; lower them or add data"
+        raise ConfigError(
+            f"{len(train_split)} training samples ({dataset.skipped_line()}) make no optimizer step of "
+            f"train.batch_size {t.batch_size} x train.grad_accum {t.grad_accum}; lower them or add data"
         )
     total_steps = steps_per_epoch * t.epochs if t.max_steps < 0 else min(t.max_steps, steps_per_epoch * t.epochs)
     supervised = (train_split.labels != IGNORE).sum(dim=1)  # per sample, on the CPU: no device sync per step

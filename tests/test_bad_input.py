@@ -1,0 +1,165 @@
+"""Bad input fails once, before training, with a message naming the value and the fix (docs/errors.md).
+
+Covered elsewhere, not repeated here: every other config value (tests/test_config.py) and every
+malformed data row class (tests/data/test_sources.py). Here: the reliability keys, checkpoints that
+are damaged, missing their marker or written for another model, and data that makes no step.
+Committed checkpoints are never lost on the way.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipetune.checkpoint import MARKER, Position, committed_checkpoints, find_resume_checkpoint, save_checkpoint
+from pipetune.cli import main
+from pipetune.config import ConfigError, validate
+from pipetune.model.load import build_model
+from pipetune.model.lora import apply_lora
+from pipetune.preflight import prepare
+from tests.conftest import tiny_config, write_config
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run directory with committed checkpoints step-1 and step-2, written by one process."""
+    run_dir = tmp_path_factory.mktemp("saved") / "run"
+    config = tiny_config(run_dir, "parallel.pp=1")
+    base, _ = build_model(prepare(config).model, torch.float32, torch.device("cpu"), range(4), True, True)
+    model = apply_lora(base, config.lora, config.model.name, seed=0)
+    names = {param: name for name, param in model.named_parameters() if param.requires_grad}
+    optimizer = torch.optim.AdamW(list(names), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    for step in (1, 2):
+        for param in names:
+            param.grad = torch.ones_like(param)
+        optimizer.step()
+        scheduler.step()
+        save_checkpoint(config, Position(step, 0, step), 0, 1, model, optimizer, scheduler, names)
+    return run_dir
+
+
+@pytest.fixture
+def run_dir(saved_run: Path, tmp_path: Path) -> Path:
+    copy = tmp_path / "run"
+    shutil.copytree(saved_run, copy)
+    return copy
+
+
+def _train(run_dir: Path, *args: str) -> int:
+    """`pipetune train` in this process: every case here must fail before a worker starts."""
+    config_file = write_config(tiny_config(run_dir), run_dir.parent / "c.toml")
+    return main(["train", "--config", str(config_file), "--quiet", *args])
+
+
+def _files(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ('train.resume="sometimes"', r"train.resume = 'sometimes' is unknown; use one of never, auto"),
+        ("train.keep_checkpoints=0", r"train.keep_checkpoints = 0 must be at least 1"),
+        ("train.max_skipped_steps=0", r"train.max_skipped_steps = 0 must be at least 1"),
+        ("train.save_every=-1", r"train.save_every = -1 must be >= 0"),
+        ("parallel.timeout_s=0", r"parallel.timeout_s = 0.0 must be positive"),
+    ],
+)
+def test_reliability_keys_are_validated(tmp_path: Path, override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate(tiny_config(tmp_path, override), world_size=2)
+
+
+def test_negative_max_restarts_is_refused(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    assert _train(run_dir, "--resume", "--max-restarts", "-1") == 2
+    assert "--max-restarts -1 must be >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("flip", r"state.rank0.safetensors does not match the hash recorded when it was written"),
+        ("truncate", r"adapter.rank0.safetensors does not match the hash recorded"),
+        ("delete", r"adapter.rank0.safetensors is missing"),
+        ("json", r"state.rank0.json is not valid JSON"),
+    ],
+)
+def test_damaged_checkpoint_is_named_with_the_older_one_to_fall_back_to(
+    run_dir: Path, capsys: pytest.CaptureFixture, damage: str, message: str
+) -> None:
+    newest = run_dir / "checkpoints" / "step-2"
+    if damage == "flip":
+        data = bytearray((newest / "state.rank0.safetensors").read_bytes())
+        data[-1] ^= 0xFF
+        (newest / "state.rank0.safetensors").write_bytes(bytes(data))
+    elif damage == "truncate":
+        data = (newest / "adapter.rank0.safetensors").read_bytes()
+        (newest / "adapter.rank0.safetensors").write_bytes(data[: len(data) // 2])
+    elif damage == "delete":
+        (newest / "adapter.rank0.safetensors").unlink()
+    else:
+        (newest / "state.rank0.json").write_text("{not json")
+    before = _files(run_dir)
+
+    assert _train(run_dir, "--resume") == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {newest} is damaged: " in err and message.replace("\\", "") in err
+    assert f"delete {newest} to resume from step-1" in err
+    assert _files(run_dir) == before  # nothing was deleted or rewritten
+
+
+def test_damaged_marker_is_named(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    (run_dir / "checkpoints" / "step-2" / MARKER).write_text('{"step": 2,')
+    assert _train(run_dir, "--resume") == 2
+    assert f"checkpoint marker {run_dir / 'checkpoints' / 'step-2' / MARKER} is damaged" in capsys.readouterr().err
+
+
+def test_checkpoint_without_marker_is_never_loaded(run_dir: Path) -> None:
+    (run_dir / "checkpoints" / "step-2" / MARKER).unlink()
+    config = tiny_config(run_dir, 'train.resume="auto"')
+    assert find_resume_checkpoint(config).step == 1
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("lora.r=8", r"lora.r 16 (config: 8)"),
+        ("lora.alpha=16", r"lora.alpha 32 (config: 16)"),
+        ('lora.target_modules=["q_proj","v_proj"]', r"lora.target_modules ['down_proj', "),
+        ('model.name="qwen3-0.6b"', r"model.name 'tiny-qwen3' (config: 'qwen3-0.6b')"),
+    ],
+)
+def test_incompatible_resume_fails_before_training_and_keeps_the_checkpoints(
+    run_dir: Path, capsys: pytest.CaptureFixture, override: str, message: str
+) -> None:
+    before = _files(run_dir)
+    assert _train(run_dir, "--resume", "--set", override) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {run_dir / 'checkpoints' / 'step-2'} was written with" in err and message in err
+    assert "resume with the settings it was written with, or start a new run in another output.dir" in err
+    assert _files(run_dir) == before
+
+
+def test_fresh_start_refuses_to_overwrite_an_earlier_run(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    before = _files(run_dir)
+    assert _train(run_dir) == 2
+    err = capsys.readouterr().err
+    assert "already holds checkpoints of an earlier run (newest: step-2); pass --resume" in err
+    assert _files(run_dir) == before
+    assert [c.step for c in committed_checkpoints(run_dir)] == [1, 2]
+
+
+def test_data_that_makes_no_optimizer_step_is_a_config_error(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    data = tmp_path / "meetings.jsonl"
+    rows = [{"dialogue": "A: hi.", "summary": "They met."}, {"dialogue": "A: hi."}, {"summary": ""}]
+    data.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    config = tiny_config(tmp_path / "run", "parallel.pp=1", f'data.source="{data}"')
+    assert main(["train", "--config", str(write_config(config, tmp_path / "c.toml")), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "1 training samples (skipped rows: 2" in err
+    assert "make no optimizer step of train.batch_size 4 x train.grad_accum 2; lower them or add data" in err

@@ -1,0 +1,96 @@
+"""Guards: a non-finite step is skipped by every stage together; a peer that stops responding ends the run.
+
+Faults come from the test hooks of train.FaultInjection: PIPETUNE_TEST_NAN_AT poisons one stage's
+gradients, PIPETUNE_TEST_HANG_AT makes one rank stop responding.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipetune.checkpoint import committed_checkpoints, verify_files
+from pipetune.train import clip_global_grad_norm
+from tests.conftest import run_cli, tiny_config, write_config
+
+
+def test_grad_norm_flags_non_finite_values_and_leaves_such_gradients_alone() -> None:
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))]
+    params[0].grad, params[1].grad = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([4.0, 0.0, 0.0, 0.0])
+
+    norm, bad = clip_global_grad_norm(params, 1.0, torch.device("cpu"), loss=torch.tensor(2.0))
+    assert bad == [] and float(norm) == pytest.approx(5.0)
+    assert float(torch.cat([p.grad for p in params]).norm()) == pytest.approx(1.0)  # clipped
+
+    params[1].grad = torch.tensor([float("inf"), 0.0, 0.0, 0.0])
+    _, bad = clip_global_grad_norm(params, 1.0, torch.device("cpu"))
+    assert bad == [0]
+    params[1].grad = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    _, bad = clip_global_grad_norm(params, 1.0, torch.device("cpu"), loss=torch.tensor(float("nan")))
+    assert bad == [0]
+    assert params[1].grad[0] == 1.0  # nothing was clipped by a non-finite norm
+
+
+def _rows(run_dir: Path) -> dict[int, dict[str, str]]:
+    with open(run_dir / "metrics.csv") as f:
+        return {int(row["step"]): row for row in csv.DictReader(f)}
+
+
+def test_nan_on_a_middle_stage_is_skipped_by_all_then_stops_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = tmp_path / "run"
+    config = tiny_config(
+        run_dir,
+        "parallel.pp=4",
+        "train.epochs=2",
+        "train.max_steps=8",
+        "train.save_every=1",
+        "train.max_skipped_steps=3",
+        "train.warmup_steps=0",
+    )
+    # Stage 1 of 4 gets NaN gradients at step 2 (once), then at steps 4, 5, 6 (three in a row: stop).
+    monkeypatch.setenv("PIPETUNE_TEST_NAN_AT", "1:2,4,5,6")
+    result = run_cli("train", "--config", str(write_config(config, tmp_path / "c.toml")), "--quiet", check=False)
+
+    assert result.returncode != 0
+    assert "step 2: non-finite loss or gradient norm on stage 1; optimizer step skipped (1 in a row" in result.stderr
+    assert "step 6: non-finite loss or gradient norm on stage 1; optimizer step skipped (3 in a row" in result.stderr
+    assert "3 optimizer steps in a row (up to step 6) had a non-finite loss or gradient norm; stopping" in result.stderr
+    assert result.stderr.count("; stopping.") == 1  # said once, by rank 0
+
+    rows = _rows(run_dir)
+    assert sorted(rows) == [1, 2, 3, 4, 5]  # stopped before step 6 was logged or saved
+    assert math.isfinite(float(rows[1]["loss"])) and math.isfinite(float(rows[3]["loss"]))
+    assert math.isnan(float(rows[2]["loss"]))
+    assert rows[3]["lr"] == rows[2]["lr"]  # the skipped step did not advance the schedule
+
+    # The last committed checkpoint is intact, and a skipped step changed no adapter weight.
+    checkpoints = committed_checkpoints(run_dir)
+    assert [c.step for c in checkpoints] == [4, 5]
+    verify_files(checkpoints[-1])
+    for rank in range(4):
+        before = load_file(checkpoints[0].path / f"adapter.rank{rank}.safetensors")
+        after = load_file(checkpoints[1].path / f"adapter.rank{rank}.safetensors")
+        assert all(torch.equal(before[name], after[name]) for name in before)
+        assert all(torch.isfinite(t).all() for t in after.values())
+
+
+def test_a_peer_that_stops_responding_ends_the_run_with_rank_and_collective(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tiny_config(tmp_path / "run", "parallel.timeout_s=10")
+    monkeypatch.setenv("PIPETUNE_TEST_HANG_AT", "1:2")  # rank 1 sleeps before step 2's gradient-norm all-reduce
+    start = time.monotonic()
+    result = run_cli("train", "--config", str(write_config(config, tmp_path / "c.toml")), "--quiet", check=False)
+
+    assert result.returncode != 0
+    assert time.monotonic() - start < 55
+    assert "rank 0 waited 10 s for a peer in the gradient-norm all-reduce of step 2 and gave up" in result.stderr
+    assert "raise parallel.timeout_s" in result.stderr
