@@ -165,9 +165,6 @@ def launch_local(config: Config, nproc: int, quiet: bool = False, max_restarts: 
     )
     argv = ["-m", "pipetune", "train", "--config", str(config_path)] + (["--quiet"] if quiet else [])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    # A restarted group must not read the previous attempt's addresses from a store shared with the
-    # rendezvous (pytorch/pytorch#135712): each attempt gets a store of its own.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     try:
         elastic_launch(launch, sys.executable)(*argv)
     except ChildFailedError as e:

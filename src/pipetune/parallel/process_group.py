@@ -51,8 +51,26 @@ def init_distributed(timeout_s: float = 600.0) -> DistEnv:
         backend="nccl" if use_gpu else "gloo",
         timeout=timedelta(seconds=timeout_s),
         device_id=device if use_gpu else None,
+        store=_attempt_store(rank, world, timeout_s),
+        rank=rank,
+        world_size=world,
     )
     return DistEnv(rank, world, local_rank, device)
+
+
+def _attempt_store(rank: int, world: int, timeout_s: float) -> dist.Store | None:
+    """A key space of its own for a restarted worker group (None: the first attempt uses env:// as is).
+
+    torchrun shares its rendezvous store with the workers, and a restarted group would read the
+    previous attempt's gloo addresses from it and hang or fail (pytorch/pytorch#135712).
+    """
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0:
+        return None
+    from torch.distributed.rendezvous import rendezvous
+
+    store, _, _ = next(rendezvous("env://", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)))
+    return dist.PrefixStore(f"pipetune/attempt-{restart}", store)
 
 
 def close_distributed() -> None:
