@@ -3,8 +3,13 @@
 Cost model, in FLOPs per token of LoRA training (frozen base: forward + input-gradient backward,
 the adapters' weight gradients are negligible): a matmul with P weights costs 4P; causal attention
 over a sequence of s tokens adds about 6 * s * heads * head_dim per layer. The last stage also runs
-lm_head (4 * vocab * hidden: for Qwen3-4B 151,936 x 2,560, about 3.9 decoder layers) and the loss;
-the embedding lookup on the first stage is a gather, nearly free.
+lm_head (4 * vocab * hidden: for Qwen3-4B 151,936 x 2,560, the FLOPs of 3.7 decoder layers) and the
+loss; the embedding lookup on the first stage is a gather, nearly free.
+
+lm_head is one large matmul that runs much nearer the GPU's peak than a decoder layer's many small
+kernels, so its time is weighted by HEAD_TIME_PER_FLOP: measured on 2x H200 (Qwen3-4B, compiled
+layers, benchmarks/2026-11-29-perf-h200.md) a 20/16 split left stage 1 idle 30% of the step and
+18/18 left stage 0 idle 37%: the head costs the time of about 2 layers, half its FLOP share.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
+HEAD_TIME_PER_FLOP = 0.5
+"""Time of lm_head + loss per FLOP, relative to a decoder layer's (see the module docstring)."""
+
 
 @dataclass(frozen=True)
 class StageCosts:
@@ -20,6 +28,11 @@ class StageCosts:
     """FLOPs per token of one decoder layer."""
     head: float
     """FLOPs per token of norm + lm_head + loss (last stage)."""
+
+    @property
+    def head_time(self) -> float:
+        """The head's cost in layer-FLOP units, for balancing time rather than FLOPs."""
+        return self.head * HEAD_TIME_PER_FLOP
 
 
 def estimate_costs(config: PretrainedConfig, seq_len: int) -> StageCosts:
@@ -60,8 +73,8 @@ def split_layers(
 
 
 def stage_costs(ranges: list[range], costs: StageCosts) -> list[float]:
-    """Estimated FLOPs per token of each stage."""
-    return [len(r) * costs.layer + (costs.head if i == len(ranges) - 1 else 0.0) for i, r in enumerate(ranges)]
+    """Estimated time of each stage, in FLOPs per token of a decoder layer's efficiency."""
+    return [len(r) * costs.layer + (costs.head_time if i == len(ranges) - 1 else 0.0) for i, r in enumerate(ranges)]
 
 
 def _balanced_counts(n_layers: int, n_stages: int, costs: StageCosts) -> list[int]:
@@ -76,7 +89,7 @@ def _balanced_counts(n_layers: int, n_stages: int, costs: StageCosts) -> list[in
         remaining_stages = n_stages - stage
         if remaining_stages == 1:
             count = n_layers - first_layer
-            result = (count * costs.layer + costs.head, [count])
+            result = (count * costs.layer + costs.head_time, [count])
         else:
             result = (float("inf"), [])
             max_count = n_layers - first_layer - (remaining_stages - 1)
