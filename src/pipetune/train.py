@@ -143,7 +143,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     print0(
         "stages: "
         + ", ".join(
-            f"{i}: layers {r.start}-{r.stop - 1} (~{cost / 1e9:.2f} GFLOP/token)"
+            f"{i}: layers {r.start}-{r.stop - 1} (est. {cost / 1e9:.2f} layer-GFLOP/token)"
             for i, (r, cost) in enumerate(zip(ranges, estimated, strict=True))
         )
     )
@@ -257,8 +257,8 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
                 progress.update(step, row)
             if save:
                 status.phase = "checkpoint barrier"
-                after = Position(step, epoch + 1, 0) if epoch_end else Position(step, epoch, i + 1)
-                after.skipped_in_row = skipped_in_row
+                next_epoch, next_batch = (epoch + 1, 0) if epoch_end else (epoch, i + 1)
+                after = Position(step, next_epoch, next_batch, skipped_in_row)
                 save_checkpoint(config, after, env.rank, env.world_size, peft_model, optimizer, scheduler, param_names)
                 faults.after_step(step, saved=True)
     progress.close()
