@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipetune.checkpoint import MARKER, committed_checkpoints
+from pipetune.train import keep_rng_out_of_no_grad_forwards
 from tests.conftest import run_cli, tiny_config, write_config
 
 RUN = ("train.epochs=2", "train.max_steps=-1", "train.save_every=3", "lora.dropout=0.1")
@@ -117,3 +118,17 @@ def test_checkpoint_of_two_stages_resumes_under_four(tmp_path_factory: pytest.Te
     for name, tensor in ref_adapter.items():
         assert float((adapter[name] - tensor).norm() / tensor.norm()) < 1e-5, name
     assert (resumed / "checkpoints" / "step-8" / MARKER).is_file()
+
+
+def test_no_grad_forwards_leave_the_dropout_stream_alone() -> None:
+    """What keeps torch < 2.12's shape-inference forward (no_grad, first step) from shifting dropout masks."""
+    module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)).train()
+    keep_rng_out_of_no_grad_forwards(module, torch.device("cpu"))
+    x = torch.ones(4, 8)
+    torch.manual_seed(0)
+    expected = module(x)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        module(x)  # draws a mask, then puts the stream back
+    assert torch.equal(module(x), expected)
+    assert not torch.equal(module(x), expected)  # training forwards do advance it

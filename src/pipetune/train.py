@@ -173,6 +173,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     # ------------------------------------------------------------------ resume: adapters, optimizer, RNG, data position
     # Optimizer state is saved by full-model parameter name, so another pipeline layout can load it.
     param_names = {param: name for name, param in peft_model.named_parameters() if param.requires_grad}
+    keep_rng_out_of_no_grad_forwards(module, device)
     position = Position()
     if resume_from is not None:
         position = load_checkpoint(resume_from, env.rank, peft_model, optimizer, scheduler, param_names)
@@ -259,7 +260,11 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
                 status.phase = "checkpoint barrier"
                 next_epoch, next_batch = (epoch + 1, 0) if epoch_end else (epoch, i + 1)
                 after = Position(step, next_epoch, next_batch, skipped_in_row)
-                save_checkpoint(config, after, env.rank, env.world_size, peft_model, optimizer, scheduler, param_names)
+                started = time.perf_counter()
+                saved = save_checkpoint(
+                    config, after, env.rank, env.world_size, peft_model, optimizer, scheduler, param_names
+                )
+                print0(f"checkpoint {saved} ({time.perf_counter() - started:.1f} s)")
                 faults.after_step(step, saved=True)
     progress.close()
     if writer is not None:
@@ -326,6 +331,31 @@ def clip_global_grad_norm(
     if max_norm > 0 and not bad_ranks:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total, bad_ranks
+
+
+def keep_rng_out_of_no_grad_forwards(module: torch.nn.Module, device: torch.device) -> None:
+    """A forward under no_grad leaves the random streams as it found them.
+
+    torch < 2.12's PipelineStage infers shapes with one real no_grad forward at the first schedule
+    step, whose LoRA dropout draws from the training stream: at step 1 of a fresh run but at the first
+    step after a resume, so a resumed run would draw other masks. Training forwards run with grad.
+    """
+    saved: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+    def before(_module: torch.nn.Module, _args: tuple) -> None:
+        if not torch.is_grad_enabled():
+            cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+            saved.append((torch.get_rng_state(), cuda))
+
+    def after(_module: torch.nn.Module, _args: tuple, _output: object) -> None:
+        if saved:
+            cpu, cuda = saved.pop()
+            torch.set_rng_state(cpu)
+            if cuda is not None:
+                torch.cuda.set_rng_state(cuda, device)
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)
 
 
 def peer_failure(error: RuntimeError, rank: int, status: LoopStatus, timeout_s: float) -> str | None:
