@@ -109,7 +109,7 @@ class TrainConfig:
     keep_checkpoints: int = 2
     """Committed checkpoints kept under <output.dir>/checkpoints; older ones are deleted, the newest never."""
     resume: str = "never"
-    """"auto": continue from the newest committed checkpoint in output.dir (start fresh if none); "never": start over."""
+    """"auto": continue from the newest committed checkpoint in output.dir (fresh if none); "never": start over."""
     max_skipped_steps: int = 3
     """Stop the run after this many consecutive optimizer steps skipped for a non-finite loss or gradient norm."""
 
