@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 SCHEDULES = ("gpipe", "1f1b")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -104,6 +103,9 @@ class TrainConfig:
     (timeline.json and timeline.png in the run directory, with the measured bubble); 0 = never."""
     log_every: int = 1
     """Optimizer steps between metrics rows."""
+    eval_every: int = 0
+    """Optimizer steps between validation-loss evaluations (forward only, through the pipeline); they also
+    run at each epoch's end and at the last step. 0: only those. Needs a validation split."""
     save_every: int = 0
     """Optimizer steps between checkpoints; one is also written at each epoch end and at the end (0: only those)."""
     keep_checkpoints: int = 2
@@ -312,6 +314,7 @@ def validate(config: Config, world_size: int) -> None:
     _check(t.save_every >= 0, f"train.save_every = {t.save_every} must be >= 0 (0: checkpoints at epoch ends only)")
     _check(t.resume in RESUME_MODES, f"train.resume = {t.resume!r} is unknown; use one of {', '.join(RESUME_MODES)}")
     _check(p.timeout_s > 0, f"parallel.timeout_s = {p.timeout_s} must be positive (seconds, e.g. 600)")
+    _check(t.eval_every >= 0, f"train.eval_every = {t.eval_every} must be >= 0 (0: at epoch ends only)")
     _check(t.max_grad_norm >= 0, f"train.max_grad_norm = {t.max_grad_norm} must be >= 0 (0 disables clipping)")
     _check(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio = {t.min_lr_ratio} must be within [0, 1]")
     _check(0 <= config.lora.dropout < 1, f"lora.dropout = {config.lora.dropout} must be within [0, 1)")

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 SEED_COLUMNS = ["strategy", "epoch", "step", "loss", "tokens_per_sec", "step_time_sec", "peak_vram_gb", "lr"]
-EXTRA_COLUMNS = ["real_tokens_per_sec", "grad_norm", "supervised_tokens"]
+EXTRA_COLUMNS = ["real_tokens_per_sec", "grad_norm", "supervised_tokens", "val_loss"]
 
 
 def host_peak_gb() -> float:

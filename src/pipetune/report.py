@@ -14,11 +14,10 @@ import html
 import json
 import math
 import statistics
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from pipetune.config import ConfigError
 

@@ -26,12 +26,19 @@ from pipetune.checkpoint import Position, find_resume_checkpoint, latest_checkpo
 from pipetune.config import Config, ConfigError, save_config
 from pipetune.data.batching import IGNORE, epoch_batches, tokenize_split
 from pipetune.data.sources import load_dataset
-from pipetune.metrics import MetricsWriter, ProgressReporter, host_peak_gb, peak_memory_gb, reset_peak_memory
+from pipetune.metrics import (
+    MetricsWriter,
+    ProgressReporter,
+    TensorBoardWriter,
+    host_peak_gb,
+    peak_memory_gb,
+    reset_peak_memory,
+)
 from pipetune.model.load import DTYPES, build_model
 from pipetune.model.lora import adapter_state, apply_lora, save_adapter, use_fast_path
 from pipetune.model.split import estimate_costs, split_layers, stage_costs
 from pipetune.model.stage import StageModule
-from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss
+from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, validation_loss
 from pipetune.parallel.process_group import DistEnv, close_distributed, init_distributed
 from pipetune.parallel.timeline import StageTimeline, gather_timeline, plot_timeline
 from pipetune.preflight import preflight
@@ -113,6 +120,10 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     supervised = (train_split.labels != IGNORE).sum(dim=1)  # per sample, on the CPU: no device sync per step
     input_ids = train_split.input_ids.to(device)
     labels = train_split.labels.to(device)
+    validation = None
+    if dataset.splits.get("validation"):
+        val_split = tokenize_split(dataset.splits["validation"], prepared.prompts, prepared.pad_id)
+        validation = (val_split.input_ids.to(device), val_split.labels.to(device))
     print0(
         f"data: {len(train_split)} training samples, {train_split.truncated} truncated; {dataset.skipped_line()}; "
         f"{steps_per_epoch} optimizer steps/epoch, {total_steps} in all"
@@ -184,6 +195,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     if env.is_main:  # a resumed run continues metrics.csv from its checkpoint's step
         writer = MetricsWriter(run_dir / "metrics.csv", env.world_size, position.step if resume_from else None)
     progress = ProgressReporter(total_steps, enabled=env.is_main and not quiet)
+    tensorboard = TensorBoardWriter(run_dir / "tensorboard", enabled=env.is_main and config.output.tensorboard)
     faults = FaultInjection.from_env(env.rank, env.world_size)
     losses: list[float] = []
     step, skipped_in_row = position.step, position.skipped_in_row
@@ -248,12 +260,19 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
 
             epoch_end = i == steps_per_epoch - 1
             save = (t.save_every > 0 and step % t.save_every == 0) or epoch_end or step == total_steps
-            if step % t.log_every == 0 or save:  # a row at every checkpoint: a resumed run logs the same rows
+            evaluate = validation is not None and (
+                (t.eval_every > 0 and step % t.eval_every == 0) or epoch_end or step == total_steps
+            )
+            if step % t.log_every == 0 or save or evaluate:  # a row at every checkpoint: resumed runs log the same
                 status.phase = "metrics all-gather"
                 row = window.flush(env, runner.is_last)
                 row.update(strategy=p.strategy, epoch=epoch, step=step, lr=lr)
+                if evaluate:
+                    status.phase = "validation"
+                    row["val_loss"] = evaluate_validation(runner, module, validation, t.batch_size, loss_fn, device)
                 if writer is not None:
                     writer.write(row)
+                    tensorboard.write(row)
                     losses.append(row["loss"])
                 progress.update(step, row)
             if save:
@@ -267,6 +286,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
                 print0(f"checkpoint {saved} ({time.perf_counter() - started:.1f} s)")
                 faults.after_step(step, saved=True)
     progress.close()
+    tensorboard.close()
     if writer is not None:
         writer.close()
 
@@ -282,6 +302,22 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         save_adapter(state, config.lora, config.model.name, run_dir / "adapter")
         print0(f"adapter ({len(state)} tensors) -> {run_dir / 'adapter'}")
     return RunResult(run_dir, losses)
+
+
+def evaluate_validation(
+    runner: PipelineRunner | SingleRunner,
+    module: StageModule,
+    validation: tuple[torch.Tensor, torch.Tensor],
+    batch_size: int,
+    loss_fn: TokenLoss,
+    device: torch.device,
+) -> float:
+    """Validation loss, computed on the last stage and shared with every rank (one all-reduce)."""
+    loss = validation_loss(runner, module, *validation, batch_size, loss_fn)
+    value = loss if loss is not None else torch.zeros((), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(value)  # only the last stage holds a non-zero value
+    return float(value)
 
 
 def save_timeline(timeline: StageTimeline, env: DistEnv, run_dir: Path, config: Config) -> None:

@@ -69,6 +69,19 @@ class PipelineRunner:
         self.schedule.step(**extra)
         return None
 
+    @torch.no_grad()
+    def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """Forward only (the schedule's eval): the summed loss on the last stage, None elsewhere."""
+        if self.is_first:
+            self.schedule.eval(input_ids)
+            return None
+        if self.is_last:
+            losses: list[torch.Tensor] = []
+            self.schedule.eval(target=labels, losses=losses)
+            return torch.stack(losses).sum()
+        self.schedule.eval()
+        return None
+
 
 class SingleRunner:
     """The whole model in one process, microbatch by microbatch: the reference for parity tests."""
@@ -87,3 +100,46 @@ class SingleRunner:
             loss.backward()
             total += loss.detach()
         return total
+
+    @torch.no_grad()
+    def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        total = torch.zeros((), device=input_ids.device)
+        for ids, target in zip(input_ids.chunk(self.n_microbatches), labels.chunk(self.n_microbatches), strict=True):
+            total += self.loss_fn(self.module(ids), target)
+        return total
+
+
+def validation_loss(
+    runner: PipelineRunner | SingleRunner,
+    module: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    batch_size: int,
+    loss_fn: TokenLoss,
+) -> torch.Tensor | None:
+    """Mean token loss over a whole split, forward only, in batches of the training shape.
+
+    The last batch is filled with rows whose labels are all IGNORE (static shapes), so every sample
+    counts once. Returns the loss on the last stage (None elsewhere); every rank must call it.
+    """
+    n = input_ids.shape[0]
+    n_batches = -(-n // batch_size)
+    pad = n_batches * batch_size - n
+    if pad:
+        input_ids = torch.cat([input_ids, input_ids[:1].expand(pad, -1)])
+        labels = torch.cat([labels, torch.full_like(labels[:1], IGNORE).expand(pad, -1)])
+    normalizer, loss_fn.normalizer = loss_fn.normalizer, 1.0
+    module.eval()
+    total = torch.zeros((), device=input_ids.device)
+    try:
+        for b in range(n_batches):
+            rows = slice(b * batch_size, (b + 1) * batch_size)
+            out = runner.eval_step(input_ids[rows], labels[rows])
+            if out is not None:
+                total += out
+    finally:
+        module.train()
+        loss_fn.normalizer = normalizer
+    if not runner.is_last:
+        return None
+    return total / max(int((labels != IGNORE).sum()), 1)

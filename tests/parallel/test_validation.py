@@ -1,0 +1,33 @@
+"""Validation loss through the pipeline (forward only) equals the saved adapter's loss computed in one process."""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipetune.data.batching import tokenize_split
+from pipetune.data.sources import load_dataset
+from pipetune.generate import load_finetuned, mean_token_loss
+from tests.conftest import run_cli, tiny_config, write_config
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_pipeline_validation_loss_matches_one_process(tmp_path: Path, pp: int) -> None:
+    # 6 validation meetings with batch 4: the last validation batch is filled with ignored rows.
+    config = tiny_config(tmp_path / "run", f"parallel.pp={pp}", "train.eval_every=2", "data.synthetic_validation=6")
+    run_cli("train", "--config", str(write_config(config, tmp_path / "c.toml")), "--quiet")
+    with open(tmp_path / "run" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    logged = {int(r["step"]): float(r["val_loss"]) for r in rows if r["val_loss"]}
+    assert sorted(logged) == [2, 3]  # every 2 steps, and at the end
+    assert logged[3] < logged[2]
+
+    model, prepared = load_finetuned(config, tmp_path / "run" / "adapter", torch.device("cpu"))
+    dataset = load_dataset(config.data, seed=config.train.seed)
+    split = tokenize_split(dataset.splits["validation"], prepared.prompts, prepared.pad_id)
+    assert len(split) == 6
+    expected = mean_token_loss(model, split)
+    assert logged[3] == pytest.approx(expected, rel=1e-5)
