@@ -141,6 +141,9 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
     if world_size == 1 and max_restarts == 0:
         run_training(config, quiet)
         return 0
+    from pipetune.data.sources import load_dataset
+
+    load_dataset(config.data, seed=config.train.seed)  # a data error once, here, not once per worker
     return launch_local(config, world_size, quiet, max_restarts)
 
 

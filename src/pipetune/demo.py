@@ -15,7 +15,7 @@ def show_results(config: Config) -> dict[str, float]:
     """Load the run's adapter with PEFT in this process, compare with the base model, print a summary."""
     run_dir = Path(config.output.dir)
     model, prepared = load_finetuned(config, run_dir / "adapter")
-    validation = load_dataset(config.data).splits["validation"]
+    validation = load_dataset(config.data, seed=config.train.seed).splits["validation"]
     split = tokenize_split(validation, prepared.prompts, prepared.pad_id)
     tuned = mean_token_loss(model, split)
     with model.disable_adapter():
