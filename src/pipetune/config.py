@@ -45,6 +45,10 @@ class DataConfig:
     """Tokens per sample; every batch is padded to exactly this length (static shapes)."""
     max_summary_tokens: int = 256
     """Cap on the summary's tokens; the transcript is cut in the middle to fit the rest."""
+    buckets: list[int] = field(default_factory=list)
+    """Padded lengths of length buckets, ascending, ending at max_length (e.g. [2048, 4096, 8192]): each sample
+    is padded to the smallest that holds it and each batch holds one bucket, one static shape per bucket.
+    [] = every sample padded to max_length."""
     transcript_column: str = "dialogue"
     """Column holding the meeting transcript."""
     summary_column: str = "summary"
@@ -314,6 +318,14 @@ def validate(config: Config, world_size: int) -> None:
     _check(t.save_every >= 0, f"train.save_every = {t.save_every} must be >= 0 (0: checkpoints at epoch ends only)")
     _check(t.resume in RESUME_MODES, f"train.resume = {t.resume!r} is unknown; use one of {', '.join(RESUME_MODES)}")
     _check(p.timeout_s > 0, f"parallel.timeout_s = {p.timeout_s} must be positive (seconds, e.g. 600)")
+    if d.buckets:
+        _check(
+            all(isinstance(b, int) and b >= 1 for b in d.buckets)
+            and d.buckets == sorted(set(d.buckets))
+            and d.buckets[-1] == d.max_length,
+            f"data.buckets = {d.buckets} must be distinct ascending lengths ending at data.max_length = "
+            f"{d.max_length}, e.g. [{d.max_length // 4}, {d.max_length // 2}, {d.max_length}]",
+        )
     _check(t.eval_every >= 0, f"train.eval_every = {t.eval_every} must be >= 0 (0: at epoch ends only)")
     _check(t.max_grad_norm >= 0, f"train.max_grad_norm = {t.max_grad_norm} must be >= 0 (0 disables clipping)")
     _check(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio = {t.min_lr_ratio} must be within [0, 1]")

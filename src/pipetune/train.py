@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from pipetune.checkpoint import Position, find_resume_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from pipetune.config import Config, ConfigError, save_config
-from pipetune.data.batching import IGNORE, epoch_batches, tokenize_split
+from pipetune.data.batching import IGNORE, bucket_lengths, bucketed_epoch_batches, epoch_batches, tokenize_split
 from pipetune.data.sources import load_dataset
 from pipetune.metrics import (
     MetricsWriter,
@@ -109,7 +109,17 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     if env.is_main:
         dataset.write_summary(run_dir / "data.json")
     train_split = tokenize_split(dataset.splits["train"], prepared.prompts, prepared.pad_id)
-    n_batches = len(train_split) // t.batch_size
+    max_length = config.data.max_length
+    sample_lengths = bucket_lengths(train_split.real_tokens, config.data.buckets or [max_length])
+
+    def epoch_plan(epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This epoch's batches (sample indices) and the padded length of each: the same on every (re)start."""
+        if config.data.buckets:
+            return bucketed_epoch_batches(sample_lengths, t.batch_size, t.seed, epoch)
+        batches = epoch_batches(len(train_split), t.batch_size, t.seed, epoch)
+        return batches, torch.full((len(batches),), max_length, dtype=torch.long)
+
+    n_batches = len(epoch_plan(0)[0])
     steps_per_epoch = n_batches // t.grad_accum
     if steps_per_epoch == 0:
         raise ConfigError(
@@ -128,6 +138,12 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         f"data: {len(train_split)} training samples, {train_split.truncated} truncated; {dataset.skipped_line()}; "
         f"{steps_per_epoch} optimizer steps/epoch, {total_steps} in all"
     )
+    if config.data.buckets:
+        padded = int(sample_lengths.sum())
+        print0(
+            f"length buckets {config.data.buckets}: pad fraction {1 - int(train_split.real_tokens.sum()) / padded:.1%} "
+            f"(one length {max_length}: {1 - int(train_split.real_tokens.sum()) / (len(train_split) * max_length):.1%})"
+        )
 
     # ------------------------------------------------------------------ model: this rank's stage
     stage_index, n_stages = env.rank, p.pp
@@ -166,14 +182,20 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
             flush=True,
         )
 
+    # One runner per padded length: a pipeline stage fixes its shapes at its first step.
     loss_fn = TokenLoss()
-    if n_stages == 1:
-        runner = SingleRunner(module, p.n_microbatches, loss_fn)
-    else:
-        runner = PipelineRunner(module, stage_index, n_stages, device, None, p.schedule, p.n_microbatches, loss_fn)
-    timeline = None
-    if t.timeline_step and isinstance(runner, PipelineRunner):
-        timeline = StageTimeline(runner.stage, env.rank, device)
+    runners: dict[int, PipelineRunner | SingleRunner] = {}
+    timelines: dict[int, StageTimeline] = {}
+    for length in config.data.buckets or [max_length]:
+        if n_stages == 1:
+            runners[length] = SingleRunner(module, p.n_microbatches, loss_fn)
+            continue
+        runners[length] = PipelineRunner(
+            module, stage_index, n_stages, device, None, p.schedule, p.n_microbatches, loss_fn
+        )
+        if t.timeline_step:
+            timelines[length] = StageTimeline(runners[length].stage, env.rank, device)
+    runner = runners[max_length]  # validation runs at full length
     optimizer = torch.optim.AdamW(
         params, lr=t.lr, betas=(0.9, 0.999), weight_decay=t.weight_decay, fused=device.type == "cuda"
     )
@@ -204,7 +226,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     for epoch in range(position.epoch, t.epochs):
         if step >= total_steps:
             break
-        batches = epoch_batches(len(train_split), t.batch_size, t.seed, epoch)  # the same order on every (re)start
+        batches, lengths = epoch_plan(epoch)
         device_batches = batches.to(device)
         for i in range(position.batch if epoch == position.epoch else 0, steps_per_epoch):
             if step >= total_steps:
@@ -214,14 +236,14 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
             n_supervised = int(supervised[batches[group].flatten()].sum())
             loss_fn.normalizer = max(n_supervised, 1)  # all-masked step: loss 0, never 0/0
             step_loss = torch.zeros((), device=device)
-            for j, index in enumerate(device_batches[group]):
-                recording = timeline is not None and step + 1 == t.timeline_step and j == 0
-                if recording:
+            for j, (index, length) in enumerate(zip(device_batches[group], lengths[group].tolist(), strict=True)):
+                timeline = timelines.get(length) if step + 1 == t.timeline_step and j == 0 else None
+                if timeline is not None:
                     timeline.start()
-                out = runner.step(input_ids[index], labels[index])
+                out = runners[length].step(input_ids[index, :length], labels[index, :length])
                 if out is not None:
                     step_loss += out
-                if recording:
+                if timeline is not None:
                     save_timeline(timeline, env, run_dir, config)
             faults.before_grad_norm(step + 1, params)
             status.phase = "gradient-norm all-reduce"
@@ -251,7 +273,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
             window.add(
                 step_loss,
                 grad_norm,
-                t.batch_size * t.grad_accum * input_ids.shape[1],
+                t.batch_size * int(lengths[group].sum()),
                 int(train_split.real_tokens[batches[group].flatten()].sum()),
                 n_supervised,
                 skipped=bool(bad_stages),

@@ -58,5 +58,31 @@ def epoch_batches(n_samples: int, batch_size: int, seed: int, epoch: int) -> tor
     return order[: n_batches * batch_size].view(n_batches, batch_size)
 
 
+def bucket_lengths(real_tokens: torch.Tensor, buckets: list[int]) -> torch.Tensor:
+    """[n] padded length of each sample: the smallest bucket that holds it."""
+    bounds = torch.tensor(buckets)
+    return bounds[torch.searchsorted(bounds, real_tokens)]
+
+
+def bucketed_epoch_batches(
+    lengths: torch.Tensor, batch_size: int, seed: int, epoch: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batches of one bucket each: ([n_batches, batch_size] indices, [n_batches] padded length).
+
+    Within each bucket samples are shuffled and cut into full batches (the remainder is dropped);
+    then the batches of all buckets are shuffled together. Deterministic in (seed, epoch).
+    """
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    batches, batch_lengths = [], []
+    for length in sorted(set(lengths.tolist())):
+        members = (lengths == length).nonzero().flatten()
+        members = members[torch.randperm(len(members), generator=generator)]
+        n_batches = len(members) // batch_size
+        batches.append(members[: n_batches * batch_size].view(n_batches, batch_size))
+        batch_lengths += [length] * n_batches
+    order = torch.randperm(len(batch_lengths), generator=generator)
+    return torch.cat(batches)[order], torch.tensor(batch_lengths, dtype=torch.long)[order]
+
+
 def supervised_tokens(labels: torch.Tensor) -> int:
     return int((labels != IGNORE).sum())
