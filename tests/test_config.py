@@ -72,8 +72,32 @@ def test_seed_job_config_matches_the_seed_script() -> None:
         (["parallel.pp=2"], 3, r"world size 3 does not match parallel.pp x parallel.dp = 2 x 1"),
         (['parallel.schedule="pipedream"'], 2, r"parallel.schedule = 'pipedream' is unknown"),
         (['model.dtype="int4"'], 2, r"model.dtype = 'int4' is unknown"),
-        (["parallel.layers_per_stage=[4]"], 2, r"has 1 entries for parallel.pp = 2"),
+        (["parallel.layers_per_stage=[4]"], 2, r"has 1 entries for 2 stages"),
         (["train.grad_accum=0"], 2, r"train.grad_accum = 0 must be at least 1"),
+        (['parallel.schedule="interleaved_1f1b"'], 2, r"needs parallel.stages_per_rank >= 2 \(got 1\)"),
+        (["parallel.stages_per_rank=2"], 2, r"schedule '1f1b' runs one stage per rank"),
+        (['parallel.schedule="zbv"', "parallel.stages_per_rank=3"], 2, r"runs exactly 2 stages per rank"),
+        (
+            [
+                'parallel.schedule="interleaved_1f1b"',
+                "parallel.stages_per_rank=2",
+                "parallel.n_microbatches=5",
+                "train.batch_size=5",
+            ],
+            2,
+            r"n_microbatches = 5: interleaved_1f1b runs microbatches in rounds of parallel.pp = 2; use a multiple of 2",
+        ),
+        (
+            ['parallel.schedule="dualpipev"', "parallel.stages_per_rank=2", "parallel.n_microbatches=2"],
+            2,
+            r"n_microbatches = 2 < 4 stages: dualpipev needs at least one microbatch per stage",
+        ),
+        (
+            ['parallel.schedule="interleaved_zero_bubble"', "parallel.stages_per_rank=2", "train.compile=true"],
+            2,
+            r"set train.compile = false or use 1f1b / interleaved_1f1b",
+        ),
+        (['parallel.schedule="zbv"', "parallel.stages_per_rank=2", "parallel.pp=1"], 1, r"needs parallel.pp >= 2"),
     ],
 )
 def test_validation_errors_name_value_and_fix(
@@ -90,6 +114,11 @@ def test_validation_errors_name_value_and_fix(
             ["parallel.pp=8", "parallel.n_microbatches=8", "train.batch_size=8"],
             8,
             r"parallel.pp = 8 > 4 decoder layers",
+        ),
+        (
+            ['parallel.schedule="interleaved_1f1b"', "parallel.stages_per_rank=4"],
+            2,
+            r"parallel.pp = 2 x stages_per_rank = 4 = 8 stages > 4 decoder layers",
         ),
         (['lora.target_modules=["q_proj","qkv"]'], 2, r"lora.target_modules \['qkv'\] match no linear layer"),
         (['model.name="not-a-model-anywhere"'], 2, r"could not be fetched from the Hugging Face hub"),

@@ -13,7 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SCHEDULES = ("gpipe", "1f1b")
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+"""One stage per rank."""
+LOOPED_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
+"""parallel.stages_per_rank stages per rank, rank r holding stages r, r + pp, r + 2 pp, ..."""
+V_SCHEDULES = ("zbv", "dualpipev")
+"""Exactly 2 stages per rank in V order: rank r holds stages r and 2 pp - 1 - r."""
+SCHEDULES = SINGLE_STAGE_SCHEDULES + LOOPED_SCHEDULES + V_SCHEDULES
+ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
+"""Schedules that split backward into input- and weight-gradient parts."""
 DTYPES = ("float32", "bfloat16", "float16")
 STRATEGIES = ("pp",)
 RESUME_MODES = ("never", "auto")
@@ -129,7 +137,8 @@ class ParallelConfig:
     dp: int = 1
     """Data-parallel replicas of the pipeline."""
     schedule: str = "1f1b"
-    """Pipeline schedule: gpipe or 1f1b."""
+    """Pipeline schedule: gpipe, 1f1b (one stage per rank); interleaved_1f1b, looped_bfs, interleaved_zero_bubble
+    (stages_per_rank >= 2, looped); zbv, dualpipev (2 stages per rank, V order)."""
     n_microbatches: int = 8
     """Microbatches per schedule step; batch_size must be a multiple of it."""
     stages_per_rank: int = 1
@@ -305,11 +314,7 @@ def validate(config: Config, world_size: int) -> None:
     ]:
         _check(value >= 1, f"{name} = {value} must be at least 1")
     _check(p.dp == 1, f"parallel.dp = {p.dp}: data parallelism is not available yet; set parallel.dp = 1")
-    _check(
-        p.stages_per_rank == 1,
-        f"parallel.stages_per_rank = {p.stages_per_rank}: schedule {p.schedule!r} runs one stage per rank; "
-        "set parallel.stages_per_rank = 1",
-    )
+    _check_schedule(p, t.compile)
     _check(
         t.max_steps == -1 or t.max_steps >= 1,
         f"train.max_steps = {t.max_steps} must be -1 (no cap) or at least 1",
@@ -345,17 +350,13 @@ def validate(config: Config, world_size: int) -> None:
         f"world size {world_size} does not match parallel.pp x parallel.dp = {p.pp} x {p.dp}; "
         f"start {p.pp * p.dp} processes (--nproc {p.pp * p.dp}) or change parallel.pp",
     )
-    if p.schedule == "1f1b":
-        _check(
-            p.n_microbatches >= p.pp,
-            f"parallel.n_microbatches = {p.n_microbatches} < parallel.pp = {p.pp}: 1F1B needs at least one "
-            f"microbatch per stage; raise n_microbatches to {p.pp} or more",
-        )
     if p.layers_per_stage:
+        n_stages = p.pp * p.stages_per_rank
         _check(
-            len(p.layers_per_stage) == p.pp,
+            len(p.layers_per_stage) == n_stages,
             f"parallel.layers_per_stage = {p.layers_per_stage} has {len(p.layers_per_stage)} entries "
-            f"for parallel.pp = {p.pp} stages; give one count per stage or [] for an even split",
+            f"for {n_stages} stages (parallel.pp = {p.pp} x stages_per_rank = {p.stages_per_rank}); "
+            "give one count per stage or [] for a balanced split",
         )
         _check(
             all(n >= 1 for n in p.layers_per_stage),
@@ -366,9 +367,13 @@ def validate(config: Config, world_size: int) -> None:
 def validate_against_model(config: Config, n_layers: int, module_names: set[str]) -> None:
     """Checks that need the model's shape: layer counts and LoRA target names."""
     p = config.parallel
+    n_stages = p.pp * p.stages_per_rank
+    stages = f"parallel.pp = {p.pp}" + (
+        f" x stages_per_rank = {p.stages_per_rank} = {n_stages} stages" if p.stages_per_rank > 1 else ""
+    )
     _check(
-        p.pp <= n_layers,
-        f"parallel.pp = {p.pp} > {n_layers} decoder layers of {config.model.name!r}; use at most {n_layers} stages",
+        n_stages <= n_layers,
+        f"{stages} > {n_layers} decoder layers of {config.model.name!r}; use at most {n_layers} stages",
     )
     if p.layers_per_stage:
         _check(
@@ -382,6 +387,48 @@ def validate_against_model(config: Config, n_layers: int, module_names: set[str]
         f"lora.target_modules {unknown} match no linear layer of {config.model.name!r}; "
         f"its linear layers are: {', '.join(sorted(module_names))}",
     )
+
+
+def _check_schedule(p: ParallelConfig, compiled: bool) -> None:
+    """Each schedule's constraints on stages per rank and microbatches (torch's own, stated up front)."""
+    s, v, m = p.schedule, p.stages_per_rank, p.n_microbatches
+    if s in SINGLE_STAGE_SCHEDULES:
+        _check(
+            v == 1,
+            f"parallel.stages_per_rank = {v}: schedule {s!r} runs one stage per rank; set stages_per_rank = 1 "
+            "or use interleaved_1f1b",
+        )
+    else:
+        _check(p.pp >= 2, f"parallel.schedule = {s!r} needs parallel.pp >= 2; use 1f1b with pp = {p.pp}")
+    if s in LOOPED_SCHEDULES:
+        _check(v >= 2, f"parallel.schedule = {s!r} needs parallel.stages_per_rank >= 2 (got {v}); e.g. 2")
+    if s in V_SCHEDULES:
+        _check(v == 2, f"parallel.schedule = {s!r} runs exactly 2 stages per rank; set parallel.stages_per_rank = 2")
+    if s == "1f1b":
+        _check(
+            m >= p.pp,
+            f"parallel.n_microbatches = {m} < parallel.pp = {p.pp}: 1F1B needs at least one microbatch per "
+            f"stage; raise n_microbatches to {p.pp} or more",
+        )
+    if s in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        rounds = max(1, m // p.pp)
+        _check(
+            m % rounds == 0,
+            f"parallel.n_microbatches = {m}: {s} runs microbatches in rounds of parallel.pp = {p.pp}; "
+            f"use a multiple of {p.pp}",
+        )
+    if s == "dualpipev":
+        _check(
+            m >= 2 * p.pp,
+            f"parallel.n_microbatches = {m} < {2 * p.pp} stages: dualpipev needs at least one microbatch per "
+            f"stage; raise n_microbatches to {2 * p.pp}",
+        )
+    if s in ZERO_BUBBLE_SCHEDULES:
+        _check(
+            not compiled,
+            f"parallel.schedule = {s!r} splits each backward into input- and weight-gradient parts, which "
+            "torch.compile'd layers do not support; set train.compile = false or use 1f1b / interleaved_1f1b",
+        )
 
 
 def _check(ok: bool, message: str) -> None:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from pipetune.checkpoint import Position, find_resume_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
-from pipetune.config import Config, ConfigError, save_config
+from pipetune.config import V_SCHEDULES, Config, ConfigError, save_config
 from pipetune.data.batching import IGNORE, bucket_lengths, bucketed_epoch_batches, epoch_batches, tokenize_split
 from pipetune.data.sources import load_dataset
 from pipetune.metrics import (
@@ -38,7 +38,7 @@ from pipetune.model.load import DTYPES, build_model
 from pipetune.model.lora import adapter_state, apply_lora, save_adapter, use_fast_path
 from pipetune.model.split import estimate_costs, split_layers, stage_costs
 from pipetune.model.stage import StageModule
-from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, validation_loss
+from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, stage_ids, validation_loss
 from pipetune.parallel.process_group import DistEnv, close_distributed, init_distributed
 from pipetune.parallel.timeline import StageTimeline, gather_timeline, plot_timeline
 from pipetune.preflight import preflight
@@ -131,7 +131,9 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     input_ids = train_split.input_ids.to(device)
     labels = train_split.labels.to(device)
     validation = None
-    if dataset.splits.get("validation"):
+    if dataset.splits.get("validation") and p.schedule in V_SCHEDULES:
+        print0(f"note: no val_loss during training: torch's {p.schedule} schedule has no forward-only mode")
+    elif dataset.splits.get("validation"):
         val_split = tokenize_split(dataset.splits["validation"], prepared.prompts, prepared.pad_id)
         validation = (val_split.input_ids.to(device), val_split.labels.to(device))
     print0(
@@ -146,26 +148,30 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         )
 
     # ------------------------------------------------------------------ model: this rank's stage
-    stage_index, n_stages = env.rank, p.pp
+    n_stages = p.pp * p.stages_per_rank
     costs = estimate_costs(prepared.model.config, config.data.max_length)
     ranges = split_layers(prepared.n_layers, n_stages, p.layers_per_stage, costs)
-    layers = ranges[stage_index]
+    # This rank's stages (several for interleaved schedules) live in one pruned model, one PEFT wrapper.
+    my_stages = stage_ids(p.schedule, env.rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
     model, load_stats = build_model(
         prepared.model,
         DTYPES[config.model.dtype],
         device,
-        layers=layers,
-        first=stage_index == 0,
-        last=stage_index == n_stages - 1,
+        layers=sorted(i for s in my_stages for i in ranges[s]),
+        first=0 in my_stages,
+        last=n_stages - 1 in my_stages,
         seed=t.seed,
     )
     peft_model = apply_lora(model, config.lora, config.model.name, t.seed)
     if config.lora.fast_path:
         use_fast_path(peft_model)
-    module = StageModule(peft_model).train()
-    if t.compile:
-        module.compile_layers()
-    params = [param for param in module.parameters() if param.requires_grad]
+    peft_model.train()
+    modules = [StageModule(peft_model, list(ranges[s]), first=s == 0, last=s == n_stages - 1) for s in my_stages]
+    for module in modules:
+        if t.compile:
+            module.compile_layers()
+        keep_rng_out_of_no_grad_forwards(module, device)
+    params = [param for param in peft_model.parameters() if param.requires_grad]
     estimated = stage_costs(ranges, costs)
     print0(
         "stages: "
@@ -176,7 +182,8 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     )
     if not quiet:
         print(
-            f"rank {env.rank}: stage {stage_index} read {load_stats.tensors} tensors, {load_stats.bytes / 1e9:.2f} GB; "
+            f"rank {env.rank}: stage{'s' if len(my_stages) > 1 else ''} {', '.join(map(str, my_stages))} "
+            f"read {load_stats.tensors} tensors, {load_stats.bytes / 1e9:.2f} GB; "
             f"after load: peak host RSS {host_peak_gb():.2f} GB"
             + (f", peak GPU {peak_memory_gb(device):.2f} GB" if device.type == "cuda" else ""),
             flush=True,
@@ -188,13 +195,13 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     timelines: dict[int, StageTimeline] = {}
     for length in config.data.buckets or [max_length]:
         if n_stages == 1:
-            runners[length] = SingleRunner(module, p.n_microbatches, loss_fn)
+            runners[length] = SingleRunner(modules[0], p.n_microbatches, loss_fn)
             continue
         runners[length] = PipelineRunner(
-            module, stage_index, n_stages, device, None, p.schedule, p.n_microbatches, loss_fn
+            modules, my_stages, n_stages, device, None, p.schedule, p.n_microbatches, loss_fn
         )
         if t.timeline_step:
-            timelines[length] = StageTimeline(runners[length].stage, env.rank, device)
+            timelines[length] = StageTimeline(runners[length].stages, env.rank, device)
     runner = runners[max_length]  # validation runs at full length
     optimizer = torch.optim.AdamW(
         params, lr=t.lr, betas=(0.9, 0.999), weight_decay=t.weight_decay, fused=device.type == "cuda"
@@ -206,7 +213,6 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     # ------------------------------------------------------------------ resume: adapters, optimizer, RNG, data position
     # Optimizer state is saved by full-model parameter name, so another pipeline layout can load it.
     param_names = {param: name for name, param in peft_model.named_parameters() if param.requires_grad}
-    keep_rng_out_of_no_grad_forwards(module, device)
     position = Position()
     if resume_from is not None:
         position = load_checkpoint(resume_from, env.rank, peft_model, optimizer, scheduler, param_names)
@@ -291,7 +297,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
                 row.update(strategy=p.strategy, epoch=epoch, step=step, lr=lr)
                 if evaluate:
                     status.phase = "validation"
-                    row["val_loss"] = evaluate_validation(runner, module, validation, t.batch_size, loss_fn, device)
+                    row["val_loss"] = evaluate_validation(runner, peft_model, validation, t.batch_size, loss_fn, device)
                 if writer is not None:
                     writer.write(row)
                     tensorboard.write(row)
@@ -328,7 +334,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
 
 def evaluate_validation(
     runner: PipelineRunner | SingleRunner,
-    module: StageModule,
+    module: torch.nn.Module,
     validation: tuple[torch.Tensor, torch.Tensor],
     batch_size: int,
     loss_fn: TokenLoss,
@@ -349,7 +355,7 @@ def save_timeline(timeline: StageTimeline, env: DistEnv, run_dir: Path, config: 
         return
     p = config.parallel
     m = p.n_microbatches
-    summary["expected_bubble"] = (p.pp - 1) / (m + p.pp - 1)
+    summary["expected_bubble"] = (p.pp - 1) / (p.stages_per_rank * m + p.pp - 1)
     (run_dir / "timeline.json").write_text(json.dumps(summary, indent=1))
     title = (
         f"{p.schedule}, pp={p.pp}, {m} microbatches: step {summary['step_ms']:.1f} ms, bubble "
@@ -519,7 +525,7 @@ class _Window:
         values = torch.stack(rows).cpu()
         peaks = values[:, 2].tolist()
         row = {
-            "loss": float(values[-1, 0]),
+            "loss": float(values[:, 0].sum()),  # only the rank holding the last stage reports one
             "grad_norm": float(values[0, 1]),
             "tokens_per_sec": self.tokens / elapsed,
             "real_tokens_per_sec": self.real_tokens / elapsed,

@@ -51,3 +51,17 @@ def test_pipeline_matches_single_process(reference: Path, tmp_path: Path, pp: in
         assert relative < 1e-5, f"{name}: relative difference {relative:.2e}"
     # The adapters really trained: lora_B started at zero.
     assert any(t.abs().max() > 0 for name, t in adapter.items() if "lora_B" in name)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev"])
+def test_multi_stage_schedules_match_single_process(reference: Path, tmp_path: Path, schedule: str) -> None:
+    # 2 ranks x 2 stages each: 4 stages of one layer; looped (rank r: r, r + 2) or V-shaped (rank r: r, 3 - r).
+    run_dir = tmp_path / schedule
+    config = tiny_config(run_dir, f'parallel.schedule="{schedule}"', "parallel.stages_per_rank=2")
+    run_cli("train", "--config", str(write_config(config, tmp_path / f"{schedule}.toml")), "--quiet")
+    torch.testing.assert_close(torch.tensor(_losses(run_dir)), torch.tensor(_losses(reference)), rtol=1e-5, atol=0)
+    ref_adapter, adapter = _adapter(reference), _adapter(run_dir)
+    assert sorted(adapter) == sorted(ref_adapter)
+    for name, tensor in ref_adapter.items():
+        relative = float((adapter[name] - tensor).norm() / tensor.norm())
+        assert relative < 1e-5, f"{name}: relative difference {relative:.2e}"

@@ -12,6 +12,7 @@ import copy
 import json
 import zlib
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def build_model(
     resolved: ResolvedModel,
     dtype: torch.dtype,
     device: torch.device,
-    layers: range | None = None,
+    layers: Sequence[int] | None = None,
     first: bool = True,
     last: bool = True,
     seed: int = 0,
@@ -73,7 +74,7 @@ def build_model(
     return model, stats
 
 
-def _prune(model: PreTrainedModel, layers: range, first: bool, last: bool) -> None:
+def _prune(model: PreTrainedModel, layers: Sequence[int], first: bool, last: bool) -> None:
     """Drop what this stage does not run; the kept layers keep their full-model indices as names."""
     decoder = model.model
     decoder.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in layers})

@@ -7,8 +7,6 @@ never see pads and no mask needs to travel.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import nn
 from transformers import PreTrainedModel
@@ -20,55 +18,59 @@ def decoder_of(model: nn.Module) -> nn.Module:
     return base.model
 
 
-class _Parts(NamedTuple):
-    """Plain references into the model (a tuple, so nn.Module does not register them twice)."""
-
-    embed: nn.Module | None
-    layers: list[nn.Module]
-    norm: nn.Module | None
-    lm_head: nn.Module | None
-    rotary: nn.Module
-
-
 class StageModule(nn.Module):
-    """Runs one stage. Holds the (possibly PEFT-wrapped) pruned causal LM so parameter names stay full-model names."""
+    """Runs one stage over parts of a (possibly PEFT-wrapped, pruned) causal LM.
 
-    def __init__(self, model: nn.Module) -> None:
+    It registers only its own parts, so its parameters are exactly the stage's, also when one rank's
+    model holds several stages (interleaved schedules); names in checkpoints and adapters come from
+    the PEFT model itself."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        layer_ids: list[int] | None = None,
+        first: bool | None = None,
+        last: bool | None = None,
+    ) -> None:
+        """`layer_ids` (full-model indices) picks this stage's layers when the model holds several stages'
+        (interleaved schedules); `first` / `last` default to whether the model holds the embedding / lm_head."""
         super().__init__()
-        self.model = model
         decoder = decoder_of(model)
         base: PreTrainedModel = model.get_base_model() if hasattr(model, "get_base_model") else model
         layers = decoder.layers
-        self._parts = _Parts(
-            embed=decoder.embed_tokens,
-            layers=list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers),
-            norm=decoder.norm,
-            lm_head=base.lm_head,
-            rotary=decoder.rotary_emb,
-        )
+        if layer_ids is None:
+            chosen = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+        else:
+            chosen = [layers[str(i)] if isinstance(layers, nn.ModuleDict) else layers[i] for i in layer_ids]
+        first = decoder.embed_tokens is not None if first is None else first
+        last = base.lm_head is not None if last is None else last
+        self.embed = decoder.embed_tokens if first else None
+        self.layers = nn.ModuleList(chosen)
+        self.norm = decoder.norm if last else None
+        self.lm_head = base.lm_head if last else None
+        self.rotary = decoder.rotary_emb
 
     def compile_layers(self) -> None:
         """torch.compile each decoder layer in place. All layers share one graph (parameters are graph
         inputs), so compilation happens once, at the first forward."""
-        for layer in self._parts.layers:
+        for layer in self.layers:
             layer.compile()
 
     @property
     def is_first(self) -> bool:
-        return self._parts.embed is not None
+        return self.embed is not None
 
     @property
     def is_last(self) -> bool:
-        return self._parts.lm_head is not None
+        return self.lm_head is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """input_ids [b, s] on the first stage, hidden states [b, s, h] elsewhere; logits [b, s, v] on the last."""
-        parts = self._parts
-        hidden = parts.embed(x) if self.is_first else x
+        hidden = self.embed(x) if self.is_first else x
         batch, seq = hidden.shape[:2]
         position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0).expand(batch, -1)
-        position_embeddings = parts.rotary(hidden, position_ids)
-        for layer in parts.layers:
+        position_embeddings = self.rotary(hidden, position_ids)
+        for layer in self.layers:
             out = layer(
                 hidden,
                 attention_mask=None,
@@ -79,4 +81,4 @@ class StageModule(nn.Module):
             hidden = out[0] if isinstance(out, tuple) else out
         if not self.is_last:
             return hidden
-        return parts.lm_head(parts.norm(hidden))
+        return self.lm_head(self.norm(hidden))

@@ -15,14 +15,31 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.pipelining import PipelineStage, schedules
 
+from pipetune.config import V_SCHEDULES, ConfigError
 from pipetune.data.batching import IGNORE
 
-SCHEDULE_CLASSES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-# torch >= 2.12 can skip merging the last stage's outputs (full logits) after each step.
-_HAS_RETURN_OUTPUTS = "return_outputs" in inspect.signature(PipelineScheduleSingle.step).parameters
+# Looked up by name: older torch releases lack the newest schedules (DualPipeV since 2.8).
+SCHEDULE_CLASSES = {
+    name: getattr(schedules, class_name, None)
+    for name, class_name in {
+        "gpipe": "ScheduleGPipe",
+        "1f1b": "Schedule1F1B",
+        "interleaved_1f1b": "ScheduleInterleaved1F1B",
+        "looped_bfs": "ScheduleLoopedBFS",
+        "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+        "zbv": "ScheduleZBVZeroBubble",
+        "dualpipev": "ScheduleDualPipeV",
+    }.items()
+}
+
+
+def stage_ids(schedule: str, rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """The pipeline stages a rank runs, in order: looped (r, r + pp, ...) or V-shaped (r, 2 pp - 1 - r)."""
+    if schedule in V_SCHEDULES:
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + k * pp for k in range(stages_per_rank)]
 
 
 class TokenLoss:
@@ -37,12 +54,16 @@ class TokenLoss:
 
 
 class PipelineRunner:
-    """One stage of a pipeline schedule; `step` returns the summed loss on the last stage, None elsewhere."""
+    """This rank's stages of a pipeline schedule; `step` returns the summed loss on the last stage, None elsewhere.
+
+    `modules[i]` runs pipeline stage `stage_ids[i]` of `n_stages`: one stage per rank for gpipe/1f1b,
+    several for the interleaved, looped and V-shaped schedules.
+    """
 
     def __init__(
         self,
-        module: nn.Module,
-        stage_index: int,
+        modules: list[nn.Module],
+        stage_ids: list[int],
         n_stages: int,
         device: torch.device,
         group: dist.ProcessGroup | None,
@@ -50,37 +71,37 @@ class PipelineRunner:
         n_microbatches: int,
         loss_fn: TokenLoss,
     ) -> None:
-        self.is_first = stage_index == 0
-        self.is_last = stage_index == n_stages - 1
-        self.stage = PipelineStage(module, stage_index, n_stages, device, group=group)
-        self.schedule = SCHEDULE_CLASSES[schedule](
-            self.stage, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False
-        )
+        self.is_first = 0 in stage_ids
+        self.is_last = n_stages - 1 in stage_ids
+        self.stages = [
+            PipelineStage(module, index, n_stages, device, group=group)
+            for module, index in zip(modules, stage_ids, strict=True)
+        ]
+        schedule_class = SCHEDULE_CLASSES[schedule]
+        if schedule_class is None:
+            raise ConfigError(f"parallel.schedule = {schedule!r} is not in torch {torch.__version__}; upgrade torch")
+        stages = self.stages[0] if issubclass(schedule_class, schedules.PipelineScheduleSingle) else self.stages
+        self.schedule = schedule_class(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        # torch >= 2.12 can skip merging the last stage's outputs (full logits) after each step.
+        accepts = inspect.signature(self.schedule.step).parameters
+        self._step_options = {"return_outputs": False} if "return_outputs" in accepts else {}
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
-        extra = {"return_outputs": False} if _HAS_RETURN_OUTPUTS else {}
-        if self.is_first:
-            self.schedule.step(input_ids, **extra)
-            return None
-        if self.is_last:
-            losses: list[torch.Tensor] = []
-            self.schedule.step(target=labels, losses=losses, **extra)
-            return torch.stack([loss.detach() for loss in losses]).sum()
-        self.schedule.step(**extra)
-        return None
+        return self._run(self.schedule.step, input_ids, labels, **self._step_options)
 
     @torch.no_grad()
     def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         """Forward only (the schedule's eval): the summed loss on the last stage, None elsewhere."""
-        if self.is_first:
-            self.schedule.eval(input_ids)
-            return None
+        return self._run(self.schedule.eval, input_ids, labels)
+
+    def _run(self, run, input_ids: torch.Tensor, labels: torch.Tensor, **options) -> torch.Tensor | None:
+        # The rank holding stage 0 feeds the ids, the one holding the last stage the labels: with V-shaped
+        # schedules that is the same rank.
+        losses: list[torch.Tensor] = []
         if self.is_last:
-            losses: list[torch.Tensor] = []
-            self.schedule.eval(target=labels, losses=losses)
-            return torch.stack(losses).sum()
-        self.schedule.eval()
-        return None
+            options.update(target=labels, losses=losses)
+        run(*((input_ids,) if self.is_first else ()), **options)
+        return torch.stack([loss.detach() for loss in losses]).sum() if self.is_last else None
 
 
 class SingleRunner:

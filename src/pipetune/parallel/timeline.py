@@ -19,6 +19,7 @@ import torch.distributed as dist
 @dataclass
 class Action:
     rank: int
+    stage: int
     kind: str
     """"F" (forward) or "B" (backward)."""
     microbatch: int
@@ -46,24 +47,25 @@ class _Clock:
 
 
 class StageTimeline:
-    """Records the actions of one pipeline stage while `recording` is True."""
+    """Records the actions of one rank's pipeline stages while `recording` is True."""
 
-    def __init__(self, stage, rank: int, device: torch.device) -> None:
+    def __init__(self, stages: list, rank: int, device: torch.device) -> None:
         self.rank = rank
         self.clock = _Clock(device)
         self.recording = False
-        self._marks: list[tuple[str, int, object, object]] = []
+        self._marks: list[tuple[int, str, int, object, object]] = []
         self._origin: object = None
-        for kind, method in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
-            setattr(stage, method, self._wrap(kind, getattr(stage, method)))
+        for stage in stages:
+            for kind, method in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
+                setattr(stage, method, self._wrap(stage.stage_index, kind, getattr(stage, method)))
 
-    def _wrap(self, kind: str, fn):
+    def _wrap(self, stage_index: int, kind: str, fn):
         def timed(chunk_id, *args, **kwargs):
             if not self.recording:
                 return fn(chunk_id, *args, **kwargs)
             start = self.clock.now()
             out = fn(chunk_id, *args, **kwargs)
-            self._marks.append((kind, chunk_id, start, self.clock.now()))
+            self._marks.append((stage_index, kind, chunk_id, start, self.clock.now()))
             return out
 
         return timed
@@ -92,8 +94,15 @@ class StageTimeline:
             for sort_by in ("self_cpu_time_total", "self_device_time_total"):
                 print(f"rank {self.rank} profile by {sort_by}:\n{averages.table(sort_by=sort_by, row_limit=12)}")
         actions = [
-            Action(self.rank, kind, mb, self.clock.elapsed_ms(self._origin, s), self.clock.elapsed_ms(self._origin, e))
-            for kind, mb, s, e in self._marks
+            Action(
+                self.rank,
+                stage,
+                kind,
+                mb,
+                self.clock.elapsed_ms(self._origin, s),
+                self.clock.elapsed_ms(self._origin, e),
+            )
+            for stage, kind, mb, s, e in self._marks
         ]
         return actions, self.clock.elapsed_ms(self._origin, end)
 

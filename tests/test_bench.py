@@ -1,0 +1,42 @@
+"""`pipetune bench` compares strategies in one invocation and measures the pipeline bubble."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.conftest import run_cli, tiny_config, write_config
+
+
+def test_bench_runs_strategies_and_reports_bubble(tmp_path: Path) -> None:
+    config = write_config(tiny_config(tmp_path / "unused"), tmp_path / "c.toml")
+    out = tmp_path / "bench"
+    result = run_cli(
+        "bench",
+        "--config",
+        str(config),
+        "--strategies",
+        "pp,single",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--out",
+        str(out),
+    )
+    rows = json.loads((out / "bench.json").read_text())
+    assert [r["strategy"] for r in rows] == ["pp", "single"]
+    pp, single = rows
+    assert (pp["gpus"], single["gpus"]) == (2, 1)
+    assert pp["timed_steps"] == single["timed_steps"] == 2
+    assert all(r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 1 for r in rows)
+    assert len(pp["peak_gb_per_rank"]) == 2 and len(single["peak_gb_per_rank"]) == 1
+    assert pp["expected_bubble"] == 1 / 5  # (p - 1) / (m + p - 1) with p = 2, m = 4
+    assert len(pp["bubble_per_rank"]) == 2 and all(0 <= b < 1 for b in pp["bubble_per_rank"])
+    assert "bubble_per_rank" not in single
+    timeline = json.loads((out / "pp" / "timeline.json").read_text())
+    assert sorted({(a["rank"], a["kind"]) for a in timeline["actions"]}) == [(0, "B"), (0, "F"), (1, "B"), (1, "F")]
+    assert len([a for a in timeline["actions"] if a["rank"] == 0 and a["kind"] == "F"]) == 4  # one per microbatch
+    for png in (out / "bench.png", out / "pp" / "timeline.png"):
+        assert png.read_bytes().startswith(b"\x89PNG")
+    assert "pipetune bench" in result.stdout
