@@ -16,7 +16,7 @@ def test_bench_runs_strategies_and_reports_bubble(tmp_path: Path) -> None:
         "--config",
         str(config),
         "--strategies",
-        "pp,single",
+        "pp,ddp,single",
         "--steps",
         "2",
         "--warmup",
@@ -25,9 +25,9 @@ def test_bench_runs_strategies_and_reports_bubble(tmp_path: Path) -> None:
         str(out),
     )
     rows = json.loads((out / "bench.json").read_text())
-    assert [r["strategy"] for r in rows] == ["pp", "single"]
-    pp, single = rows
-    assert (pp["gpus"], single["gpus"]) == (2, 1)
+    assert [r["strategy"] for r in rows] == ["pp", "ddp", "single"]
+    pp, ddp, single = rows
+    assert (pp["gpus"], ddp["gpus"], single["gpus"]) == (2, 2, 1)
     assert pp["timed_steps"] == single["timed_steps"] == 2
     assert all(r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 1 for r in rows)
     assert len(pp["peak_gb_per_rank"]) == 2 and len(single["peak_gb_per_rank"]) == 1

@@ -25,13 +25,25 @@ from pipetune.config import Config, ConfigError, save_config
 from pipetune.model.split import estimate_costs
 from pipetune.preflight import prepare
 
-STRATEGIES = ("pp", "single")
+STRATEGIES = ("pp", "ddp", "single")
 
 
 def strategy_config(config: Config, strategy: str, steps: int, warmup: int, out_dir: Path) -> Config:
+    """The config's run as `strategy`, at the same effective batch: "ddp" spreads each schedule step's batch
+    over as many whole-model replicas as the config has ranks (one forward per replica); "single" runs it
+    in one process, microbatch by microbatch."""
     variant = copy.deepcopy(config)
-    if strategy == "single":
-        variant.parallel.pp = 1
+    p, t = variant.parallel, variant.train
+    if strategy == "ddp":
+        replicas = p.pp * p.dp
+        if (t.batch_size * p.dp) % replicas:
+            raise ConfigError(f"--strategies ddp: batch {t.batch_size * p.dp} does not split over {replicas} replicas")
+        t.batch_size = t.batch_size * p.dp // replicas
+        p.pp, p.dp, p.n_microbatches, p.schedule, p.stages_per_rank = 1, replicas, 1, "1f1b", 1
+    elif strategy == "single":
+        t.batch_size *= p.dp
+        p.pp, p.dp, p.n_microbatches, p.schedule, p.stages_per_rank = 1, 1, p.n_microbatches * p.dp, "1f1b", 1
+    p.strategy = strategy
     variant.train.max_steps = warmup + steps
     variant.train.epochs = 10_000  # max_steps ends the run
     variant.train.log_every = 1

@@ -23,7 +23,7 @@ SCHEDULES = SINGLE_STAGE_SCHEDULES + LOOPED_SCHEDULES + V_SCHEDULES
 ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
 """Schedules that split backward into input- and weight-gradient parts."""
 DTYPES = ("float32", "bfloat16", "float16")
-STRATEGIES = ("pp",)
+STRATEGIES = ("pp", "ddp", "single")
 RESUME_MODES = ("never", "auto")
 
 
@@ -131,7 +131,8 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     strategy: str = "pp"
-    """"pp": pipeline parallel over pp stages."""
+    """"pp": pp pipeline stages x dp replicas; "ddp": data parallel only (pp = 1, dp replicas, LoRA gradients
+    all-reduced); "single": one process (pp = dp = 1). The same trainer, data, loss and outputs for all."""
     pp: int = 2
     """Pipeline stages (one per rank); 1 runs the same loop in one process."""
     dp: int = 1
@@ -313,8 +314,15 @@ def validate(config: Config, world_size: int) -> None:
         ("data.max_summary_tokens", d.max_summary_tokens),
     ]:
         _check(value >= 1, f"{name} = {value} must be at least 1")
-    _check(p.dp == 1, f"parallel.dp = {p.dp}: data parallelism is not available yet; set parallel.dp = 1")
     _check_schedule(p, t.compile)
+    if p.strategy == "ddp":
+        _check(p.pp == 1, f"parallel.strategy = 'ddp' runs whole-model replicas: set parallel.pp = 1 (got {p.pp})")
+    if p.strategy == "single":
+        _check(
+            p.pp == 1 and p.dp == 1,
+            f"parallel.strategy = 'single' runs one process: set parallel.pp = 1 and parallel.dp = 1 "
+            f"(got {p.pp} x {p.dp})",
+        )
     _check(
         t.max_steps == -1 or t.max_steps >= 1,
         f"train.max_steps = {t.max_steps} must be -1 (no cap) or at least 1",

@@ -38,6 +38,7 @@ from pipetune.model.load import DTYPES, build_model
 from pipetune.model.lora import adapter_state, apply_lora, save_adapter, use_fast_path
 from pipetune.model.split import estimate_costs, split_layers, stage_costs
 from pipetune.model.stage import StageModule
+from pipetune.parallel.mesh import all_reduce_gradients, build_mesh
 from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, stage_ids, validation_loss
 from pipetune.parallel.process_group import DistEnv, close_distributed, init_distributed
 from pipetune.parallel.timeline import StageTimeline, gather_timeline, plot_timeline
@@ -102,7 +103,9 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir / "config.toml")
-    torch.manual_seed(t.seed + env.rank)  # LoRA dropout: a different stream per stage
+    torch.manual_seed(t.seed + env.rank)  # LoRA dropout: a different stream per stage and replica
+    mesh = build_mesh(env, p.pp, p.dp)
+    global_batch = t.batch_size * p.dp  # samples per schedule step over all replicas; rank takes its columns
 
     # ------------------------------------------------------------------ data
     dataset = load_dataset(config.data, seed=t.seed)
@@ -115,8 +118,8 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     def epoch_plan(epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This epoch's batches (sample indices) and the padded length of each: the same on every (re)start."""
         if config.data.buckets:
-            return bucketed_epoch_batches(sample_lengths, t.batch_size, t.seed, epoch)
-        batches = epoch_batches(len(train_split), t.batch_size, t.seed, epoch)
+            return bucketed_epoch_batches(sample_lengths, global_batch, t.seed, epoch)
+        batches = epoch_batches(len(train_split), global_batch, t.seed, epoch)
         return batches, torch.full((len(batches),), max_length, dtype=torch.long)
 
     n_batches = len(epoch_plan(0)[0])
@@ -124,7 +127,8 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     if steps_per_epoch == 0:
         raise ConfigError(
             f"{len(train_split)} training samples ({dataset.skipped_line()}) make no optimizer step of "
-            f"train.batch_size {t.batch_size} x train.grad_accum {t.grad_accum}; lower them or add data"
+            f"train.batch_size {t.batch_size} x train.grad_accum {t.grad_accum} x parallel.dp {p.dp}; "
+            "lower them or add data"
         )
     total_steps = steps_per_epoch * t.epochs if t.max_steps < 0 else min(t.max_steps, steps_per_epoch * t.epochs)
     supervised = (train_split.labels != IGNORE).sum(dim=1)  # per sample, on the CPU: no device sync per step
@@ -138,7 +142,8 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         validation = (val_split.input_ids.to(device), val_split.labels.to(device))
     print0(
         f"data: {len(train_split)} training samples, {train_split.truncated} truncated; {dataset.skipped_line()}; "
-        f"{steps_per_epoch} optimizer steps/epoch, {total_steps} in all"
+        f"{steps_per_epoch} optimizer steps/epoch, {total_steps} in all; effective batch "
+        f"{t.batch_size} x grad_accum {t.grad_accum} x dp {p.dp} = {global_batch * t.grad_accum} sequences"
     )
     if config.data.buckets:
         padded = int(sample_lengths.sum())
@@ -152,7 +157,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     costs = estimate_costs(prepared.model.config, config.data.max_length)
     ranges = split_layers(prepared.n_layers, n_stages, p.layers_per_stage, costs)
     # This rank's stages (several for interleaved schedules) live in one pruned model, one PEFT wrapper.
-    my_stages = stage_ids(p.schedule, env.rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
+    my_stages = stage_ids(p.schedule, mesh.pp_rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
     model, load_stats = build_model(
         prepared.model,
         DTYPES[config.model.dtype],
@@ -198,7 +203,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
             runners[length] = SingleRunner(modules[0], p.n_microbatches, loss_fn)
             continue
         runners[length] = PipelineRunner(
-            modules, my_stages, n_stages, device, None, p.schedule, p.n_microbatches, loss_fn
+            modules, my_stages, n_stages, device, mesh.pp_group, p.schedule, p.n_microbatches, loss_fn
         )
         if t.timeline_step:
             timelines[length] = StageTimeline(runners[length].stages, env.rank, device)
@@ -233,7 +238,8 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         if step >= total_steps:
             break
         batches, lengths = epoch_plan(epoch)
-        device_batches = batches.to(device)
+        # This replica's share of every schedule step: its batch_size columns of the global batch.
+        device_batches = batches[:, mesh.dp_rank * t.batch_size : (mesh.dp_rank + 1) * t.batch_size].to(device)
         for i in range(position.batch if epoch == position.epoch else 0, steps_per_epoch):
             if step >= total_steps:
                 break
@@ -251,9 +257,11 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
                     step_loss += out
                 if timeline is not None:
                     save_timeline(timeline, env, run_dir, config)
+            status.phase = "gradient all-reduce over dp"
+            all_reduce_gradients(params, mesh)
             faults.before_grad_norm(step + 1, params)
             status.phase = "gradient-norm all-reduce"
-            grad_norm, bad_stages = clip_global_grad_norm(params, t.max_grad_norm, device, step_loss)
+            grad_norm, bad_stages = clip_global_grad_norm(params, t.max_grad_norm, device, step_loss, p.dp)
             lr = optimizer.param_groups[0]["lr"]
             if bad_stages:  # every rank got the same flags from the all-reduce: all skip together
                 optimizer.zero_grad(set_to_none=True)
@@ -279,7 +287,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
             window.add(
                 step_loss,
                 grad_norm,
-                t.batch_size * int(lengths[group].sum()),
+                global_batch * int(lengths[group].sum()),
                 int(train_split.real_tokens[batches[group].flatten()].sum()),
                 n_supervised,
                 skipped=bool(bad_stages),
@@ -297,7 +305,9 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
                 row.update(strategy=p.strategy, epoch=epoch, step=step, lr=lr)
                 if evaluate:
                     status.phase = "validation"
-                    row["val_loss"] = evaluate_validation(runner, peft_model, validation, t.batch_size, loss_fn, device)
+                    row["val_loss"] = evaluate_validation(
+                        runner, peft_model, validation, t.batch_size, loss_fn, device, p.dp
+                    )
                 if writer is not None:
                     writer.write(row)
                     tensorboard.write(row)
@@ -339,13 +349,16 @@ def evaluate_validation(
     batch_size: int,
     loss_fn: TokenLoss,
     device: torch.device,
+    replicas: int = 1,
 ) -> float:
-    """Validation loss, computed on the last stage and shared with every rank (one all-reduce)."""
+    """Validation loss, computed on the last stage and shared with every rank (one all-reduce).
+
+    Each of the `replicas` pipelines computes it over the whole split; only last stages hold a value."""
     loss = validation_loss(runner, module, *validation, batch_size, loss_fn)
     value = loss if loss is not None else torch.zeros((), device=device)
     if dist.is_initialized():
-        dist.all_reduce(value)  # only the last stage holds a non-zero value
-    return float(value)
+        dist.all_reduce(value)
+    return float(value) / replicas
 
 
 def save_timeline(timeline: StageTimeline, env: DistEnv, run_dir: Path, config: Config) -> None:
@@ -374,11 +387,17 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 
 def clip_global_grad_norm(
-    params: list[torch.Tensor], max_norm: float, device: torch.device, loss: torch.Tensor | None = None
+    params: list[torch.Tensor],
+    max_norm: float,
+    device: torch.device,
+    loss: torch.Tensor | None = None,
+    replicas: int = 1,
 ) -> tuple[torch.Tensor, list[int]]:
     """The L2 norm of all stages' gradients together, and the ranks that saw a non-finite loss or gradient norm.
 
-    One all-reduce carries the squared norm and one flag per rank. Clips by the norm when all are finite.
+    One all-reduce over the world carries the squared norm and one flag per rank; after the dp all-reduce
+    the `replicas` copies of each stage hold the same gradients, so the sum counts each stage that often.
+    Clips by the norm when all are finite.
     """
     grads = [param.grad for param in params if param.grad is not None]
     local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=device)
@@ -391,7 +410,7 @@ def clip_global_grad_norm(
         dist.all_reduce(packed)
     flags = packed[1:].cpu()  # the one host sync of a step: skipping must be decided on the host
     bad_ranks = [r for r in range(world) if flags[r] > 0]
-    total = packed[0].sqrt()
+    total = (packed[0] / replicas).sqrt()
     if max_norm > 0 and not bad_ranks:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total, bad_ranks
