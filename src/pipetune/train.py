@@ -127,8 +127,9 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     if steps_per_epoch == 0:
         raise ConfigError(
             f"{len(train_split)} training samples ({dataset.skipped_line()}) make no optimizer step of "
-            f"train.batch_size {t.batch_size} x train.grad_accum {t.grad_accum} x parallel.dp {p.dp}; "
-            "lower them or add data"
+            f"train.batch_size {t.batch_size} x train.grad_accum {t.grad_accum}"
+            + (f" x parallel.dp {p.dp}" if p.dp > 1 else "")
+            + "; lower them or add data"
         )
     total_steps = steps_per_epoch * t.epochs if t.max_steps < 0 else min(t.max_steps, steps_per_epoch * t.epochs)
     supervised = (train_split.labels != IGNORE).sum(dim=1)  # per sample, on the CPU: no device sync per step

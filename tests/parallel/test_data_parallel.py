@@ -24,13 +24,6 @@ def _train(tmp: Path, name: str, *overrides: str, nproc: int) -> Path:
     return tmp / name
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    # batch 8 x grad_accum 2 = 16 sequences a step, in microbatches of 2.
-    tmp = tmp_path_factory.mktemp("single")
-    return _train(tmp, "single", 'parallel.strategy="single"', "parallel.pp=1", "train.batch_size=8", nproc=1)
-
-
 @pytest.mark.parametrize(
     "name, overrides, nproc",
     [

@@ -1,0 +1,69 @@
+"""Two "nodes" x 2 processes on loopback through torchrun's c10d rendezvous (two launcher invocations sharing
+one endpoint), running pp=2 x dp=2: the same result as the single process at the same effective batch."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from tests.conftest import REPO, tiny_config, write_config
+from tests.parallel.test_data_parallel import EFFECTIVE_16
+from tests.parallel.test_parity import _adapter, _losses
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_on_loopback_match_single_process(tmp_path: Path, single: Path) -> None:
+    config = tiny_config(tmp_path / "run", *EFFECTIVE_16, "parallel.pp=2", "parallel.dp=2", "train.batch_size=4")
+    path = write_config(config, tmp_path / "c.toml")
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                f"127.0.0.1:{port}",
+                "--rdzv-id",
+                "loopback-job",
+                "--node-rank",
+                str(node),
+                "-m",
+                "pipetune",
+                "train",
+                "--config",
+                str(path),
+                "--quiet",
+            ],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)
+
+    run = tmp_path / "run"
+    torch.testing.assert_close(torch.tensor(_losses(run)), torch.tensor(_losses(single)), rtol=1e-5, atol=0)
+    reference, adapter = _adapter(single), _adapter(run)
+    assert max(float((adapter[k] - v).norm() / v.norm()) for k, v in reference.items()) < 1e-5
