@@ -1,11 +1,11 @@
-"""The training loop: one stage per rank, LoRA adapters only, one explicit loop.
+"""The training loop: this rank's pipeline stage(s) of one replica, LoRA adapters only, one explicit loop.
 
     pipetune train --config configs/qwen3-4b-ami.toml --nproc 2
     torchrun --nproc-per-node 2 -m pipetune train --config configs/qwen3-4b-ami.toml
 
-Every rank builds the same batches (the data is small next to the model); stage 0 feeds the
-token ids, the last stage the labels, and all ranks know each step's supervised-token count,
-which normalizes the loss (see parallel/pipeline.py).
+Every rank builds the same batches (the data is small next to the model) and takes its dp
+replica's share; stage 0 feeds the token ids, the last stage the labels, and all ranks know each
+step's global supervised-token count, which normalizes the loss (see parallel/pipeline.py).
 """
 
 from __future__ import annotations
