@@ -35,8 +35,12 @@ UNPARSABLE_CSV_ROW = "unparsable CSV row"
 
 @dataclass(frozen=True)
 class Example:
+    """One transcript and its reference summary, whatever the source (a synthetic meeting is one too)."""
+
     transcript: str
+    """The meeting transcript (for AMI and the synthetic corpus: speaker-tagged turns, one per line)."""
     summary: str
+    """The reference summary."""
 
 
 @dataclass(frozen=True)
@@ -113,7 +117,7 @@ def load_dataset(data: DataConfig, seed: int = 0) -> Dataset:
 
         splits = synthetic_splits(seed=0, n_train=data.synthetic_train, n_validation=data.synthetic_validation)
         dataset = Dataset(
-            {name: [Example(m.transcript, m.summary) for m in rows] for name, rows in splits.items()},
+            {name: list(rows) for name, rows in splits.items()},
             {name: SplitStats(read=len(rows)) for name, rows in splits.items()},
         )
     else:

@@ -13,6 +13,8 @@ import random
 import re
 from dataclasses import dataclass
 
+from pipetune.data.sources import Example
+
 ROLES = ("Project Manager", "Marketing Expert", "User Interface Designer", "Industrial Designer")
 PROJECT_MANAGER = ROLES[0]
 NAMES = (
@@ -28,14 +30,9 @@ MIN_TURNS = 7
 """Fewest turns that hold an opening, one decision, one action item and a closing."""
 
 
-@dataclass(frozen=True)
-class Meeting:
-    """One transcript and its reference summary."""
-
-    transcript: str
-    """Speaker-tagged turns, one per line: ``Role (Name): text``."""
-    summary: str
-    """A short paragraph stating the meeting's decisions and action items."""
+Meeting = Example
+"""A generated meeting: speaker-tagged turns (``Role (Name): text``), and a short paragraph stating its
+decisions and action items as the summary."""
 
 
 @dataclass(frozen=True)
