@@ -98,6 +98,11 @@ def test_seed_job_config_matches_the_seed_script() -> None:
             r"set train.compile = false or use 1f1b / interleaved_1f1b",
         ),
         (['parallel.schedule="zbv"', "parallel.stages_per_rank=2", "parallel.pp=1"], 1, r"needs parallel.pp >= 2"),
+        (
+            ['parallel.schedule="zbv"', "parallel.stages_per_rank=2", "train.activation_checkpointing=true"],
+            2,
+            r"set train.activation_checkpointing = false or use 1f1b / interleaved_1f1b",
+        ),
     ],
 )
 def test_validation_errors_name_value_and_fix(

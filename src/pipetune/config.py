@@ -110,6 +110,9 @@ class TrainConfig:
     """Seeds data order, random initialisation and adapter initialisation."""
     compile: bool = False
     """torch.compile each decoder layer (one graph shared by all layers; the first steps compile)."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input during forward and recompute the layer in backward: less activation
+    memory (long contexts) for about one more forward of compute."""
     timeline_step: int = 0
     """Record when each stage ran each forward/backward during this optimizer step's first schedule step
     (timeline.json and timeline.png in the run directory, with the measured bubble); 0 = never."""
@@ -314,7 +317,7 @@ def validate(config: Config, world_size: int) -> None:
         ("data.max_summary_tokens", d.max_summary_tokens),
     ]:
         _check(value >= 1, f"{name} = {value} must be at least 1")
-    _check_schedule(p, t.compile)
+    _check_schedule(p, t.compile, t.activation_checkpointing)
     if p.strategy == "ddp":
         _check(p.pp == 1, f"parallel.strategy = 'ddp' runs whole-model replicas: set parallel.pp = 1 (got {p.pp})")
     if p.strategy == "single":
@@ -397,7 +400,7 @@ def validate_against_model(config: Config, n_layers: int, module_names: set[str]
     )
 
 
-def _check_schedule(p: ParallelConfig, compiled: bool) -> None:
+def _check_schedule(p: ParallelConfig, compiled: bool, checkpointed: bool) -> None:
     """Each schedule's constraints on stages per rank and microbatches (torch's own, stated up front)."""
     s, v, m = p.schedule, p.stages_per_rank, p.n_microbatches
     if s in SINGLE_STAGE_SCHEDULES:
@@ -432,6 +435,11 @@ def _check_schedule(p: ParallelConfig, compiled: bool) -> None:
             f"stage; raise n_microbatches to {2 * p.pp}",
         )
     if s in ZERO_BUBBLE_SCHEDULES:
+        _check(
+            not checkpointed,
+            f"parallel.schedule = {s!r} splits each backward in two, which recomputed (checkpointed) layers do not "
+            "support; set train.activation_checkpointing = false or use 1f1b / interleaved_1f1b",
+        )
         _check(
             not compiled,
             f"parallel.schedule = {s!r} splits each backward into input- and weight-gradient parts, which "

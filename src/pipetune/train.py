@@ -174,6 +174,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     peft_model.train()
     modules = [StageModule(peft_model, list(ranges[s]), first=s == 0, last=s == n_stages - 1) for s in my_stages]
     for module in modules:
+        module.checkpoint_layers = t.activation_checkpointing
         if t.compile:
             module.compile_layers()
         keep_rng_out_of_no_grad_forwards(module, device)

@@ -38,3 +38,11 @@ def test_compiled_fast_path_matches_plain(plain: Path, tmp_path: Path) -> None:
     torch.testing.assert_close(torch.tensor(_losses(compiled)), torch.tensor(_losses(plain)), rtol=1e-5, atol=0)
     # Inductor reassociates float sums; Adam's first steps turn that into ~1e-4 relative weight differences.
     assert _max_relative(_adapter(compiled), _adapter(plain)) < 2e-3
+
+
+def test_activation_checkpointing_changes_nothing_but_memory(tmp_path: Path) -> None:
+    # With dropout on: the recomputation must draw the same masks as the first forward.
+    plain = _train(tmp_path, "plain", "parallel.pp=2", "lora.dropout=0.1")
+    recomputed = _train(tmp_path, "ckpt", "parallel.pp=2", "lora.dropout=0.1", "train.activation_checkpointing=true")
+    torch.testing.assert_close(torch.tensor(_losses(recomputed)), torch.tensor(_losses(plain)), rtol=1e-6, atol=0)
+    assert _max_relative(_adapter(recomputed), _adapter(plain)) < 1e-6

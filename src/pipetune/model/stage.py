@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 
@@ -49,6 +50,8 @@ class StageModule(nn.Module):
         self.norm = decoder.norm if last else None
         self.lm_head = base.lm_head if last else None
         self.rotary = decoder.rotary_emb
+        self.checkpoint_layers = False
+        """Recompute each layer in backward instead of keeping its activations (train.activation_checkpointing)."""
 
     def compile_layers(self) -> None:
         """torch.compile each decoder layer in place. All layers share one graph (parameters are graph
@@ -70,14 +73,15 @@ class StageModule(nn.Module):
         batch, seq = hidden.shape[:2]
         position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0).expand(batch, -1)
         position_embeddings = self.rotary(hidden, position_ids)
+        kwargs = dict(
+            attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings, use_cache=False
+        )
         for layer in self.layers:
-            out = layer(
-                hidden,
-                attention_mask=None,
-                position_ids=position_ids,
-                position_embeddings=position_embeddings,
-                use_cache=False,
-            )
+            if self.checkpoint_layers and torch.is_grad_enabled():
+                # Non-reentrant, with the RNG state restored for the recomputation: same dropout masks, same math.
+                out = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
+            else:
+                out = layer(hidden, **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out
         if not self.is_last:
             return hidden
