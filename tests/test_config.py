@@ -103,6 +103,13 @@ def test_seed_job_config_matches_the_seed_script() -> None:
             2,
             r"set train.activation_checkpointing = false or use 1f1b / interleaved_1f1b",
         ),
+        (["train.cuda_graphs=true"], 2, r"train.cuda_graphs = true replays compiled layers: set train.compile = true"),
+        (
+            ["train.cuda_graphs=true", "train.compile=true", "train.activation_checkpointing=true"],
+            2,
+            r"does not combine with train.activation_checkpointing",
+        ),
+        (["train.loss_chunk=0"], 2, r"train.loss_chunk = 0 must be at least 1"),
     ],
 )
 def test_validation_errors_name_value_and_fix(

@@ -110,6 +110,16 @@ class TrainConfig:
     """Seeds data order, random initialisation and adapter initialisation."""
     compile: bool = False
     """torch.compile each decoder layer (one graph shared by all layers; the first steps compile)."""
+    cuda_graphs: bool = False
+    """With train.compile, replay each compiled layer's forward and backward as CUDA graphs (torch.compile's
+    "reduce-overhead" mode): one launch per layer call instead of ~60 kernels and ~20 GEMM calls, for when the
+    host, not the GPU, is the limit (small microbatches). CUDA only; the first steps record the graphs."""
+    fused_loss: bool = False
+    """Compute lm_head and the cross-entropy together, a chunk of train.loss_chunk rows at a time, writing the
+    hidden states' gradient in the forward: the [tokens, vocab] float32 logits and their gradient are never
+    whole in memory (Qwen3: 151,936 columns). Same math as the plain loss."""
+    loss_chunk: int = 2048
+    """Rows (tokens) per chunk of train.fused_loss: peak extra memory ~ loss_chunk x vocab x 12 bytes."""
     activation_checkpointing: bool = False
     """Keep only each decoder layer's input during forward and recompute the layer in backward: less activation
     memory (long contexts) for about one more forward of compute."""
@@ -312,12 +322,20 @@ def validate(config: Config, world_size: int) -> None:
         ("train.log_every", t.log_every),
         ("train.keep_checkpoints", t.keep_checkpoints),
         ("train.max_skipped_steps", t.max_skipped_steps),
+        ("train.loss_chunk", t.loss_chunk),
         ("lora.r", config.lora.r),
         ("data.max_length", d.max_length),
         ("data.max_summary_tokens", d.max_summary_tokens),
     ]:
         _check(value >= 1, f"{name} = {value} must be at least 1")
     _check_schedule(p, t.compile, t.activation_checkpointing)
+    if t.cuda_graphs:
+        _check(t.compile, "train.cuda_graphs = true replays compiled layers: set train.compile = true as well")
+        _check(
+            not t.activation_checkpointing,
+            "train.cuda_graphs = true does not combine with train.activation_checkpointing (a recomputed layer "
+            "would replay its graph inside another's backward); set one of them to false",
+        )
     if p.strategy == "ddp":
         _check(p.pp == 1, f"parallel.strategy = 'ddp' runs whole-model replicas: set parallel.pp = 1 (got {p.pp})")
     if p.strategy == "single":

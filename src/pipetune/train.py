@@ -176,7 +176,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     for module in modules:
         module.checkpoint_layers = t.activation_checkpointing
         if t.compile:
-            module.compile_layers()
+            module.compile_layers(cuda_graphs=t.cuda_graphs and device.type == "cuda")
         keep_rng_out_of_no_grad_forwards(module, device)
     params = [param for param in peft_model.parameters() if param.requires_grad]
     estimated = stage_costs(ranges, costs)
@@ -198,6 +198,10 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
 
     # One runner per padded length: a pipeline stage fixes its shapes at its first step.
     loss_fn = TokenLoss()
+    last_stage = next((module for module in modules if module.is_last), None)
+    if t.fused_loss and last_stage is not None:
+        last_stage.head_in_loss = True
+        loss_fn = TokenLoss(head=last_stage.lm_head, chunk=t.loss_chunk)
     runners: dict[int, PipelineRunner | SingleRunner] = {}
     timelines: dict[int, StageTimeline] = {}
     for length in config.data.buckets or [max_length]:

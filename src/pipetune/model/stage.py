@@ -52,12 +52,17 @@ class StageModule(nn.Module):
         self.rotary = decoder.rotary_emb
         self.checkpoint_layers = False
         """Recompute each layer in backward instead of keeping its activations (train.activation_checkpointing)."""
+        self.head_in_loss = False
+        """The last stage returns normed hidden states; the loss applies lm_head (train.fused_loss)."""
+        """Recompute each layer in backward instead of keeping its activations (train.activation_checkpointing)."""
 
-    def compile_layers(self) -> None:
+    def compile_layers(self, cuda_graphs: bool = False) -> None:
         """torch.compile each decoder layer in place. All layers share one graph (parameters are graph
-        inputs), so compilation happens once, at the first forward."""
+        inputs), so compilation happens once, at the first forward. `cuda_graphs`: replay each call as a
+        CUDA graph ("reduce-overhead"); the runners mark each schedule step's start, after which the
+        graphs may reuse the previous step's output memory."""
         for layer in self.layers:
-            layer.compile()
+            layer.compile(mode="reduce-overhead" if cuda_graphs else None)
 
     @property
     def is_first(self) -> bool:
@@ -68,7 +73,8 @@ class StageModule(nn.Module):
         return self.lm_head is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """input_ids [b, s] on the first stage, hidden states [b, s, h] elsewhere; logits [b, s, v] on the last."""
+        """input_ids [b, s] on the first stage, hidden states [b, s, h] elsewhere; logits [b, s, v] on the last
+        (normed hidden states with head_in_loss)."""
         hidden = self.embed(x) if self.is_first else x
         batch, seq = hidden.shape[:2]
         position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0).expand(batch, -1)
@@ -85,4 +91,5 @@ class StageModule(nn.Module):
             hidden = out[0] if isinstance(out, tuple) else out
         if not self.is_last:
             return hidden
-        return self.lm_head(self.norm(hidden))
+        hidden = self.norm(hidden)
+        return hidden if self.head_in_loss else self.lm_head(hidden)

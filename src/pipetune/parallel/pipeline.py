@@ -19,6 +19,7 @@ from torch.distributed.pipelining import PipelineStage, schedules
 
 from pipetune.config import V_SCHEDULES, ConfigError
 from pipetune.data.batching import IGNORE
+from pipetune.model.loss import linear_cross_entropy
 
 # Looked up by name: older torch releases lack the newest schedules (DualPipeV since 2.8).
 SCHEDULE_CLASSES = {
@@ -43,13 +44,20 @@ def stage_ids(schedule: str, rank: int, pp: int, stages_per_rank: int) -> list[i
 
 
 class TokenLoss:
-    """Sum of token cross-entropies / `normalizer` (the optimizer step's supervised-token count)."""
+    """Sum of token cross-entropies / `normalizer` (the optimizer step's supervised-token count).
 
-    def __init__(self) -> None:
+    With a `head` (train.fused_loss) the last stage hands over its final hidden states, and the loss
+    applies the lm_head itself, chunk by chunk (model/loss.py)."""
+
+    def __init__(self, head: nn.Linear | None = None, chunk: int = 2048) -> None:
         self.normalizer = 1.0
+        self.head = head
+        self.chunk = chunk
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        total = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.head is not None:
+            return linear_cross_entropy(output, self.head, labels, self.chunk) / self.normalizer
+        total = F.cross_entropy(output.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
         return total / self.normalizer
 
 
@@ -97,6 +105,7 @@ class PipelineRunner:
     def _run(self, run, input_ids: torch.Tensor, labels: torch.Tensor, **options) -> torch.Tensor | None:
         # The rank holding stage 0 feeds the ids, the one holding the last stage the labels: with V-shaped
         # schedules that is the same rank.
+        torch.compiler.cudagraph_mark_step_begin()  # CUDA-graphed layers (train.cuda_graphs): a new step
         losses: list[torch.Tensor] = []
         if self.is_last:
             options.update(target=labels, losses=losses)
@@ -115,6 +124,7 @@ class SingleRunner:
         self.loss_fn = loss_fn
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        torch.compiler.cudagraph_mark_step_begin()
         total = torch.zeros((), device=input_ids.device)
         for ids, target in zip(input_ids.chunk(self.n_microbatches), labels.chunk(self.n_microbatches), strict=True):
             loss = self.loss_fn(self.module(ids), target)
@@ -124,6 +134,7 @@ class SingleRunner:
 
     @torch.no_grad()
     def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        torch.compiler.cudagraph_mark_step_begin()
         total = torch.zeros((), device=input_ids.device)
         for ids, target in zip(input_ids.chunk(self.n_microbatches), labels.chunk(self.n_microbatches), strict=True):
             total += self.loss_fn(self.module(ids), target)
