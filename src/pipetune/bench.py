@@ -88,6 +88,7 @@ def summarize_run(run_dir: Path, strategy: str, warmup: int, n_gpus: int, flops:
         rows = [row for row in csv.DictReader(f) if int(row["step"]) > warmup]
     tokens = statistics.median(float(r["tokens_per_sec"]) for r in rows)
     peaks = sorted(k for k in rows[0] if k.startswith("peak_gb_rank"))
+    reserved = sorted(k for k in rows[0] if k.startswith("reserved_gb_rank") and rows[0][k])
     result = {
         "strategy": strategy,
         "gpus": n_gpus,
@@ -98,6 +99,7 @@ def summarize_run(run_dir: Path, strategy: str, warmup: int, n_gpus: int, flops:
         "step_time_sec": statistics.median(float(r["step_time_sec"]) for r in rows),
         "mfu": tokens * flops / (n_gpus * peak_tflops * 1e12),
         "peak_gb_per_rank": [max(float(r[k]) for r in rows) for k in peaks],
+        "reserved_gb_per_rank": [max(float(r[k] or 0) for r in rows) for k in reserved],
         "final_loss": float(rows[-1]["loss"]),
     }
     timeline = run_dir / "timeline.json"
@@ -113,11 +115,21 @@ def print_table(results: list[dict]) -> None:
     from rich.table import Table
 
     table = Table(title="pipetune bench")
-    for column in ("strategy", "GPUs", "tokens/s", "tokens/s/GPU", "MFU", "step s", "peak GB/rank", "bubble"):
+    for column in (
+        "strategy",
+        "GPUs",
+        "tokens/s",
+        "tokens/s/GPU",
+        "MFU",
+        "step s",
+        "peak GB/rank",
+        "reserved GB",
+        "bubble",
+    ):
         table.add_column(column, justify="right")
     for r in results:
         if "error" in r:
-            table.add_row(r["strategy"], "-", r["error"], "", "", "", "", "")
+            table.add_row(r["strategy"], "-", r["error"], "", "", "", "", "", "")
             continue
         bubble = ""
         if "bubble_per_rank" in r:
@@ -130,6 +142,7 @@ def print_table(results: list[dict]) -> None:
             f"{r['mfu']:.1%}",
             f"{r['step_time_sec']:.3f}",
             " ".join(f"{p:.1f}" for p in r["peak_gb_per_rank"]),
+            " ".join(f"{p:.1f}" for p in r.get("reserved_gb_per_rank", [])),
             bubble,
         )
     Console().print(table)

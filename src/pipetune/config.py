@@ -115,9 +115,10 @@ class TrainConfig:
     "reduce-overhead" mode): one launch per layer call instead of ~60 kernels and ~20 GEMM calls, for when the
     host, not the GPU, is the limit (small microbatches). CUDA only; the first steps record the graphs."""
     fused_loss: bool = False
-    """Compute lm_head and the cross-entropy together, a chunk of train.loss_chunk rows at a time, writing the
-    hidden states' gradient in the forward: the [tokens, vocab] float32 logits and their gradient are never
-    whole in memory (Qwen3: 151,936 columns). Same math as the plain loss."""
+    """Compute lm_head and the cross-entropy together, on the supervised tokens only (the summary, not the
+    transcript), a chunk of train.loss_chunk rows at a time, writing the hidden states' gradient in the
+    forward: the [tokens, vocab] float32 logits and their gradient are never whole in memory (Qwen3: 151,936
+    columns). Same math as the plain loss; one host sync per microbatch (the supervised-row count)."""
     loss_chunk: int = 2048
     """Rows (tokens) per chunk of train.fused_loss: peak extra memory ~ loss_chunk x vocab x 12 bytes."""
     activation_checkpointing: bool = False

@@ -2,7 +2,8 @@
 
 The first eight columns are the seed script's, so its plots keep working; the rest follow.
 `peak_vram_gb` is the true peak since the previous row (max_memory_allocated, reset after each
-row) on the rank with the highest peak; per-rank peaks follow in `peak_gb_rank<i>`. On the CPU
+row) on the rank with the highest peak; per-rank peaks follow in `peak_gb_rank<i>`, and on GPUs the
+allocator's peak reservation in `reserved_gb_rank<i>` (the figure that counts CUDA-graph pools). On the CPU
 the figure is the process's peak resident set size (which cannot be reset).
 """
 
@@ -31,6 +32,15 @@ def peak_memory_gb(device: torch.device) -> float:
     return host_peak_gb()
 
 
+def peak_reserved_gb(device: torch.device) -> float:
+    """Peak memory the caching allocator held from the device since the last reset (0 on CPU). With
+    train.cuda_graphs this is the figure to read: a replayed graph's tensors live in its memory pool,
+    which max_memory_allocated no longer counts after the recording."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_reserved(device) / 1e9
+    return 0.0
+
+
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -45,6 +55,7 @@ class MetricsWriter:
 
     def __init__(self, path: Path, n_ranks: int, keep_until_step: int | None = None) -> None:
         self.columns = SEED_COLUMNS + EXTRA_COLUMNS + [f"peak_gb_rank{i}" for i in range(n_ranks)]
+        self.columns += [f"reserved_gb_rank{i}" for i in range(n_ranks)]  # GPU only
         path.parent.mkdir(parents=True, exist_ok=True)
         kept: list[dict] = []
         if keep_until_step is not None and path.is_file():

@@ -32,6 +32,7 @@ from pipetune.metrics import (
     TensorBoardWriter,
     host_peak_gb,
     peak_memory_gb,
+    peak_reserved_gb,
     reset_peak_memory,
 )
 from pipetune.model.load import DTYPES, build_model
@@ -541,6 +542,7 @@ class _Window:
                 self._mean_loss() if holds_loss else torch.zeros((), device=self.device),
                 self.grad_norm.float(),
                 torch.tensor(peak_memory_gb(self.device), device=self.device),
+                torch.tensor(peak_reserved_gb(self.device), device=self.device),
             ]
         ).float()
         rows = [local]
@@ -559,6 +561,8 @@ class _Window:
             "supervised_tokens": self.supervised,
             **{f"peak_gb_rank{i}": peak for i, peak in enumerate(peaks)},
         }
+        if self.device.type == "cuda":
+            row.update({f"reserved_gb_rank{i}": float(reserved) for i, reserved in enumerate(values[:, 3])})
         reset_peak_memory(self.device)
         self._reset()
         return row

@@ -1,8 +1,9 @@
 """lm_head and token cross-entropy in one pass, a chunk of rows at a time (`train.fused_loss`).
 
 The plain path materializes [tokens, vocab] logits, their float32 copy and, in backward, their
-float32 gradient: at Qwen3's 151,936 columns that is ~2.4 GB per 2,048 tokens. Here each chunk's
-logits live only inside the forward, which also computes the chunk's hidden-state gradient
+float32 gradient: at Qwen3's 151,936 columns that is ~2.4 GB per 2,048 tokens. Here only the
+supervised rows (the summary, not the transcript) go through the head, a chunk at a time; each
+chunk's logits live only inside the forward, which also computes the chunk's hidden-state gradient
 ((softmax - onehot) @ W, the only gradient needed: the head is frozen); backward just scales it.
 Same operations and dtypes as `cross_entropy(lm_head(h).float())`, so the same math.
 """
@@ -26,22 +27,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk: int,
         with_grad: bool,
     ) -> torch.Tensor:
-        rows, targets = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        # Only supervised rows reach the head: the prompt's tokens have no loss and get no gradient.
+        # Reading their count is the one host sync of the loss.
+        keep = (labels.reshape(-1) != IGNORE).nonzero().squeeze(1)
+        rows, targets = flat.index_select(0, keep), labels.reshape(-1).index_select(0, keep)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad = torch.empty_like(rows) if with_grad else None
         for start in range(0, rows.shape[0], chunk):
             part = slice(start, start + chunk)
             logits = F.linear(rows[part], weight, bias).float()
-            valid = targets[part] != IGNORE
-            picked = targets[part].clamp(min=0).unsqueeze(1)
+            picked = targets[part].unsqueeze(1)
             lse = torch.logsumexp(logits, dim=-1)
-            total += ((lse - logits.gather(1, picked).squeeze(1)) * valid).sum()
-            if with_grad:  # d(sum of losses)/d logits = softmax - onehot on supervised rows, 0 elsewhere
+            total += (lse - logits.gather(1, picked).squeeze(1)).sum()
+            if with_grad:  # d(sum of losses)/d logits = softmax - onehot
                 probs = logits.sub_(lse.unsqueeze(1)).exp_()
                 probs.scatter_add_(1, picked, -torch.ones_like(picked, dtype=probs.dtype))
-                probs.mul_(valid.unsqueeze(1))
                 grad[part] = probs.to(weight.dtype) @ weight
-        ctx.save_for_backward(grad)
+        if with_grad:
+            ctx.save_for_backward(torch.zeros_like(flat).index_copy_(0, keep, grad))
         ctx.shape = hidden.shape
         return total
 
