@@ -3,8 +3,9 @@
 #   A: CUDA graphs + fused loss vs compile alone at 4 x 4; 8 x 2; interleaved 1F1B v=2, v=3;
 #      the seed and DDP baselines of the same run.
 #   B: the same after the fused loss skips unsupervised rows; the plain path's loss curve at the same
-#      step count (same seed, data, schedule); seed and DDP baselines again.
-#   C: long context (8192) with and without activation checkpointing; FSDP vs DDP.
+#      step count (same seed, data, schedule); seed and DDP baselines again; long context (8192) with and
+#      without activation checkpointing.
+#   C: long context with more steps; FSDP vs DDP.
 # Usage (device machine, repo root): OUT=dir bash benchmarks/run_speed_h200.sh A|B|C
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -24,9 +25,12 @@ bench() {  # name, timeout, args...: skipped when the part's budget cannot hold 
   grep -v -i warn $W/$name.log | tail -8
 }
 CG="--set train.cuda_graphs=true --set train.fused_loss=true"
+# Long context: eager fast path (8192-token microbatches: large matmuls, GPU-bound), fused loss.
+LONG="--set data.max_length=8192 --set data.max_summary_tokens=1024 --set data.synthetic_train=64 \
+  --set train.batch_size=4 --set parallel.n_microbatches=4 --set train.fused_loss=true --set train.compile=false"
 baselines() {
   echo "== seed script (batch 8, 8 microbatches, grad accum 2) ($(date +%T))"
-  (cd $W && MAX_STEPS=12 LOG_FILE=$W/seed.csv timeout 120 torchrun --nproc_per_node=2 $OLDPWD/.baselines/train_seed.py 2>&1 | tail -3)
+  (cd $W && MAX_STEPS=${SEED_STEPS:-12} LOG_FILE=$W/seed.csv timeout 120 torchrun --nproc_per_node=2 $OLDPWD/.baselines/train_seed.py 2>&1 | tail -3)
   echo "== DDP + PEFT eager, micro-batch 8 ($(date +%T))"
   (cd $W && MB=8 GA=1 MAX_STEPS=20 timeout 100 torchrun --nproc_per_node=2 $OLDPWD/.baselines/lora_ddp.py 2>&1 | grep -E "RESULT|rror" | tail -3)
 }
@@ -41,15 +45,15 @@ if [ "$PART" = A ]; then  # first call (fused loss then ran the head on every to
   bench interleaved-v3 130 --strategies pp --steps 20 --warmup 6 $OPT \
     --set parallel.schedule=interleaved_1f1b --set parallel.stages_per_rank=3
 elif [ "$PART" = B ]; then  # fused loss on supervised rows only; plain loss curve at the same step count
-  bench graphs 180 --strategies pp --steps 14 --warmup 6 $CG
-  baselines
-  bench curve-plain 110 --strategies pp --steps 14 --warmup 6 --set lora.fast_path=false --set train.compile=false
-  bench interleaved-v2 130 --strategies pp --steps 14 --warmup 6 $CG \
+  bench graphs 170 --strategies pp --steps 10 --warmup 6 $CG
+  SEED_STEPS=8 baselines
+  bench interleaved-v2 130 --strategies pp --steps 10 --warmup 6 $CG \
     --set parallel.schedule=interleaved_1f1b --set parallel.stages_per_rank=2
-  bench m8 130 --strategies pp --steps 14 --warmup 6 $CG --set parallel.n_microbatches=8
+  bench curve-plain 100 --strategies pp --steps 10 --warmup 6 --set lora.fast_path=false --set train.compile=false
+  bench long 80 --strategies pp --steps 2 --warmup 1 $LONG
+  bench long-ckpt 80 --strategies pp --steps 2 --warmup 1 $LONG --set train.activation_checkpointing=true
+  bench m8 130 --strategies pp --steps 10 --warmup 6 $CG --set parallel.n_microbatches=8
 else  # C: long context, eager fast path (large matmuls: GPU-bound), with and without checkpointing; FSDP vs DDP
-  LONG="--set data.max_length=8192 --set data.max_summary_tokens=1024 --set data.synthetic_train=64 \
-    --set train.batch_size=4 --set parallel.n_microbatches=4 --set train.fused_loss=true --set train.compile=false"
   bench long 120 --strategies pp --steps 3 --warmup 2 $LONG
   bench long-ckpt 120 --strategies pp --steps 3 --warmup 2 $LONG --set train.activation_checkpointing=true
   bench fsdp 150 --strategies ddp,fsdp --steps 8 --warmup 3 --set train.compile=false
