@@ -8,7 +8,9 @@
 
 A directory without COMMITTED is never loaded. Optimizer state is keyed by full-model parameter
 name, not by position, so a checkpoint written with pp=2 loads under pp=4: every rank reads all
-parts and takes the names it holds. Nothing here goes through pickle.
+parts and takes the names it holds. Tensors are saved whole, also those FSDP shards over dp
+(parallel.dp_shard), and each rank cuts its own shard on load, so sharded and plain replicas resume
+each other's checkpoints. Nothing here goes through pickle.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ import torch.distributed as dist
 from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pipetune.config import Config, ConfigError
-from pipetune.model.lora import adapter_state
+from pipetune.model.lora import adapter_parameters, adapter_state, full_tensor
 
 CHECKPOINTS_DIR = "checkpoints"
 MARKER = "COMMITTED"
@@ -271,7 +274,9 @@ def prune_checkpoints(run_dir: Path, keep: int) -> list[Path]:
 def _optimizer_tensors(
     optimizer: torch.optim.Optimizer, param_names: dict[torch.Tensor, str]
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
-    """AdamW state under "optim/<full parameter name>/<field>" (tensors) and non-tensor fields by name."""
+    """AdamW state under "optim/<full parameter name>/<field>" (tensors, whole) and non-tensor fields by name.
+
+    A collective over dp under FSDP: each sharded moment is gathered (same order on every replica)."""
     tensors: dict[str, torch.Tensor] = {}
     extra: dict[str, dict[str, Any]] = {}
     for group in optimizer.param_groups:
@@ -279,7 +284,8 @@ def _optimizer_tensors(
             name = param_names[param]
             for field, value in optimizer.state.get(param, {}).items():
                 if isinstance(value, torch.Tensor):
-                    tensors[f"optim/{name}/{field}"] = value.detach().to("cpu", copy=True).contiguous()
+                    whole = full_tensor(value.detach())
+                    tensors[f"optim/{name}/{field}"] = whole.to("cpu", copy=True).contiguous()
                 else:
                     extra.setdefault(name, {})[field] = value
     return tensors, extra
@@ -362,7 +368,7 @@ def load_checkpoint(
 
 
 def _load_adapter(checkpoint: Checkpoint, peft_model: peft.PeftModel, adapters: dict[str, torch.Tensor]) -> None:
-    wanted = adapter_state(peft_model)
+    wanted = adapter_parameters(peft_model)
     missing = sorted(name for name in wanted if name not in adapters)
     if missing:
         raise CheckpointError(
@@ -375,7 +381,7 @@ def _load_adapter(checkpoint: Checkpoint, peft_model: peft.PeftModel, adapters: 
             f"checkpoint {checkpoint.path}: {mismatched[0]} has shape {tuple(adapters[mismatched[0]].shape)}, "
             f"the model's is {tuple(wanted[mismatched[0]].shape)}; resume with the LoRA settings it was written with"
         )
-    peft.set_peft_model_state_dict(peft_model, {name: adapters[name] for name in wanted})
+    peft.set_peft_model_state_dict(peft_model, {name: shard_like(adapters[name], wanted[name]) for name in wanted})
 
 
 def _load_optimizer(
@@ -409,7 +415,10 @@ def _load_optimizer(
         for param in group["params"]:
             name = param_names[param]
             if name in by_name:
-                state[index] = by_name[name]
+                state[index] = {
+                    field: shard_like(value, param) if _is_moment(value, param) else value
+                    for field, value in by_name[name].items()
+                }
             elif by_name:  # some state saved, none for this parameter: not the same model
                 raise CheckpointError(
                     f"checkpoint {checkpoint.path} has no optimizer state for {name}; it was written for another "
@@ -419,6 +428,18 @@ def _load_optimizer(
             index += 1
         groups.append(hyper)
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def shard_like(whole: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`whole` cut like `like` when that is a DTensor (this rank's shard, no communication), else `whole`."""
+    if not isinstance(like, DTensor):
+        return whole
+    return distribute_tensor(whole.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+def _is_moment(value: Any, param: torch.Tensor) -> bool:
+    """A per-element optimizer state (exp_avg, exp_avg_sq), as opposed to the scalar step count."""
+    return isinstance(value, torch.Tensor) and value.shape == param.shape
 
 
 def _set_rng(tensors: dict[str, torch.Tensor], rng: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ SCHEDULES = SINGLE_STAGE_SCHEDULES + LOOPED_SCHEDULES + V_SCHEDULES
 ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
 """Schedules that split backward into input- and weight-gradient parts."""
 DTYPES = ("float32", "bfloat16", "float16")
-STRATEGIES = ("pp", "ddp", "single")
+STRATEGIES = ("pp", "ddp", "fsdp", "single")
 RESUME_MODES = ("never", "auto")
 
 
@@ -146,11 +146,15 @@ class TrainConfig:
 class ParallelConfig:
     strategy: str = "pp"
     """"pp": pp pipeline stages x dp replicas; "ddp": data parallel only (pp = 1, dp replicas, LoRA gradients
-    all-reduced); "single": one process (pp = dp = 1). The same trainer, data, loss and outputs for all."""
+    all-reduced); "fsdp": like ddp with the model sharded over the replicas (implies dp_shard); "single": one
+    process (pp = dp = 1). The same trainer, data, loss and outputs for all."""
     pp: int = 2
     """Pipeline stages (one per rank); 1 runs the same loop in one process."""
     dp: int = 1
     """Data-parallel replicas of the pipeline."""
+    dp_shard: bool = False
+    """Shard each stage over its dp replicas with FSDP2: the frozen base weights are stored 1/dp per replica and
+    gathered layer by layer, the LoRA gradients reduce-scattered instead of all-reduced. Needs dp >= 2."""
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b (one stage per rank); interleaved_1f1b, looped_bfs, interleaved_zero_bubble
     (stages_per_rank >= 2, looped); zbv, dualpipev (2 stages per rank, V order)."""
@@ -162,6 +166,11 @@ class ParallelConfig:
     """Decoder layers of each stage; [] = split evenly."""
     timeout_s: float = 600.0
     """Seconds a rank waits for a peer in a collective or pipeline send/recv before the run fails."""
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP over the dp replicas: dp_shard, or the "fsdp" strategy."""
+        return self.dp_shard or self.strategy == "fsdp"
 
 
 @dataclass
@@ -339,6 +348,28 @@ def validate(config: Config, world_size: int) -> None:
         )
     if p.strategy == "ddp":
         _check(p.pp == 1, f"parallel.strategy = 'ddp' runs whole-model replicas: set parallel.pp = 1 (got {p.pp})")
+        _check(
+            not p.dp_shard,
+            "parallel.strategy = 'ddp' all-reduces whole replicas' gradients; for replicas sharded with FSDP "
+            "(parallel.dp_shard = true) use parallel.strategy = 'fsdp'",
+        )
+    if p.strategy == "fsdp":
+        _check(
+            p.pp == 1,
+            f"parallel.strategy = 'fsdp' shards whole-model replicas: set parallel.pp = 1 (got {p.pp}), "
+            "or keep the pipeline with parallel.strategy = 'pp' and parallel.dp_shard = true",
+        )
+        _check(
+            p.dp >= 2,
+            f"parallel.strategy = 'fsdp' shards the model over dp replicas: set parallel.dp >= 2 (got {p.dp}), "
+            "or use parallel.strategy = 'single' for one process",
+        )
+    if p.dp_shard:
+        _check(
+            p.dp >= 2,
+            f"parallel.dp_shard = true shards each stage over its dp replicas, but parallel.dp = {p.dp}: "
+            "set parallel.dp >= 2 or parallel.dp_shard = false",
+        )
     if p.strategy == "single":
         _check(
             p.pp == 1 and p.dp == 1,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from pipetune.checkpoint import Position, find_resume_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from pipetune.config import V_SCHEDULES, Config, ConfigError, save_config
@@ -39,6 +40,7 @@ from pipetune.model.load import DTYPES, build_model
 from pipetune.model.lora import adapter_state, apply_lora, save_adapter, use_fast_path
 from pipetune.model.split import estimate_costs, split_layers, stage_costs
 from pipetune.model.stage import StageModule
+from pipetune.parallel.fsdp import restore_gradients, shard_stages, stash_gradients
 from pipetune.parallel.mesh import all_reduce_gradients, build_mesh
 from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, stage_ids, validation_loss
 from pipetune.parallel.process_group import DistEnv, close_distributed, init_distributed
@@ -179,6 +181,8 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         if t.compile:
             module.compile_layers(cuda_graphs=t.cuda_graphs and device.type == "cuda")
         keep_rng_out_of_no_grad_forwards(module, device)
+    if p.sharded:  # replaces the parameters with DTensor shards: before the optimizer and pipeline stages
+        shard_stages(modules, mesh.dp_mesh, pipelined=n_stages > 1)
     params = [param for param in peft_model.parameters() if param.requires_grad]
     estimated = stage_costs(ranges, costs)
     print0(
@@ -259,13 +263,18 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
                 timeline = timelines.get(length) if step + 1 == t.timeline_step and j == 0 else None
                 if timeline is not None:
                     timeline.start()
+                # A sharded pipeline stage may drop earlier gradients on its first step (see restore_gradients).
+                stashed = stash_gradients(params) if p.sharded and n_stages > 1 and j > 0 else None
                 out = runners[length].step(input_ids[index, :length], labels[index, :length])
+                if stashed is not None:
+                    restore_gradients(params, stashed)
                 if out is not None:
                     step_loss += out
                 if timeline is not None:
                     save_timeline(timeline, env, run_dir, config)
-            status.phase = "gradient all-reduce over dp"
-            all_reduce_gradients(params, mesh)
+            if not p.sharded:  # FSDP reduce-scattered them during backward
+                status.phase = "gradient all-reduce over dp"
+                all_reduce_gradients(params, mesh)
             faults.before_grad_norm(step + 1, params)
             status.phase = "gradient-norm all-reduce"
             grad_norm, bad_stages = clip_global_grad_norm(params, t.max_grad_norm, device, step_loss, p.dp)
@@ -402,24 +411,32 @@ def clip_global_grad_norm(
 ) -> tuple[torch.Tensor, list[int]]:
     """The L2 norm of all stages' gradients together, and the ranks that saw a non-finite loss or gradient norm.
 
-    One all-reduce over the world carries the squared norm and one flag per rank; after the dp all-reduce
-    the `replicas` copies of each stage hold the same gradients, so the sum counts each stage that often.
-    Clips by the norm when all are finite.
+    One all-reduce over the world carries the squared norms and one flag per rank. After the dp all-reduce
+    the `replicas` copies of each stage hold the same plain gradients, so the sum counts each that often;
+    FSDP's sharded (DTensor) gradients are disjoint over the replicas and count once. Clips by the norm
+    when all are finite, scaling each rank's own tensors (shards included).
     """
     grads = [param.grad for param in params if param.grad is not None]
-    local = torch.nn.utils.get_total_norm(grads, 2.0) if grads else torch.zeros((), device=device)
+    shards = [grad.to_local() for grad in grads if isinstance(grad, DTensor)]
+    plain = [grad for grad in grads if not isinstance(grad, DTensor)]
+    zero = torch.zeros((), device=device)
+    sharded_norm = torch.nn.utils.get_total_norm(shards, 2.0) if shards else zero
+    plain_norm = torch.nn.utils.get_total_norm(plain, 2.0) if plain else zero
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    finite = torch.isfinite(local) if loss is None else torch.isfinite(local) & torch.isfinite(loss)
-    packed = torch.zeros(1 + world, device=device)
-    packed[0] = local.float().pow(2)
-    packed[1 + rank] = (~finite).float()
+    finite = torch.isfinite(sharded_norm) & torch.isfinite(plain_norm)
+    if loss is not None:
+        finite &= torch.isfinite(loss)
+    packed = torch.zeros(2 + world, device=device)
+    packed[0] = sharded_norm.float().pow(2)
+    packed[1] = plain_norm.float().pow(2)
+    packed[2 + rank] = (~finite).float()
     if dist.is_initialized():
         dist.all_reduce(packed)
-    flags = packed[1:].cpu()  # the one host sync of a step: skipping must be decided on the host
+    flags = packed[2:].cpu()  # the one host sync of a step: skipping must be decided on the host
     bad_ranks = [r for r in range(world) if flags[r] > 0]
-    total = (packed[0] / replicas).sqrt()
-    if max_norm > 0 and not bad_ranks:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    total = (packed[0] + packed[1] / replicas).sqrt()
+    if max_norm > 0 and not bad_ranks and grads:
+        torch._foreach_mul_(shards + plain, torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total, bad_ranks
 
 

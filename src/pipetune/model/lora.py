@@ -11,6 +11,7 @@ import peft
 import torch
 from safetensors.torch import save_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipetune.config import LoraConfig
 
@@ -52,10 +53,23 @@ def apply_lora(model: nn.Module, lora: LoraConfig, base_name: str, seed: int) ->
 
 
 def adapter_state(peft_model: peft.PeftModel) -> dict[str, torch.Tensor]:
-    """This model's adapter tensors under PEFT's saved names (full-model module names), on the CPU."""
+    """This model's adapter tensors under PEFT's saved names (full-model module names), whole, on the CPU.
+
+    With FSDP (parallel.dp_shard) each one is gathered from its dp shards: a collective over the dp
+    replicas, which must all call this (they hold the same tensors in the same order)."""
+    state = adapter_parameters(peft_model)
+    return {name: full_tensor(tensor).detach().to("cpu", copy=True).contiguous() for name, tensor in state.items()}
+
+
+def adapter_parameters(peft_model: peft.PeftModel) -> dict[str, torch.Tensor]:
+    """The adapter tensors themselves (DTensor shards under FSDP) under PEFT's saved names; no copy."""
     # save_embedding_layers=False: the embeddings are frozen; True makes PEFT look the base up on the hub.
-    state = peft.get_peft_model_state_dict(peft_model, save_embedding_layers=False)
-    return {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in state.items()}
+    return peft.get_peft_model_state_dict(peft_model, save_embedding_layers=False)
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a DTensor (all-gathered over its mesh), a plain tensor as it is."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 def save_adapter(state: dict[str, torch.Tensor], lora: LoraConfig, base_name: str, out_dir: str | Path) -> Path:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pipetune.parallel.process_group import DistEnv
 
@@ -25,6 +25,8 @@ class Mesh:
     """The ranks of this rank's pipeline replica (None: the whole world, or no process group)."""
     dp_group: dist.ProcessGroup | None
     """The replicas of this rank's stage (None when dp = 1)."""
+    dp_mesh: DeviceMesh | None = None
+    """The same replicas as a 1-D DeviceMesh, what FSDP shards over (None when dp = 1)."""
 
 
 def build_mesh(env: DistEnv, pp: int, dp: int) -> Mesh:
@@ -34,7 +36,13 @@ def build_mesh(env: DistEnv, pp: int, dp: int) -> Mesh:
         return Mesh(pp, dp, env.rank, 0, None, None)
     mesh = init_device_mesh(env.device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
     return Mesh(
-        pp, dp, mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), mesh.get_group("pp"), mesh.get_group("dp")
+        pp,
+        dp,
+        mesh.get_local_rank("pp"),
+        mesh.get_local_rank("dp"),
+        mesh.get_group("pp"),
+        mesh.get_group("dp"),
+        mesh["dp"],
     )
 
 

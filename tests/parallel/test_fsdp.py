@@ -1,0 +1,101 @@
+"""FSDP2 over dp (strategy "fsdp", parallel.dp_shard) against the single process at the same effective batch.
+
+Sharding changes where the frozen weights live and how the LoRA gradients are reduced (reduce-scatter,
+summed: the loss is already divided by the global supervised-token count), not the function computed.
+Checkpoints hold whole tensors, cut back into shards on load.
+"""
+
+from __future__ import annotations
+
+import csv
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipetune.config import ConfigError, validate
+from tests.conftest import run_cli, tiny_config, write_config
+from tests.parallel.test_data_parallel import EFFECTIVE_16
+from tests.parallel.test_parity import _adapter
+
+FSDP2 = ['parallel.strategy="fsdp"', "parallel.pp=1", "parallel.dp=2", "train.batch_size=4"]
+DDP2 = ['parallel.strategy="ddp"', "parallel.pp=1", "parallel.dp=2", "train.batch_size=4"]
+ADAPTER = "adapter/adapter_model.safetensors"
+
+
+def _metrics(run_dir: Path) -> list[tuple[float, float]]:
+    """(loss, grad_norm) of every row."""
+    with open(run_dir / "metrics.csv") as f:
+        return [(float(row["loss"]), float(row["grad_norm"])) for row in csv.DictReader(f)]
+
+
+def _assert_same_run(run: Path, reference: Path) -> None:
+    expected, got = _metrics(reference), _metrics(run)
+    assert len(got) == len(expected) == 3
+    # The global gradient norm (sum of shards' squares) is logged before clipping, which it drives.
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+    expected_adapter, adapter = _adapter(reference), _adapter(run)
+    assert sorted(adapter) == sorted(expected_adapter)
+    worst = max(float((adapter[k] - v).norm() / v.norm()) for k, v in expected_adapter.items())
+    assert worst < 1e-5, worst
+
+
+def _train(tmp: Path, name: str, *overrides: str, nproc: int, resume: bool = False) -> str:
+    """Train into tmp/name; returns what rank 0 printed."""
+    config = tiny_config(tmp / name, *EFFECTIVE_16, *overrides)
+    args = ["--resume"] if resume else []
+    config_file = str(write_config(config, tmp / f"{name}.toml"))
+    return run_cli("train", "--config", config_file, "--nproc", str(nproc), *args).stdout
+
+
+def test_fsdp_matches_single_process_and_resumes_exactly(single: Path, tmp_path: Path) -> None:
+    run = tmp_path / "fsdp2"
+    _train(tmp_path, "fsdp2", *FSDP2, "train.save_every=1", nproc=2)
+    _assert_same_run(run, single)
+
+    # Its step-2 checkpoint holds whole adapters and AdamW moments; each rank cuts its shards back out.
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copy(run / "metrics.csv", resumed / "metrics.csv")
+    shutil.copytree(run / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")
+    printed = _train(tmp_path, "resumed", *FSDP2, nproc=2, resume=True)
+    assert f"resumed from {resumed / 'checkpoints' / 'step-2'} at step 2" in printed
+    assert _metrics(resumed) == _metrics(run)  # step 3 bit for bit
+    assert (resumed / ADAPTER).read_bytes() == (run / ADAPTER).read_bytes()
+
+
+def test_pipeline_with_sharded_replicas_matches_single_process(single: Path, tmp_path: Path) -> None:
+    _train(tmp_path, "pp2xdp2", "parallel.pp=2", "parallel.dp=2", "parallel.dp_shard=true", nproc=4)
+    _assert_same_run(tmp_path / "pp2xdp2", single)
+
+
+@pytest.mark.parametrize(
+    "overrides, world_size, message",
+    [
+        (
+            ['parallel.strategy="fsdp"', "parallel.pp=2", "parallel.dp=2"],
+            4,
+            r"parallel.strategy = 'fsdp' shards whole-model replicas: set parallel.pp = 1 \(got 2\)",
+        ),
+        (
+            ['parallel.strategy="fsdp"', "parallel.pp=1"],
+            1,
+            r"parallel.strategy = 'fsdp' shards the model over dp replicas: set parallel.dp >= 2 \(got 1\)",
+        ),
+        (
+            ["parallel.dp_shard=true"],
+            2,
+            r"parallel.dp_shard = true shards each stage over its dp replicas, but parallel.dp = 1: "
+            r"set parallel.dp >= 2 or parallel.dp_shard = false",
+        ),
+        (
+            [*DDP2, "parallel.dp_shard=true"],
+            2,
+            r"for replicas sharded with FSDP \(parallel.dp_shard = true\) use parallel.strategy = 'fsdp'",
+        ),
+    ],
+)
+def test_sharding_settings_are_validated(tmp_path: Path, overrides: list[str], world_size: int, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate(tiny_config(tmp_path, *overrides), world_size)
