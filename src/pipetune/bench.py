@@ -25,24 +25,30 @@ from pipetune.config import Config, ConfigError, save_config
 from pipetune.model.split import estimate_costs
 from pipetune.preflight import prepare
 
-STRATEGIES = ("pp", "ddp", "single")
+STRATEGIES = ("pp", "ddp", "fsdp", "single")
 
 
 def strategy_config(config: Config, strategy: str, steps: int, warmup: int, out_dir: Path) -> Config:
     """The config's run as `strategy`, at the same effective batch: "ddp" spreads each schedule step's batch
-    over as many whole-model replicas as the config has ranks (one forward per replica); "single" runs it
-    in one process, microbatch by microbatch."""
+    over as many whole-model replicas as the config has ranks (one forward per replica), "fsdp" likewise with
+    the replicas sharded; "single" runs it in one process, microbatch by microbatch."""
     variant = copy.deepcopy(config)
     p, t = variant.parallel, variant.train
-    if strategy == "ddp":
+    if strategy in ("ddp", "fsdp"):
         replicas = p.pp * p.dp
         if (t.batch_size * p.dp) % replicas:
-            raise ConfigError(f"--strategies ddp: batch {t.batch_size * p.dp} does not split over {replicas} replicas")
+            raise ConfigError(
+                f"--strategies {strategy}: batch {t.batch_size * p.dp} does not split over {replicas} replicas"
+            )
+        if strategy == "fsdp" and replicas < 2:
+            raise ConfigError("--strategies fsdp shards over replicas: the config needs parallel.pp x dp >= 2 ranks")
         t.batch_size = t.batch_size * p.dp // replicas
         p.pp, p.dp, p.n_microbatches, p.schedule, p.stages_per_rank = 1, replicas, 1, "1f1b", 1
+        p.dp_shard = False  # "fsdp" implies it, "ddp" refuses it
     elif strategy == "single":
         t.batch_size *= p.dp
         p.pp, p.dp, p.n_microbatches, p.schedule, p.stages_per_rank = 1, 1, p.n_microbatches * p.dp, "1f1b", 1
+        p.dp_shard = False
     p.strategy = strategy
     variant.train.max_steps = warmup + steps
     variant.train.epochs = 10_000  # max_steps ends the run

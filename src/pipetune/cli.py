@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="compare strategies on the same model, data and batch")
     bench.add_argument("--config", required=True, help="TOML config file")
     bench.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key")
-    bench.add_argument("--strategies", default="pp,single", help="comma-separated: pp, single (default: pp,single)")
+    bench.add_argument(
+        "--strategies", default="pp,single", help="comma-separated: pp, ddp, fsdp, single (default: pp,single)"
+    )
     bench.add_argument("--steps", type=int, default=20, help="timed optimizer steps per strategy (default: 20)")
     bench.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included (default: 5)")
     bench.add_argument("--out", default="runs/bench", help="output directory (default: runs/bench)")

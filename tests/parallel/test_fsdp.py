@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipetune.bench import strategy_config
 from pipetune.config import ConfigError, validate
 from tests.conftest import run_cli, tiny_config, write_config
 from tests.parallel.test_data_parallel import EFFECTIVE_16
@@ -99,3 +100,13 @@ def test_pipeline_with_sharded_replicas_matches_single_process(single: Path, tmp
 def test_sharding_settings_are_validated(tmp_path: Path, overrides: list[str], world_size: int, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         validate(tiny_config(tmp_path, *overrides), world_size)
+
+
+def test_bench_runs_fsdp_as_sharded_whole_model_replicas(tmp_path: Path) -> None:
+    # The pp=2 x dp=2 config's schedule step of 8 samples becomes 4 replicas of 2 samples each.
+    config = tiny_config(tmp_path, "parallel.dp=2", "parallel.dp_shard=true")
+    variant = strategy_config(config, "fsdp", steps=2, warmup=1, out_dir=tmp_path)
+    p = variant.parallel
+    assert (p.strategy, p.pp, p.dp, variant.train.batch_size, p.n_microbatches, p.sharded) == ("fsdp", 1, 4, 2, 1, True)
+    validate(variant, 4)
+    validate(strategy_config(config, "single", steps=2, warmup=1, out_dir=tmp_path), 1)
