@@ -158,7 +158,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
 
     # ------------------------------------------------------------------ model: this rank's stage
     n_stages = p.pp * p.stages_per_rank
-    costs = estimate_costs(prepared.model.config, config.data.max_length)
+    costs = estimate_costs(prepared.model.config, max_length, head_fraction(config))
     ranges = split_layers(prepared.n_layers, n_stages, p.layers_per_stage, costs)
     # This rank's stages (several for interleaved schedules) live in one pruned model, one PEFT wrapper.
     my_stages = stage_ids(p.schedule, mesh.pp_rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
@@ -392,6 +392,13 @@ def save_timeline(timeline: StageTimeline, env: DistEnv, run_dir: Path, config: 
         + f" (ideal {summary['expected_bubble']:.0%})"
     )
     plot_timeline(summary, run_dir / "timeline.png", title)
+
+
+def head_fraction(config: Config) -> float:
+    """The share of tokens that reach lm_head: all, or with train.fused_loss at most the summary's."""
+    if not config.train.fused_loss:
+        return 1.0
+    return min(1.0, (config.data.max_summary_tokens + 1) / config.data.max_length)
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:

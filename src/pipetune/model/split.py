@@ -10,6 +10,12 @@ lm_head is one large matmul that runs much nearer the GPU's peak than a decoder 
 kernels, so its time is weighted by HEAD_TIME_PER_FLOP: measured on 2x H200 (Qwen3-4B, compiled
 layers, benchmarks/2026-11-29-perf-h200.md) a 20/16 split left stage 1 idle 30% of the step and
 18/18 left stage 0 idle 37%: the head costs the time of about 2 layers, half its FLOP share.
+
+With train.fused_loss only the supervised rows (the summary) reach the head, at most
+max_summary_tokens + 1 of max_length: the head's cost scales by that share (`head_fraction`).
+Measured at 19/17 (benchmarks/2026-11-29-speed-h200.md, seq 512, summary <= 256): the loss then
+takes ~2.2 ms per microbatch against ~2.3 ms for a layer's forward + backward, and stage 0 does
+44 ms of work per microbatch to stage 1's 40; the estimate below gives 18/18 (not yet measured).
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ class StageCosts:
         return self.head * HEAD_TIME_PER_FLOP
 
 
-def estimate_costs(config: PretrainedConfig, seq_len: int) -> StageCosts:
+def estimate_costs(config: PretrainedConfig, seq_len: int, head_fraction: float = 1.0) -> StageCosts:
+    """Per-token FLOPs of a layer and of the head; `head_fraction`: the share of tokens the head sees."""
     hidden, inter = config.hidden_size, config.intermediate_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
@@ -43,7 +50,7 @@ def estimate_costs(config: PretrainedConfig, seq_len: int) -> StageCosts:
     attn_params = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o + k, v
     mlp_params = 3 * hidden * inter
     layer = 4 * (attn_params + mlp_params) + 6 * seq_len * heads * head_dim
-    return StageCosts(layer=float(layer), head=float(4 * config.vocab_size * hidden))
+    return StageCosts(layer=float(layer), head=float(4 * config.vocab_size * hidden * head_fraction))
 
 
 def split_layers(
