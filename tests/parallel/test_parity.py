@@ -33,8 +33,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _train(tmp_path_factory.mktemp("reference"), "single", pp=1, schedule="1f1b")
 
 
-@pytest.mark.parametrize("pp", [2, 4])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp, schedule", [(2, "gpipe"), (2, "1f1b"), (4, "1f1b")])  # 4 x gpipe adds nothing new
 def test_pipeline_matches_single_process(reference: Path, tmp_path: Path, pp: int, schedule: str) -> None:
     run_dir = _train(tmp_path, f"pp{pp}-{schedule}", pp=pp, schedule=schedule)
 
