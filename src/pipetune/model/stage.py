@@ -54,7 +54,6 @@ class StageModule(nn.Module):
         """Recompute each layer in backward instead of keeping its activations (train.activation_checkpointing)."""
         self.head_in_loss = False
         """The last stage returns normed hidden states; the loss applies lm_head (train.fused_loss)."""
-        """Recompute each layer in backward instead of keeping its activations (train.activation_checkpointing)."""
 
     def compile_layers(self, cuda_graphs: bool = False) -> None:
         """torch.compile each decoder layer in place. All layers share one graph (parameters are graph
