@@ -22,9 +22,8 @@ import random
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import peft
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError
@@ -33,7 +32,9 @@ from safetensors.torch import save as save_tensors
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pipetune.config import Config, ConfigError
-from pipetune.model.lora import adapter_parameters, adapter_state, full_tensor
+
+if TYPE_CHECKING:  # peft (2 s to import) only where adapters are read or written: the launcher finds
+    import peft  # and checks checkpoints without it
 
 CHECKPOINTS_DIR = "checkpoints"
 MARKER = "COMMITTED"
@@ -221,6 +222,8 @@ def save_checkpoint(
 
     Collective: every rank must call it. Returns once the checkpoint is committed.
     """
+    from pipetune.model import lora
+
     run_dir = Path(config.output.dir)
     path = checkpoint_dir(run_dir, position.step)
     path.mkdir(parents=True, exist_ok=True)
@@ -231,7 +234,7 @@ def save_checkpoint(
     tensors.update(_torch_rng_tensors())
     files = {
         f"adapter.rank{rank}.safetensors": _write_safetensors(
-            path / f"adapter.rank{rank}.safetensors", adapter_state(peft_model)
+            path / f"adapter.rank{rank}.safetensors", lora.adapter_state(peft_model)
         ),
         f"state.rank{rank}.safetensors": _write_safetensors(path / f"state.rank{rank}.safetensors", tensors),
     }
@@ -277,6 +280,8 @@ def _optimizer_tensors(
     """AdamW state under "optim/<full parameter name>/<field>" (tensors, whole) and non-tensor fields by name.
 
     A collective over dp under FSDP: each sharded moment is gathered (same order on every replica)."""
+    from pipetune.model import lora
+
     tensors: dict[str, torch.Tensor] = {}
     extra: dict[str, dict[str, Any]] = {}
     for group in optimizer.param_groups:
@@ -284,7 +289,7 @@ def _optimizer_tensors(
             name = param_names[param]
             for field, value in optimizer.state.get(param, {}).items():
                 if isinstance(value, torch.Tensor):
-                    whole = full_tensor(value.detach())
+                    whole = lora.full_tensor(value.detach())
                     tensors[f"optim/{name}/{field}"] = whole.to("cpu", copy=True).contiguous()
                 else:
                     extra.setdefault(name, {})[field] = value
@@ -368,7 +373,11 @@ def load_checkpoint(
 
 
 def _load_adapter(checkpoint: Checkpoint, peft_model: peft.PeftModel, adapters: dict[str, torch.Tensor]) -> None:
-    wanted = adapter_parameters(peft_model)
+    import peft
+
+    from pipetune.model import lora
+
+    wanted = lora.adapter_parameters(peft_model)
     missing = sorted(name for name in wanted if name not in adapters)
     if missing:
         raise CheckpointError(

@@ -128,11 +128,12 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
     """Validate, then train here (under torchrun, or one process) or start nproc local workers."""
     from pipetune.checkpoint import find_resume_checkpoint
     from pipetune.preflight import preflight
-    from pipetune.train import run_training
 
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts {max_restarts} must be >= 0")
     if under_launcher():
+        from pipetune.train import run_training
+
         if max_restarts:
             print("pipetune: note: --max-restarts is the launcher's job under torchrun; use torchrun --max-restarts")
         run_training(config, quiet)  # a group restarted by torchrun resumes from the newest checkpoint
@@ -145,6 +146,8 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
     preflight(config, world_size)  # fail here, once, before any process starts
     find_resume_checkpoint(config)  # likewise: a checkpoint that cannot be resumed, or one a fresh start would clobber
     if world_size == 1 and max_restarts == 0:
+        from pipetune.train import run_training
+
         run_training(config, quiet)
         return 0
     from pipetune.data.sources import load_dataset
