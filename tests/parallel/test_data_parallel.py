@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 
 from tests.conftest import run_cli, tiny_config, write_config
@@ -24,15 +23,12 @@ def _train(tmp: Path, name: str, *overrides: str, nproc: int) -> Path:
     return tmp / name
 
 
-@pytest.mark.parametrize(
-    "name, overrides, nproc",
-    [
-        ("pp2xdp2", ["parallel.pp=2", "parallel.dp=2", "train.batch_size=4"], 4),
-        ("ddp2", ['parallel.strategy="ddp"', "parallel.pp=1", "parallel.dp=2", "train.batch_size=4"], 2),
-    ],
-)
-def test_layouts_match_single_process(single: Path, tmp_path: Path, name: str, overrides: list[str], nproc: int):
-    run = _train(tmp_path, name, *overrides, nproc=nproc)
+# pp=2 x dp=2 runs in tests/parallel/test_multinode.py (4 processes as two torchrun nodes, same check) and,
+# sharded, in tests/parallel/test_fsdp.py.
+def test_data_parallel_replicas_match_single_process(single: Path, tmp_path: Path) -> None:
+    run = _train(
+        tmp_path, "ddp2", 'parallel.strategy="ddp"', "parallel.pp=1", "parallel.dp=2", "train.batch_size=4", nproc=2
+    )
     expected, got = _losses(single), _losses(run)
     assert len(expected) == len(got) == 3
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
