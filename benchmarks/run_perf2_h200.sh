@@ -2,25 +2,18 @@
 # Second performance run on 2x H200: balance (18/18 vs the cost model's 20/16), microbatch count with
 # profiles of the recorded step, and the seed and DDP baselines again in the same run.
 # Usage (device machine, repo root): OUT=dir bash benchmarks/run_perf2_h200.sh
-set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=$PWD/src PIPETUNE_CACHE=/tmp/pipetune-cache HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; W=/tmp/perf; mkdir -p $W
-CFG=configs/bench-qwen3-4b.toml
-{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"; } > "$OUT/env.txt" 2>&1
+source benchmarks/h200_common.sh
+W=/tmp/perf; mkdir -p $W
+BEFORE="--set train.cuda_graphs=false --set train.fused_loss=false"  # the config's switches then
 bench() {  # name, extra args...
   local name=$1; shift
   echo "== $name: $*"
-  timeout 200 python3 -m pipetune bench --config $CFG --out $W/$name "$@" > $W/$name.log 2>&1
+  timeout 200 python3 -m pipetune bench --config $CFG $BEFORE --out $W/$name "$@" > $W/$name.log 2>&1
   grep -c "Recompiling function" $W/$name.log | sed 's/^/recompiles: /'
   grep -E -A14 "profile by self_cpu" $W/$name.log | head -40
   grep -v -i -E "warn|profile|^-|aten|cuda|Memcpy|Memset|c10d|Self CPU|USDT|nccl|void|triton|^$|autograd|Name|ampere|sm90|cutlass|Kernel|kernel|gemm|flash" $W/$name.log | tail -12
 }
-echo "== seed script (batch 8, 8 microbatches, grad accum 2)"
-(cd $W && MAX_STEPS=12 LOG_FILE=$W/seed.csv timeout 200 torchrun --nproc_per_node=2 $OLDPWD/.baselines/train_seed.py 2>&1 | tail -3)
-echo "== DDP + PEFT eager, micro-batch 8"
-(cd $W && MB=8 GA=1 MAX_STEPS=20 timeout 150 torchrun --nproc_per_node=2 $OLDPWD/.baselines/lora_ddp.py 2>&1 | grep -E "RESULT|rror" | tail -3)
+baselines 12 200 150
 bench balanced18 --strategies pp --steps 20 --warmup 4 --set "parallel.layers_per_stage=[18,18]"
 PIPETUNE_PROFILE=1 TORCH_LOGS=recompiles bench m8-profile --strategies pp --steps 12 --warmup 4 --set parallel.n_microbatches=8
 PIPETUNE_PROFILE=1 bench m4-profile --strategies pp --steps 12 --warmup 4

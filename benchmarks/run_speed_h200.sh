@@ -7,14 +7,9 @@
 #      without activation checkpointing.
 #   C: long context with more steps; FSDP vs DDP.
 # Usage (device machine, repo root): OUT=dir bash benchmarks/run_speed_h200.sh A|B|C
-set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export PYTHONPATH=$PWD/src PIPETUNE_CACHE=/tmp/pipetune-cache HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-PART=${1:-A}; OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; W=/tmp/speed$PART; mkdir -p $W
-CFG=configs/bench-qwen3-4b.toml
+source benchmarks/h200_common.sh
+PART=${1:-A}; W=/tmp/speed$PART; mkdir -p $W
 START=$(date +%s); BUDGET=${BUDGET:-560}
-{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-  python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"; } > "$OUT/env.txt" 2>&1
 left() { echo $((BUDGET - $(date +%s) + START)); }
 bench() {  # name, timeout, args...: skipped when the part's budget cannot hold it
   local name=$1 limit=$2; shift 2
@@ -28,17 +23,11 @@ CG="--set train.cuda_graphs=true --set train.fused_loss=true"
 # Long context: eager fast path (8192-token microbatches: large matmuls, GPU-bound), fused loss.
 LONG="--set data.max_length=8192 --set data.max_summary_tokens=1024 --set data.synthetic_train=64 \
   --set train.batch_size=4 --set parallel.n_microbatches=4 --set train.fused_loss=true --set train.compile=false"
-baselines() {
-  echo "== seed script (batch 8, 8 microbatches, grad accum 2) ($(date +%T))"
-  (cd $W && MAX_STEPS=${SEED_STEPS:-12} LOG_FILE=$W/seed.csv timeout 120 torchrun --nproc_per_node=2 $OLDPWD/.baselines/train_seed.py 2>&1 | tail -3)
-  echo "== DDP + PEFT eager, micro-batch 8 ($(date +%T))"
-  (cd $W && MB=8 GA=1 MAX_STEPS=20 timeout 100 torchrun --nproc_per_node=2 $OLDPWD/.baselines/lora_ddp.py 2>&1 | grep -E "RESULT|rror" | tail -3)
-}
 if [ "$PART" = A ]; then  # first call (fused loss then ran the head on every token)
   bench graphs 170 --strategies pp --steps 20 --warmup 6 $CG
   bench compiled 130 --strategies pp --steps 20 --warmup 4 --set train.fused_loss=true
   OPT=$CG; [ -f $W/graphs/bench.json ] && grep -q tokens_per_sec $W/graphs/bench.json || OPT="--set train.fused_loss=true"
-  baselines
+  baselines 12 120 100
   bench interleaved-v2 130 --strategies pp --steps 20 --warmup 6 $OPT \
     --set parallel.schedule=interleaved_1f1b --set parallel.stages_per_rank=2
   bench m8 130 --strategies pp --steps 20 --warmup 6 $OPT --set parallel.n_microbatches=8
@@ -46,7 +35,7 @@ if [ "$PART" = A ]; then  # first call (fused loss then ran the head on every to
     --set parallel.schedule=interleaved_1f1b --set parallel.stages_per_rank=3
 elif [ "$PART" = B ]; then  # fused loss on supervised rows only; plain loss curve at the same step count
   bench graphs 170 --strategies pp --steps 10 --warmup 6 $CG
-  SEED_STEPS=8 baselines
+  baselines 8 120 100
   bench interleaved-v2 130 --strategies pp --steps 10 --warmup 6 $CG \
     --set parallel.schedule=interleaved_1f1b --set parallel.stages_per_rank=2
   bench curve-plain 100 --strategies pp --steps 10 --warmup 6 --set lora.fast_path=false --set train.compile=false
