@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import run_cli, tiny_config, write_config
-from tests.parallel.test_parity import _adapter, _losses
+from tests.parallel.test_parity import _adapter, _losses, _max_relative
 
 
 def _train(tmp: Path, name: str, *overrides: str) -> Path:
@@ -21,11 +21,6 @@ def _train(tmp: Path, name: str, *overrides: str) -> Path:
 @pytest.fixture(scope="module")
 def plain(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _train(tmp_path_factory.mktemp("plain"), "plain", "parallel.pp=1")
-
-
-def _max_relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert sorted(a) == sorted(b)
-    return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in b)
 
 
 def test_fast_path_pipeline_matches_plain_single_process(plain: Path, tmp_path: Path) -> None:

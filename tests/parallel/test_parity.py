@@ -21,6 +21,12 @@ def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "adapter" / "adapter_model.safetensors")
 
 
+def _max_relative(adapter: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """The largest relative L2 difference of an adapter's tensors from the reference's (same names)."""
+    assert sorted(adapter) == sorted(reference)
+    return max(float((adapter[k] - v).norm() / v.norm()) for k, v in reference.items())
+
+
 def _train(tmp: Path, name: str, pp: int, schedule: str) -> Path:
     run_dir = tmp / name
     config = tiny_config(run_dir, f"parallel.pp={pp}", f'parallel.schedule="{schedule}"')
