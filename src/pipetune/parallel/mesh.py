@@ -23,10 +23,13 @@ class Mesh:
     dp_rank: int
     pp_group: dist.ProcessGroup | None
     """The ranks of this rank's pipeline replica (None: the whole world, or no process group)."""
-    dp_group: dist.ProcessGroup | None
-    """The replicas of this rank's stage (None when dp = 1)."""
-    dp_mesh: DeviceMesh | None = None
-    """The same replicas as a 1-D DeviceMesh, what FSDP shards over (None when dp = 1)."""
+    dp_mesh: DeviceMesh | None
+    """The replicas of this rank's stage as a 1-D DeviceMesh, what FSDP shards over (None when dp = 1)."""
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The replicas of this rank's stage as a process group (None when dp = 1)."""
+        return self.dp_mesh.get_group() if self.dp_mesh is not None else None
 
 
 def build_mesh(env: DistEnv, pp: int, dp: int) -> Mesh:
@@ -35,15 +38,7 @@ def build_mesh(env: DistEnv, pp: int, dp: int) -> Mesh:
     if dp == 1:  # a plain pipeline: the world is the pipeline, no sub-groups needed
         return Mesh(pp, dp, env.rank, 0, None, None)
     mesh = init_device_mesh(env.device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
-    return Mesh(
-        pp,
-        dp,
-        mesh.get_local_rank("pp"),
-        mesh.get_local_rank("dp"),
-        mesh.get_group("pp"),
-        mesh.get_group("dp"),
-        mesh["dp"],
-    )
+    return Mesh(pp, dp, mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), mesh.get_group("pp"), mesh["dp"])
 
 
 def all_reduce_gradients(params: list[torch.Tensor], mesh: Mesh) -> None:
