@@ -168,6 +168,11 @@ class ParallelConfig:
     """Seconds a rank waits for a peer in a collective or pipeline send/recv before the run fails."""
 
     @property
+    def n_stages(self) -> int:
+        """Pipeline stages in all: pp ranks x stages_per_rank."""
+        return self.pp * self.stages_per_rank
+
+    @property
     def sharded(self) -> bool:
         """FSDP over the dp replicas: dp_shard, or the "fsdp" strategy."""
         return self.dp_shard or self.strategy == "fsdp"
@@ -412,11 +417,10 @@ def validate(config: Config, world_size: int) -> None:
         f"start {p.pp * p.dp} processes (--nproc {p.pp * p.dp}) or change parallel.pp",
     )
     if p.layers_per_stage:
-        n_stages = p.pp * p.stages_per_rank
         _check(
-            len(p.layers_per_stage) == n_stages,
+            len(p.layers_per_stage) == p.n_stages,
             f"parallel.layers_per_stage = {p.layers_per_stage} has {len(p.layers_per_stage)} entries "
-            f"for {n_stages} stages (parallel.pp = {p.pp} x stages_per_rank = {p.stages_per_rank}); "
+            f"for {p.n_stages} stages (parallel.pp = {p.pp} x stages_per_rank = {p.stages_per_rank}); "
             "give one count per stage or [] for a balanced split",
         )
         _check(
@@ -428,7 +432,7 @@ def validate(config: Config, world_size: int) -> None:
 def validate_against_model(config: Config, n_layers: int, module_names: set[str]) -> None:
     """Checks that need the model's shape: layer counts and LoRA target names."""
     p = config.parallel
-    n_stages = p.pp * p.stages_per_rank
+    n_stages = p.n_stages
     stages = f"parallel.pp = {p.pp}" + (
         f" x stages_per_rank = {p.stages_per_rank} = {n_stages} stages" if p.stages_per_rank > 1 else ""
     )

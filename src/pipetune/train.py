@@ -157,7 +157,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         )
 
     # ------------------------------------------------------------------ model: this rank's stage
-    n_stages = p.pp * p.stages_per_rank
+    n_stages = p.n_stages
     costs = estimate_costs(prepared.model.config, max_length, head_fraction(config))
     ranges = split_layers(prepared.n_layers, n_stages, p.layers_per_stage, costs)
     # This rank's stages (several for interleaved schedules) live in one pruned model, one PEFT wrapper.
