@@ -1,4 +1,4 @@
-"""Command line: `pipetune demo`, `train` and `data inspect`, and the local multi-process launcher.
+"""Command line: `pipetune demo`, `train`, `data inspect`, `bench`, `summarize`, `eval`, `report`; the launcher.
 
 Outside torchrun, `train --nproc N` (N > 1) starts N local workers through torch's elastic
 launcher; under torchrun (WORLD_SIZE set) it just runs. Multi-node runs use torchrun's c10d
