@@ -5,8 +5,10 @@
 #   B: the same after the fused loss skips unsupervised rows; the plain path's loss curve at the same
 #      step count (same seed, data, schedule); seed and DDP baselines again; long context (8192) with and
 #      without activation checkpointing.
-#   C: long context with more steps; FSDP vs DDP.
-# Usage (device machine, repo root): OUT=dir bash benchmarks/run_speed_h200.sh A|B|C
+#   C: long context with and without activation checkpointing; FSDP vs DDP.
+#   D: the split balanced with the fused loss (18/18): 1F1B 4 x 4 and 8 x 2, interleaved v=2 and v=3 at 4
+#      microbatches and v=2 at 8; the seed and DDP baselines of the same run.
+# Usage (device machine, repo root): OUT=dir bash benchmarks/run_speed_h200.sh A|B|C|D
 source benchmarks/h200_common.sh
 PART=${1:-A}; W=/tmp/speed$PART; mkdir -p $W
 START=$(date +%s); BUDGET=${BUDGET:-560}
@@ -42,6 +44,16 @@ elif [ "$PART" = B ]; then  # fused loss on supervised rows only; plain loss cur
   bench long 80 --strategies pp --steps 2 --warmup 1 $LONG
   bench long-ckpt 80 --strategies pp --steps 2 --warmup 1 $LONG --set train.activation_checkpointing=true
   bench m8 130 --strategies pp --steps 10 --warmup 6 $CG --set parallel.n_microbatches=8
+elif [ "$PART" = D ]; then  # the 18/18 split; microbatch count and virtual stages, all with every switch on
+  bench graphs 170 --strategies pp --steps 10 --warmup 5 $CG
+  baselines 6 100 100
+  bench m8 130 --strategies pp --steps 10 --warmup 5 $CG --set parallel.n_microbatches=8
+  bench interleaved-v2 130 --strategies pp --steps 10 --warmup 5 $CG \
+    --set parallel.schedule=interleaved_1f1b --set parallel.stages_per_rank=2
+  bench interleaved-v3 130 --strategies pp --steps 10 --warmup 5 $CG \
+    --set parallel.schedule=interleaved_1f1b --set parallel.stages_per_rank=3
+  bench interleaved-v2-m8 130 --strategies pp --steps 10 --warmup 5 $CG --set parallel.n_microbatches=8 \
+    --set parallel.schedule=interleaved_1f1b --set parallel.stages_per_rank=2
 else  # C: long context, eager fast path (large matmuls: GPU-bound), with and without checkpointing; FSDP vs DDP
   bench long 120 --strategies pp --steps 3 --warmup 2 $LONG
   bench long-ckpt 120 --strategies pp --steps 3 --warmup 2 $LONG --set train.activation_checkpointing=true
