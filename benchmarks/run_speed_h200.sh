@@ -8,7 +8,9 @@
 #   C: long context with and without activation checkpointing; FSDP vs DDP.
 #   D: the split balanced with the fused loss (18/18): 1F1B 4 x 4 and 8 x 2, interleaved v=2 and v=3 at 4
 #      microbatches and v=2 at 8; the seed and DDP baselines of the same run.
-# Usage (device machine, repo root): OUT=dir bash benchmarks/run_speed_h200.sh A|B|C|D
+#   E: long context with and without activation checkpointing; interleaved v=3 and v=6 at 4 microbatches
+#      with the split that weighs the fused loss as measured in D; the seed and DDP baselines.
+# Usage (device machine, repo root): OUT=dir bash benchmarks/run_speed_h200.sh A|B|C|D|E
 source benchmarks/h200_common.sh
 PART=${1:-A}; W=/tmp/speed$PART; mkdir -p $W
 START=$(date +%s); BUDGET=${BUDGET:-560}
@@ -54,6 +56,14 @@ elif [ "$PART" = D ]; then  # the 18/18 split; microbatch count and virtual stag
     --set parallel.schedule=interleaved_1f1b --set parallel.stages_per_rank=3
   bench interleaved-v2-m8 130 --strategies pp --steps 10 --warmup 5 $CG --set parallel.n_microbatches=8 \
     --set parallel.schedule=interleaved_1f1b --set parallel.stages_per_rank=2
+elif [ "$PART" = E ]; then
+  bench long 110 --strategies pp --steps 2 --warmup 1 $LONG
+  bench long-ckpt 110 --strategies pp --steps 2 --warmup 1 $LONG --set train.activation_checkpointing=true
+  baselines 6 100 100
+  bench interleaved-v3 160 --strategies pp --steps 10 --warmup 5 $CG \
+    --set parallel.schedule=interleaved_1f1b --set parallel.stages_per_rank=3
+  bench interleaved-v6 130 --strategies pp --steps 10 --warmup 5 $CG \
+    --set parallel.schedule=interleaved_1f1b --set parallel.stages_per_rank=6
 else  # C: long context, eager fast path (large matmuls: GPU-bound), with and without checkpointing; FSDP vs DDP
   bench long 120 --strategies pp --steps 3 --warmup 2 $LONG
   bench long-ckpt 120 --strategies pp --steps 3 --warmup 2 $LONG --set train.activation_checkpointing=true

@@ -158,7 +158,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
 
     # ------------------------------------------------------------------ model: this rank's stage
     n_stages = p.n_stages
-    costs = estimate_costs(prepared.model.config, max_length, head_fraction(config))
+    costs = estimate_costs(prepared.model.config, max_length, fused_loss_share(config))
     ranges = split_layers(prepared.n_layers, n_stages, p.layers_per_stage, costs)
     # This rank's stages (several for interleaved schedules) live in one pruned model, one PEFT wrapper.
     my_stages = stage_ids(p.schedule, mesh.pp_rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
@@ -394,10 +394,10 @@ def save_timeline(timeline: StageTimeline, env: DistEnv, run_dir: Path, config: 
     plot_timeline(summary, run_dir / "timeline.png", title)
 
 
-def head_fraction(config: Config) -> float:
-    """The share of tokens that reach lm_head: all, or with train.fused_loss at most the summary's."""
+def fused_loss_share(config: Config) -> float | None:
+    """With train.fused_loss, the most of a row's tokens that reach lm_head (the summary's); else None."""
     if not config.train.fused_loss:
-        return 1.0
+        return None
     return min(1.0, (config.data.max_summary_tokens + 1) / config.data.max_length)
 
 

@@ -12,10 +12,12 @@ layers, benchmarks/2026-11-29-perf-h200.md) a 20/16 split left stage 1 idle 30% 
 18/18 left stage 0 idle 37%: the head costs the time of about 2 layers, half its FLOP share.
 
 With train.fused_loss only the supervised rows (the summary) reach the head, at most
-max_summary_tokens + 1 of max_length: the head's cost scales by that share (`head_fraction`).
-Measured at 19/17 (benchmarks/2026-11-29-speed-h200.md, seq 512, summary <= 256): the loss then
-takes ~2.2 ms per microbatch against ~2.3 ms for a layer's forward + backward, and stage 0 does
-44 ms of work per microbatch to stage 1's 40; the estimate below gives 18/18 (not yet measured).
+max_summary_tokens + 1 of max_length: the head's FLOPs scale by that share (`fused_loss_share`), and
+their time by FUSED_HEAD_TIME_PER_FLOP, measured on 2x H200 (seq 512, summary <= 256, compiled layers
+with CUDA graphs, benchmarks/2026-11-29-speed-h200.md): per microbatch the last stage's head and loss
+take the time of ~1.4 decoder layers (the loss is chunked, and a host sync picks the supervised rows,
+so it costs more than its FLOPs). There, 19/17 gave stage cycles of 43.9 / 42.4 ms and 18/18 gave
+41.1 / 44.3 ms: 19/17 is the better split, by about 1%.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from transformers import PretrainedConfig
 
 HEAD_TIME_PER_FLOP = 0.5
 """Time of lm_head + loss per FLOP, relative to a decoder layer's (see the module docstring)."""
+FUSED_HEAD_TIME_PER_FLOP = 0.75
+"""The same for the fused loss, per FLOP of the head over its share of rows."""
 
 
 @dataclass(frozen=True)
@@ -34,15 +38,19 @@ class StageCosts:
     """FLOPs per token of one decoder layer."""
     head: float
     """FLOPs per token of norm + lm_head + loss (last stage)."""
+    head_time_per_flop: float = HEAD_TIME_PER_FLOP
 
     @property
     def head_time(self) -> float:
         """The head's cost in layer-FLOP units, for balancing time rather than FLOPs."""
-        return self.head * HEAD_TIME_PER_FLOP
+        return self.head * self.head_time_per_flop
 
 
-def estimate_costs(config: PretrainedConfig, seq_len: int, head_fraction: float = 1.0) -> StageCosts:
-    """Per-token FLOPs of a layer and of the head; `head_fraction`: the share of tokens the head sees."""
+def estimate_costs(config: PretrainedConfig, seq_len: int, fused_loss_share: float | None = None) -> StageCosts:
+    """Per-token FLOPs of a layer and of the head.
+
+    `fused_loss_share`: with the fused loss, the share of tokens that reach the head; None: all do.
+    """
     hidden, inter = config.hidden_size, config.intermediate_size
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
@@ -50,7 +58,10 @@ def estimate_costs(config: PretrainedConfig, seq_len: int, head_fraction: float 
     attn_params = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o + k, v
     mlp_params = 3 * hidden * inter
     layer = 4 * (attn_params + mlp_params) + 6 * seq_len * heads * head_dim
-    return StageCosts(layer=float(layer), head=float(4 * config.vocab_size * hidden * head_fraction))
+    head = float(4 * config.vocab_size * hidden)
+    if fused_loss_share is None:
+        return StageCosts(layer=float(layer), head=head)
+    return StageCosts(float(layer), head * fused_loss_share, FUSED_HEAD_TIME_PER_FLOP)
 
 
 def split_layers(
