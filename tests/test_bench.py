@@ -35,8 +35,12 @@ def test_bench_runs_strategies_and_reports_bubble(tmp_path: Path) -> None:
     assert len(pp["bubble_per_rank"]) == 2 and all(0 <= b < 1 for b in pp["bubble_per_rank"])
     assert "bubble_per_rank" not in single
     timeline = json.loads((out / "pp" / "timeline.json").read_text())
-    assert sorted({(a["rank"], a["kind"]) for a in timeline["actions"]}) == [(0, "B"), (0, "F"), (1, "B"), (1, "F")]
-    assert len([a for a in timeline["actions"] if a["rank"] == 0 and a["kind"] == "F"]) == 4  # one per microbatch
+    kinds = sorted({(a["rank"], a["kind"]) for a in timeline["actions"]})
+    assert kinds == [(0, "B"), (0, "F"), (1, "B"), (1, "F"), (1, "L")]  # the loss: work on the last stage
+    last = {(a["kind"], a["microbatch"]): a for a in timeline["actions"] if a["rank"] == 1}
+    assert sorted(mb for kind, mb in last if kind == "L") == [0, 1, 2, 3]  # one per microbatch, F then L then B
+    assert all(last["F", mb]["end_ms"] <= last["L", mb]["start_ms"] <= last["L", mb]["end_ms"] for mb in range(4))
+    assert all(last["L", mb]["end_ms"] <= last["B", mb]["start_ms"] for mb in range(4))
     for png in (out / "bench.png", out / "pp" / "timeline.png"):
         assert png.read_bytes().startswith(b"\x89PNG")
     assert "pipetune bench" in result.stdout

@@ -217,7 +217,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
             modules, my_stages, n_stages, device, mesh.pp_group, p.schedule, p.n_microbatches, loss_fn
         )
         if t.timeline_step:
-            timelines[length] = StageTimeline(runners[length].stages, env.rank, device)
+            timelines[length] = StageTimeline(runners[length].stages, runners[length].schedule, env.rank, device)
     runner = runners[max_length]  # validation runs at full length
     optimizer = torch.optim.AdamW(
         params, lr=t.lr, betas=(0.9, 0.999), weight_decay=t.weight_decay, fused=device.type == "cuda"

@@ -1,8 +1,10 @@
 """When each stage computed what: forward/backward actions of one schedule step, and the measured bubble.
 
-The stage's `forward_one_chunk` / `backward_one_chunk` are wrapped to record start and end of
-each action (CUDA events on GPU, so kernels are timed, not launches; wall clock on CPU). Time a
-rank spends outside those actions within the step is its bubble: waiting for its neighbours.
+The stage's `forward_one_chunk` / `backward_one_chunk` and the schedule's loss function are wrapped
+to record start and end of each action (CUDA events on GPU, so kernels are timed, not launches; wall
+clock on CPU). The loss runs on the last stage between a microbatch's forward and backward: it is
+work, not waiting (with train.fused_loss it holds lm_head too). Time a rank spends outside those
+actions within the step is its bubble: waiting for its neighbours.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ class Action:
     rank: int
     stage: int
     kind: str
-    """"F" (forward) or "B" (backward)."""
+    """"F" (forward), "L" (loss, last stage) or "B" (backward)."""
     microbatch: int
     start_ms: float
     end_ms: float
@@ -47,9 +49,9 @@ class _Clock:
 
 
 class StageTimeline:
-    """Records the actions of one rank's pipeline stages while `recording` is True."""
+    """Records the actions of one rank's pipeline stages (and its schedule's loss) while `recording` is True."""
 
-    def __init__(self, stages: list, rank: int, device: torch.device) -> None:
+    def __init__(self, stages: list, schedule: object, rank: int, device: torch.device) -> None:
         self.rank = rank
         self.clock = _Clock(device)
         self.recording = False
@@ -58,6 +60,9 @@ class StageTimeline:
         for stage in stages:
             for kind, method in (("F", "forward_one_chunk"), ("B", "backward_one_chunk")):
                 setattr(stage, method, self._wrap(stage.stage_index, kind, getattr(stage, method)))
+        last = [stage for stage in stages if stage.is_last]
+        if last and getattr(schedule, "_loss_fn", None) is not None:  # the schedule calls self._loss_fn(out, target)
+            schedule._loss_fn = self._wrap_loss(last[0].stage_index, schedule._loss_fn)
 
     def _wrap(self, stage_index: int, kind: str, fn):
         def timed(chunk_id, *args, **kwargs):
@@ -66,6 +71,18 @@ class StageTimeline:
             start = self.clock.now()
             out = fn(chunk_id, *args, **kwargs)
             self._marks.append((stage_index, kind, chunk_id, start, self.clock.now()))
+            return out
+
+        return timed
+
+    def _wrap_loss(self, stage_index: int, fn):
+        def timed(*args, **kwargs):
+            if not self.recording:
+                return fn(*args, **kwargs)
+            microbatch = sum(1 for mark in self._marks if mark[1] == "L")  # losses come in microbatch order
+            start = self.clock.now()
+            out = fn(*args, **kwargs)
+            self._marks.append((stage_index, "L", microbatch, start, self.clock.now()))
             return out
 
         return timed
@@ -127,7 +144,7 @@ def gather_timeline(actions: list[Action], duration_ms: float, world_size: int) 
 
 
 def plot_timeline(timeline: dict, path: Path, title: str = "") -> Path:
-    """A Gantt chart: one row per rank, forward blue, backward orange, gaps are the bubble."""
+    """A Gantt chart: one row per rank, forward blue, loss green, backward orange; gaps are the bubble."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -135,13 +152,13 @@ def plot_timeline(timeline: dict, path: Path, title: str = "") -> Path:
 
     n_ranks = len(timeline["busy_ms"])
     fig, ax = plt.subplots(figsize=(12, 1 + 0.6 * n_ranks))
-    colors = {"F": "#4C72B0", "B": "#DD8452"}
+    colors = {"F": "#4C72B0", "L": "#55A868", "B": "#DD8452"}
     for a in timeline["actions"]:
         ax.barh(a["rank"], a["end_ms"] - a["start_ms"], left=a["start_ms"], color=colors[a["kind"]], edgecolor="white")
         ax.text(
             (a["start_ms"] + a["end_ms"]) / 2,
             a["rank"],
-            f"{a['kind']}{a['microbatch']}",
+            f"{a['kind']}{a['microbatch']}" if a["kind"] != "L" else "",
             ha="center",
             va="center",
             fontsize=7,
