@@ -340,6 +340,8 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
                 print0(f"checkpoint {saved} ({time.perf_counter() - started:.1f} s)")
                 faults.after_step(step, saved=True)
     progress.close()
+    if env.rank == 0 and t.timeline_step:
+        plot_saved_timeline(run_dir, config)
     tensorboard.close()
     if writer is not None:
         writer.close()
@@ -378,14 +380,23 @@ def evaluate_validation(
 
 
 def save_timeline(timeline: StageTimeline, env: DistEnv, run_dir: Path, config: Config) -> None:
-    """Gather one schedule step's actions to rank 0; write timeline.json and timeline.png."""
+    """Gather one schedule step's actions to rank 0 and write timeline.json (plot_saved_timeline draws it)."""
     summary = gather_timeline(*timeline.stop(), env.world_size)
     if summary is None:
         return
     p = config.parallel
-    m = p.n_microbatches
-    summary["expected_bubble"] = (p.pp - 1) / (p.stages_per_rank * m + p.pp - 1)
+    summary["expected_bubble"] = (p.pp - 1) / (p.stages_per_rank * p.n_microbatches + p.pp - 1)
     (run_dir / "timeline.json").write_text(json.dumps(summary, indent=1))
+
+
+def plot_saved_timeline(run_dir: Path, config: Config) -> None:
+    """timeline.png from timeline.json, after the last step: drawing it takes longer than a step."""
+    path = run_dir / "timeline.json"
+    if not path.exists():
+        return
+    summary = json.loads(path.read_text())
+    p = config.parallel
+    m = p.n_microbatches
     title = (
         f"{p.schedule}, pp={p.pp}, {m} microbatches: step {summary['step_ms']:.1f} ms, bubble "
         + ", ".join(f"{b:.0%}" for b in summary["bubble"])
