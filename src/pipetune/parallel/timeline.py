@@ -149,12 +149,14 @@ def plot_timeline(timeline: dict, path: Path, title: str = "") -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     n_ranks = len(timeline["busy_ms"])
-    fig, ax = plt.subplots(figsize=(12, 1 + 0.6 * n_ranks))
+    fig, ax = plt.subplots(figsize=(12, 1.3 + 0.6 * n_ranks))
     colors = {"F": "#4C72B0", "L": "#55A868", "B": "#DD8452"}
     for a in timeline["actions"]:
-        ax.barh(a["rank"], a["end_ms"] - a["start_ms"], left=a["start_ms"], color=colors[a["kind"]], edgecolor="white")
+        width = a["end_ms"] - a["start_ms"]
+        ax.barh(a["rank"], width, left=a["start_ms"], color=colors[a["kind"]], edgecolor="white", linewidth=0.5)
         ax.text(
             (a["start_ms"] + a["end_ms"]) / 2,
             a["rank"],
@@ -165,7 +167,11 @@ def plot_timeline(timeline: dict, path: Path, title: str = "") -> Path:
             color="white",
         )
     ax.set_yticks(range(n_ranks), [f"rank {r}\nbubble {b:.0%}" for r, b in enumerate(timeline["bubble"])])
-    ax.invert_yaxis()
+    ax.set_ylim(n_ranks - 0.5, -1.2)  # rank 0 on top, a free band above it for the legend
+    names = {"F": "forward", "L": "loss", "B": "backward"}
+    kinds = {a["kind"] for a in timeline["actions"]}
+    handles = [Patch(color=colors[k], label=name) for k, name in names.items() if k in kinds]
+    ax.legend(handles=handles, loc="upper right", fontsize=7, ncols=len(handles))
     ax.set_xlabel("ms since step start")
     ax.set_title(title or f"one schedule step: {timeline['step_ms']:.1f} ms")
     fig.tight_layout()
