@@ -10,7 +10,10 @@ makes compiled code call ATen's random ops.
 Prediction (written before the run): with fallback_random a layer's forward + backward at [4, 512] takes
 >= 0.15 ms less than with inductor's random numbers (of ~2.3 ms); without dropout, ~0.3 ms less.
 
-    python3 benchmarks/dropout_rng.py --layers 4 --batch 4 --seq 512 --steps 20
+Layers are compiled without CUDA graphs, so the batch must be large enough for the GPU, not the host, to
+set the pace: measured (NOTES.md) with
+
+    python3 benchmarks/dropout_rng.py --layers 4 --batch 16 --steps 10
 """
 
 from __future__ import annotations
