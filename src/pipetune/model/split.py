@@ -15,9 +15,9 @@ With train.fused_loss only the supervised rows (the summary) reach the head, at 
 max_summary_tokens + 1 of max_length: the head's FLOPs scale by that share (`fused_loss_share`), and
 their time by FUSED_HEAD_TIME_PER_FLOP, measured on 2x H200 (seq 512, summary <= 256, compiled layers
 with CUDA graphs, benchmarks/2026-11-29-speed-h200.md): per microbatch the last stage's head and loss
-take the time of ~1.4 decoder layers (the loss is chunked, and a host sync picks the supervised rows,
+take the time of ~1.3-1.4 decoder layers (the loss is chunked, and a host sync picks the supervised rows,
 so it costs more than its FLOPs). There, 19/17 gave stage cycles of 43.9 / 42.4 ms and 18/18 gave
-41.1 / 44.3 ms: 19/17 is the better split, by about 1%.
+41.1 / 44.1 ms; the slower stage sets the pace: 43.9 ms at 19/17, 44.1 ms at 18/18.
 """
 
 from __future__ import annotations
