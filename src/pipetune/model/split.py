@@ -61,7 +61,7 @@ def estimate_costs(config: PretrainedConfig, seq_len: int, fused_loss_share: flo
     head = float(4 * config.vocab_size * hidden)
     if fused_loss_share is None:
         return StageCosts(layer=float(layer), head=head)
-    return StageCosts(float(layer), head * fused_loss_share, FUSED_HEAD_TIME_PER_FLOP)
+    return StageCosts(layer=float(layer), head=head * fused_loss_share, head_time_per_flop=FUSED_HEAD_TIME_PER_FLOP)
 
 
 def split_layers(
