@@ -10,7 +10,10 @@
 #      microbatches and v=2 at 8; the seed and DDP baselines of the same run.
 #   E: long context with and without activation checkpointing; interleaved v=3 and v=6 at 4 microbatches
 #      with the split that weighs the fused loss as measured in D; the seed and DDP baselines.
-# Usage (device machine, repo root): OUT=dir bash benchmarks/run_speed_h200.sh A|B|C|D|E
+#   F: NCCL's point-to-point channels (NCCL_MAX_P2P_NCHANNELS): interleaved v=3 at NCCL's default, 4 and 1,
+#      1F1B at 4. The interleaved runtime posts each receive early, and a waiting receive kernel holds one SM
+#      per channel while the stage computes (NCCL's channel counts are printed from its INIT log).
+# Usage (device machine, repo root): OUT=dir bash benchmarks/run_speed_h200.sh A|B|C|D|E|F
 source benchmarks/h200_common.sh
 PART=${1:-A}; W=/tmp/speed$PART; mkdir -p $W
 START=$(date +%s); BUDGET=${BUDGET:-560}
@@ -65,6 +68,16 @@ elif [ "$PART" = E ]; then
     --set parallel.schedule=interleaved_1f1b --set parallel.stages_per_rank=3
   bench interleaved-v6 130 --strategies pp --steps 10 --warmup 5 $CG \
     --set parallel.schedule=interleaved_1f1b --set parallel.stages_per_rank=6
+elif [ "$PART" = F ]; then
+  V3="--set parallel.schedule=interleaved_1f1b --set parallel.stages_per_rank=3"
+  NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT bench interleaved-v3 180 --strategies pp --steps 10 --warmup 5 $CG $V3
+  grep -h -o "[0-9]* coll channels.*p2p channels per peer" $W/interleaved-v3.log | sort | uniq -c
+  export NCCL_MAX_P2P_NCHANNELS=4
+  bench interleaved-v3-p2p4 120 --strategies pp --steps 10 --warmup 5 $CG $V3
+  bench 1f1b-p2p4 110 --strategies pp --steps 10 --warmup 5 $CG
+  export NCCL_MAX_P2P_NCHANNELS=1
+  bench interleaved-v3-p2p1 120 --strategies pp --steps 10 --warmup 5 $CG $V3
+  unset NCCL_MAX_P2P_NCHANNELS
 else  # C: long context, eager fast path (large matmuls: GPU-bound), with and without checkpointing; FSDP vs DDP
   bench long 110 --strategies pp --steps 3 --warmup 1 $LONG
   bench long-ckpt 110 --strategies pp --steps 3 --warmup 1 $LONG --set train.activation_checkpointing=true
