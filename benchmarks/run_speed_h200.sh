@@ -13,7 +13,10 @@
 #   F: NCCL's point-to-point channels (NCCL_MAX_P2P_NCHANNELS): interleaved v=3 at NCCL's default, 4 and 1,
 #      1F1B at 4. The interleaved runtime posts each receive early, and a waiting receive kernel holds one SM
 #      per channel while the stage computes (NCCL's channel counts are printed from its INIT log).
-# Usage (device machine, repo root): OUT=dir bash benchmarks/run_speed_h200.sh A|B|C|D|E|F
+#   G: after F's capped runs trained on corrupted gradients: the same cap once stages send copies of their
+#      outputs and input gradients instead of CUDA-graph pool memory; the default cap as control; the seed and
+#      DDP baselines. No validation (its forward-only graphs are not timed and cost a minute per run).
+# Usage (device machine, repo root): OUT=dir bash benchmarks/run_speed_h200.sh A|B|C|D|E|F|G
 source benchmarks/h200_common.sh
 PART=${1:-A}; W=/tmp/speed$PART; mkdir -p $W
 START=$(date +%s); BUDGET=${BUDGET:-560}
@@ -78,6 +81,11 @@ elif [ "$PART" = F ]; then
   export NCCL_MAX_P2P_NCHANNELS=1
   bench interleaved-v3-p2p1 120 --strategies pp --steps 10 --warmup 5 $CG $V3
   unset NCCL_MAX_P2P_NCHANNELS
+elif [ "$PART" = G ]; then
+  V3="--set parallel.schedule=interleaved_1f1b --set parallel.stages_per_rank=3 --set data.synthetic_validation=0"
+  NCCL_MAX_P2P_NCHANNELS=1 bench interleaved-v3-p2p1 200 --strategies pp --steps 10 --warmup 5 $CG $V3
+  baselines 6 100 100
+  bench interleaved-v3 140 --strategies pp --steps 10 --warmup 5 $CG $V3
 else  # C: long context, eager fast path (large matmuls: GPU-bound), with and without checkpointing; FSDP vs DDP
   bench long 110 --strategies pp --steps 3 --warmup 1 $LONG
   bench long-ckpt 110 --strategies pp --steps 3 --warmup 1 $LONG --set train.activation_checkpointing=true

@@ -26,3 +26,26 @@ def test_checkpointed_layers_run_again_in_backward(checkpointed: bool, calls: in
     assert len(seen) == 1
     logits.float().pow(2).mean().backward()
     assert len(seen) == calls  # the recomputation is a second forward of the layer
+
+
+def test_own_boundary_memory_copies_what_is_sent_and_changes_no_value() -> None:
+    """A middle stage with `own_boundary_memory` (set under CUDA graphs) returns its output and its input's
+    gradient in fresh storage, with the values of the plain stage."""
+    resolved = resolve_model(ModelConfig(name="tiny-qwen3", init="random"))
+    model, _ = build_model(resolved, torch.float32, torch.device("cpu"), layers=range(4), seed=0)
+    peft_model = apply_lora(model, LoraConfig(dropout=0.0), "tiny-qwen3", seed=0)
+    stage = StageModule(peft_model, layer_ids=[1, 2], first=False, last=False).train()
+    last_outputs: list[torch.Tensor] = []
+    stage.layers[-1].register_forward_hook(lambda _m, _i, out: last_outputs.append(out[0] if isinstance(out, tuple) else out))
+    hidden = torch.randn(2, 16, resolved.config.hidden_size)
+    results = []
+    for own in (False, True):
+        stage.own_boundary_memory = own
+        x = hidden.clone().requires_grad_(True)
+        out = stage(x)
+        out.pow(2).sum().backward()
+        results.append((out.detach(), x.grad))
+        shares = out.untyped_storage().data_ptr() == last_outputs[-1].untyped_storage().data_ptr()
+        assert shares is not own
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=0)

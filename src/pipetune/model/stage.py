@@ -19,6 +19,23 @@ def decoder_of(model: nn.Module) -> nn.Module:
     return base.model
 
 
+class _GradInOwnMemory(torch.autograd.Function):
+    """Identity whose backward copies the gradient out of the memory it was computed in.
+
+    A CUDA-graphed layer's outputs, its input gradient among them, live in the graphs' memory pool, which
+    later replays overwrite whenever the Python tensors there are dead, with no regard for other streams.
+    The pipeline sends a stage's input gradient on NCCL's stream, possibly while the next layers already
+    replay; a copy made by the caching allocator stays valid until NCCL is done with it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.clone()
+
+
 class StageModule(nn.Module):
     """Runs one stage over parts of a (possibly PEFT-wrapped, pruned) causal LM.
 
@@ -54,6 +71,9 @@ class StageModule(nn.Module):
         """Recompute each layer in backward instead of keeping its activations (train.activation_checkpointing)."""
         self.head_in_loss = False
         """The last stage returns normed hidden states; the loss applies lm_head (train.fused_loss)."""
+        self.own_boundary_memory = False
+        """Hand the pipeline its sent tensors (this stage's output, the gradient of its input) in memory of their
+        own, not in the CUDA graphs' pool (set with `compile_layers(cuda_graphs=True)`)."""
 
     def compile_layers(self, cuda_graphs: bool = False) -> None:
         """torch.compile each decoder layer in place. All layers share one graph (parameters are graph
@@ -62,6 +82,7 @@ class StageModule(nn.Module):
         graphs may reuse the previous step's output memory."""
         for layer in self.layers:
             layer.compile(mode="reduce-overhead" if cuda_graphs else None)
+        self.own_boundary_memory = cuda_graphs
 
     @property
     def is_first(self) -> bool:
@@ -75,6 +96,8 @@ class StageModule(nn.Module):
         """input_ids [b, s] on the first stage, hidden states [b, s, h] elsewhere; logits [b, s, v] on the last
         (normed hidden states with head_in_loss)."""
         hidden = self.embed(x) if self.is_first else x
+        if self.own_boundary_memory and not self.is_first:
+            hidden = _GradInOwnMemory.apply(hidden)
         batch, seq = hidden.shape[:2]
         position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0).expand(batch, -1)
         position_embeddings = self.rotary(hidden, position_ids)
@@ -89,6 +112,6 @@ class StageModule(nn.Module):
                 out = layer(hidden, **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out
         if not self.is_last:
-            return hidden
+            return hidden.clone() if self.own_boundary_memory else hidden
         hidden = self.norm(hidden)
         return hidden if self.head_in_loss else self.lm_head(hidden)
