@@ -36,7 +36,7 @@ def test_own_boundary_memory_copies_what_is_sent_and_changes_no_value() -> None:
     peft_model = apply_lora(model, LoraConfig(dropout=0.0), "tiny-qwen3", seed=0)
     stage = StageModule(peft_model, layer_ids=[1, 2], first=False, last=False).train()
     last_outputs: list[torch.Tensor] = []
-    stage.layers[-1].register_forward_hook(lambda _m, _i, out: last_outputs.append(out[0] if isinstance(out, tuple) else out))
+    stage.layers[-1].register_forward_hook(lambda _m, _i, out: last_outputs.append(out))
     hidden = torch.randn(2, 16, resolved.config.hidden_size)
     results = []
     for own in (False, True):
