@@ -16,7 +16,9 @@
 #   G: after F's capped runs trained on corrupted gradients: the same cap once stages send copies of their
 #      outputs and input gradients instead of CUDA-graph pool memory; the default cap as control; the seed and
 #      DDP baselines. No validation (its forward-only graphs are not timed and cost a minute per run).
-# Usage (device machine, repo root): OUT=dir bash benchmarks/run_speed_h200.sh A|B|C|D|E|F|G
+#   H: the cap as a setting (parallel.p2p_channels = 1): interleaved v=3 with the seed and DDP baselines of the
+#      same run; the plain path (PEFT eager, NCCL's channels) on the same schedule for the loss curve; 1F1B at 1.
+# Usage (device machine, repo root): OUT=dir bash benchmarks/run_speed_h200.sh A|B|C|D|E|F|G|H
 source benchmarks/h200_common.sh
 PART=${1:-A}; W=/tmp/speed$PART; mkdir -p $W
 START=$(date +%s); BUDGET=${BUDGET:-560}
@@ -86,6 +88,14 @@ elif [ "$PART" = G ]; then
   NCCL_MAX_P2P_NCHANNELS=1 bench interleaved-v3-p2p1 200 --strategies pp --steps 10 --warmup 5 $CG $V3
   baselines 6 100 100
   bench interleaved-v3 140 --strategies pp --steps 10 --warmup 5 $CG $V3
+elif [ "$PART" = H ]; then
+  V3="--set parallel.schedule=interleaved_1f1b --set parallel.stages_per_rank=3 --set data.synthetic_validation=0"
+  bench interleaved-v3-p2p1 200 --strategies pp --steps 10 --warmup 5 $CG $V3 --set parallel.p2p_channels=1
+  baselines 6 100 100
+  bench curve-plain-v3 110 --strategies pp --steps 10 --warmup 5 $V3 --set lora.fast_path=false \
+    --set train.compile=false --set train.cuda_graphs=false --set train.fused_loss=false
+  bench 1f1b-p2p1 120 --strategies pp --steps 10 --warmup 5 $CG --set data.synthetic_validation=0 \
+    --set parallel.p2p_channels=1
 else  # C: long context, eager fast path (large matmuls: GPU-bound), with and without checkpointing; FSDP vs DDP
   bench long 110 --strategies pp --steps 3 --warmup 1 $LONG
   bench long-ckpt 110 --strategies pp --steps 3 --warmup 1 $LONG --set train.activation_checkpointing=true

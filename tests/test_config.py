@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,7 @@ def test_seed_job_config_matches_the_seed_script() -> None:
             r"does not combine with train.activation_checkpointing",
         ),
         (["train.loss_chunk=0"], 2, r"train.loss_chunk = 0 must be at least 1"),
+        (["parallel.p2p_channels=-1"], 2, r"parallel.p2p_channels = -1 must be >= 0 \(0: NCCL's choice; e.g. 1\)"),
     ],
 )
 def test_validation_errors_name_value_and_fix(
@@ -155,3 +157,14 @@ def test_cli_fails_before_starting_workers(tmp_path: Path) -> None:
     assert "n_microbatches = 2 < parallel.pp = 4" in result.stderr
     assert "raise n_microbatches" in result.stderr
     assert not (tmp_path / "run").exists()  # nothing was launched, no run directory
+
+
+def test_p2p_channels_reach_nccl_before_any_communicator(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipetune.parallel.process_group import init_distributed
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("NCCL_MAX_P2P_NCHANNELS", raising=False)
+    init_distributed(p2p_channels=0)
+    assert "NCCL_MAX_P2P_NCHANNELS" not in os.environ  # 0: NCCL's own choice
+    init_distributed(p2p_channels=1)
+    assert os.environ["NCCL_MAX_P2P_NCHANNELS"] == "1"

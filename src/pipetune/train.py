@@ -69,7 +69,7 @@ class LoopStatus:
 
 def run_training(config: Config, quiet: bool = False) -> RunResult:
     """Train in this process (one rank); a TrainingError or a lost peer ends it with one line and exit code 1."""
-    env = init_distributed(config.parallel.timeout_s)
+    env = init_distributed(config.parallel.timeout_s, config.parallel.p2p_channels)
     status = LoopStatus()
     try:
         return train(config, env, quiet, status)

@@ -33,8 +33,13 @@ def under_launcher() -> bool:
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
 
 
-def init_distributed(timeout_s: float = 600.0) -> DistEnv:
-    """Join the process group set up by the launcher (or run alone without one)."""
+def init_distributed(timeout_s: float = 600.0, p2p_channels: int = 0) -> DistEnv:
+    """Join the process group set up by the launcher (or run alone without one).
+
+    `p2p_channels` > 0 caps NCCL's channels for point-to-point transfers (parallel.p2p_channels); NCCL reads
+    it when it creates a communicator, so it is set before any."""
+    if p2p_channels > 0:
+        os.environ["NCCL_MAX_P2P_NCHANNELS"] = str(p2p_channels)
     if not under_launcher() or int(os.environ["WORLD_SIZE"]) == 1:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
         if device.type == "cuda":
