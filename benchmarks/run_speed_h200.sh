@@ -18,7 +18,8 @@
 #      DDP baselines. No validation (its forward-only graphs are not timed and cost a minute per run).
 #   H: the cap as a setting (parallel.p2p_channels = 1): interleaved v=3 with the seed and DDP baselines of the
 #      same run; the plain path (PEFT eager, NCCL's channels) on the same schedule for the loss curve; 1F1B at 1.
-# Usage (device machine, repo root): OUT=dir bash benchmarks/run_speed_h200.sh A|B|C|D|E|F|G|H
+#   I: interleaved v=3 at 2 channels (one run: what was left of the session's device time).
+# Usage (device machine, repo root): OUT=dir bash benchmarks/run_speed_h200.sh A|B|C|D|E|F|G|H|I
 source benchmarks/h200_common.sh
 PART=${1:-A}; W=/tmp/speed$PART; mkdir -p $W
 START=$(date +%s); BUDGET=${BUDGET:-560}
@@ -96,6 +97,9 @@ elif [ "$PART" = H ]; then
     --set train.compile=false --set train.cuda_graphs=false --set train.fused_loss=false
   bench 1f1b-p2p1 120 --strategies pp --steps 10 --warmup 5 $CG --set data.synthetic_validation=0 \
     --set parallel.p2p_channels=1
+elif [ "$PART" = I ]; then
+  bench interleaved-v3-p2p2 230 --strategies pp --steps 10 --warmup 5 $CG --set parallel.p2p_channels=2 \
+    --set parallel.schedule=interleaved_1f1b --set parallel.stages_per_rank=3 --set data.synthetic_validation=0
 else  # C: long context, eager fast path (large matmuls: GPU-bound), with and without checkpointing; FSDP vs DDP
   bench long 110 --strategies pp --steps 3 --warmup 1 $LONG
   bench long-ckpt 110 --strategies pp --steps 3 --warmup 1 $LONG --set train.activation_checkpointing=true
