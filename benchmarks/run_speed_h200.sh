@@ -20,6 +20,8 @@
 #      same run; the plain path (PEFT eager, NCCL's channels) on the same schedule for the loss curve; 1F1B at 1.
 #   I: interleaved v=3 at 2 channels (one run: what was left of the session's device time).
 # Usage (device machine, repo root): OUT=dir bash benchmarks/run_speed_h200.sh A|B|C|D|E|F|G|H|I
+# Each part ran at the commit named in benchmarks/2026-11-29-speed-h200.md; the bench config has changed since
+# (parallel.p2p_channels = 1 after part H), so an earlier part rerun here is not the same run.
 source benchmarks/h200_common.sh
 PART=${1:-A}; W=/tmp/speed$PART; mkdir -p $W
 START=$(date +%s); BUDGET=${BUDGET:-560}
