@@ -22,10 +22,12 @@ def decoder_of(model: nn.Module) -> nn.Module:
 class _GradInOwnMemory(torch.autograd.Function):
     """Identity whose backward copies the gradient out of the memory it was computed in.
 
-    A CUDA-graphed layer's outputs, its input gradient among them, live in the graphs' memory pool, which
-    later replays overwrite whenever the Python tensors there are dead, with no regard for other streams.
-    The pipeline sends a stage's input gradient on NCCL's stream, possibly while the next layers already
-    replay; a copy made by the caching allocator stays valid until NCCL is done with it."""
+    A CUDA-graphed layer's outputs, its input gradient among them, live in the graphs' memory pool, and a
+    replay writes its outputs there with no regard for other streams. The multi-stage schedules send on
+    NCCL's stream while the next actions' graphs replay; a copy from the caching allocator stays valid until
+    NCCL is done with it. Without the copies (this one and the stage output's), interleaved runs whose
+    transfers took longer (fewer NCCL channels) trained on corrupted gradients from the first replayed step
+    (benchmarks/2026-11-29-speed-h200.md, third round)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
@@ -79,7 +81,8 @@ class StageModule(nn.Module):
         """torch.compile each decoder layer in place. All layers share one graph (parameters are graph
         inputs), so compilation happens once, at the first forward. `cuda_graphs`: replay each call as a
         CUDA graph ("reduce-overhead"); the runners mark each schedule step's start, after which the
-        graphs may reuse the previous step's output memory."""
+        graphs may reuse the previous step's output memory, and the tensors the pipeline sends are copies
+        (`own_boundary_memory`)."""
         for layer in self.layers:
             layer.compile(mode="reduce-overhead" if cuda_graphs else None)
         self.own_boundary_memory = cuda_graphs
