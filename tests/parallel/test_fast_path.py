@@ -3,6 +3,7 @@ float32 run."""
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 import pytest
@@ -13,9 +14,16 @@ from tests.parallel.test_parity import _adapter, _losses, _max_relative
 
 
 def _train(tmp: Path, name: str, *overrides: str) -> Path:
+    """Train a tiny config; the run directory holds its metrics, its adapter, and train.log (stdout + stderr)."""
     config = tiny_config(tmp / name, *overrides)
-    run_cli("train", "--config", str(write_config(config, tmp / f"{name}.toml")), "--quiet", timeout=300)
+    result = run_cli("train", "--config", str(write_config(config, tmp / f"{name}.toml")), "--quiet", timeout=300)
+    (tmp / name / "train.log").write_text(result.stdout + result.stderr)
     return tmp / name
+
+
+def _val_loss(run_dir: Path) -> float:
+    with open(run_dir / "metrics.csv") as f:
+        return float(list(csv.DictReader(f))[-1]["val_loss"])
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +46,15 @@ def test_fused_loss_pipeline_matches_plain_single_process(plain: Path, tmp_path:
     assert _max_relative(_adapter(fused), _adapter(plain)) < 5e-4
 
 
-def test_compiled_fast_path_matches_plain(plain: Path, tmp_path: Path) -> None:
+def test_compiled_fast_path_matches_plain(plain: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_LOGS", "recompiles")
     compiled = _train(tmp_path, "compiled", "lora.fast_path=true", "train.compile=true", "parallel.pp=1")
     torch.testing.assert_close(torch.tensor(_losses(compiled)), torch.tensor(_losses(plain)), rtol=1e-5, atol=0)
     # Inductor reassociates float sums; Adam's first steps turn that into ~1e-4 relative weight differences.
     assert _max_relative(_adapter(compiled), _adapter(plain)) < 2e-3
+    # Validation runs the compiled layers eagerly: the same loss, and no second compilation for no_grad.
+    assert _val_loss(compiled) == pytest.approx(_val_loss(plain), rel=1e-4)
+    assert "grad_mode" not in (compiled / "train.log").read_text()
 
 
 def test_activation_checkpointing_changes_nothing_but_memory(tmp_path: Path) -> None:

@@ -153,6 +153,10 @@ def validation_loss(
 
     The last batch is filled with rows whose labels are all IGNORE (static shapes), so every sample
     counts once. Returns the loss on the last stage (None elsewhere); every rank must call it.
+
+    Compiled layers run eagerly here: forward-only calls would compile every layer again for no_grad and
+    record its CUDA graphs once more (on an H200 the first recorded training step of the benchmark job
+    takes ~60 s), for a validation that takes seconds eagerly.
     """
     n = input_ids.shape[0]
     n_batches = -(-n // batch_size)
@@ -164,11 +168,12 @@ def validation_loss(
     module.eval()
     total = torch.zeros((), device=input_ids.device)
     try:
-        for b in range(n_batches):
-            rows = slice(b * batch_size, (b + 1) * batch_size)
-            out = runner.eval_step(input_ids[rows], labels[rows])
-            if out is not None:
-                total += out
+        with torch.compiler.set_stance("force_eager"):
+            for b in range(n_batches):
+                rows = slice(b * batch_size, (b + 1) * batch_size)
+                out = runner.eval_step(input_ids[rows], labels[rows])
+                if out is not None:
+                    total += out
     finally:
         module.train()
         loss_fn.normalizer = normalizer
