@@ -163,7 +163,8 @@ def test_p2p_channels_reach_nccl_before_any_communicator(monkeypatch: pytest.Mon
     from pipetune.parallel.process_group import init_distributed
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    monkeypatch.delenv("NCCL_MAX_P2P_NCHANNELS", raising=False)
+    monkeypatch.setenv("NCCL_MAX_P2P_NCHANNELS", "")  # restored as it was at teardown, whatever is set below
+    monkeypatch.delenv("NCCL_MAX_P2P_NCHANNELS")
     init_distributed(p2p_channels=0)
     assert "NCCL_MAX_P2P_NCHANNELS" not in os.environ  # 0: NCCL's own choice
     init_distributed(p2p_channels=1)

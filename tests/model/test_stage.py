@@ -29,8 +29,8 @@ def test_checkpointed_layers_run_again_in_backward(checkpointed: bool, calls: in
 
 
 def test_own_boundary_memory_copies_what_is_sent_and_changes_no_value() -> None:
-    """A middle stage with `own_boundary_memory` (set under CUDA graphs) returns its output and its input's
-    gradient in fresh storage, with the values of the plain stage."""
+    """A middle stage with `own_boundary_memory` (set under CUDA graphs) returns its output in fresh storage,
+    and its output and its input's gradient have the plain stage's values."""
     resolved = resolve_model(ModelConfig(name="tiny-qwen3", init="random"))
     model, _ = build_model(resolved, torch.float32, torch.device("cpu"), layers=range(4), seed=0)
     peft_model = apply_lora(model, LoraConfig(dropout=0.0), "tiny-qwen3", seed=0)

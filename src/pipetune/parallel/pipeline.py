@@ -155,8 +155,8 @@ def validation_loss(
     counts once. Returns the loss on the last stage (None elsewhere); every rank must call it.
 
     Compiled layers run eagerly here: forward-only calls would compile every layer again for no_grad and
-    record its CUDA graphs once more (on an H200 the first recorded training step of the benchmark job
-    takes ~60 s), for a validation that takes seconds eagerly.
+    record its CUDA graphs once more, as the first training steps do (~60 s for the benchmark job on an
+    H200), for a validation that takes seconds eagerly.
     """
     n = input_ids.shape[0]
     n_batches = -(-n // batch_size)
