@@ -55,13 +55,14 @@ def prepare(config: Config) -> Prepared:
 
 
 def load_tokenizer(config: Config, resolved: ResolvedModel) -> PreTrainedTokenizerBase:
-    """model.tokenizer if set; else the checkpoint's own; the built-in demo tokenizer for built-in shapes."""
+    """model.tokenizer if set; else the model directory's own; else, for a random-init shape (built in, or a
+    directory with only a config.json), the built-in demo tokenizer."""
     name = config.model.tokenizer
-    if not name and resolved.is_builtin:
+    if not name and not resolved.has_tokenizer and resolved.weights_dir is None:
         from pipetune.data.tokenizer import demo_tokenizer
 
         return demo_tokenizer()
-    source = name or str(resolved.weights_dir)
+    source = name or str(resolved.source_dir)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=config.model.trust_remote_code)
     except Exception as e:  # missing files, offline hub

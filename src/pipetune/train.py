@@ -36,7 +36,7 @@ from pipetune.metrics import (
     peak_reserved_gb,
     reset_peak_memory,
 )
-from pipetune.model.load import DTYPES, build_model
+from pipetune.model.load import DTYPES, build_meta, materialize
 from pipetune.model.lora import adapter_state, apply_lora, save_adapter, use_fast_path
 from pipetune.model.split import estimate_costs, split_layers, stage_costs
 from pipetune.model.stage import StageModule
@@ -162,27 +162,27 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     ranges = split_layers(prepared.n_layers, n_stages, p.layers_per_stage, costs)
     # This rank's stages (several for interleaved schedules) live in one pruned model, one PEFT wrapper.
     my_stages = stage_ids(p.schedule, mesh.pp_rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
-    model, load_stats = build_model(
+    # Built on the meta device and sharded there (FSDP), then each rank allocates and fills only its part.
+    model = build_meta(
         prepared.model,
         DTYPES[config.model.dtype],
-        device,
         layers=sorted(i for s in my_stages for i in ranges[s]),
         first=0 in my_stages,
         last=n_stages - 1 in my_stages,
-        seed=t.seed,
     )
     peft_model = apply_lora(model, config.lora, config.model.name, t.seed)
     if config.lora.fast_path:
         use_fast_path(peft_model)
     peft_model.train()
     modules = [StageModule(peft_model, list(ranges[s]), first=s == 0, last=s == n_stages - 1) for s in my_stages]
+    if p.sharded:  # replaces the parameters with DTensor shards: before the optimizer and pipeline stages
+        shard_stages(modules, mesh.dp_mesh, pipelined=n_stages > 1)
+    load_stats = materialize(peft_model, prepared.model, device, t.seed, roots=modules)
     for module in modules:
         module.checkpoint_layers = t.activation_checkpointing
         if t.compile:
             module.compile_layers(cuda_graphs=t.cuda_graphs and device.type == "cuda")
         keep_rng_out_of_no_grad_forwards(module, device)
-    if p.sharded:  # replaces the parameters with DTensor shards: before the optimizer and pipeline stages
-        shard_stages(modules, mesh.dp_mesh, pipelined=n_stages > 1)
     params = [param for param in peft_model.parameters() if param.requires_grad]
     estimated = stage_costs(ranges, costs)
     print0(

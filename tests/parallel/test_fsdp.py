@@ -108,3 +108,56 @@ def test_bench_runs_fsdp_as_sharded_whole_model_replicas(tmp_path: Path) -> None
     assert (p.strategy, p.pp, p.dp, variant.train.batch_size, p.n_microbatches, p.sharded) == ("fsdp", 1, 4, 2, 1, True)
     validate(variant, 4)
     validate(strategy_config(config, "single", steps=2, warmup=1, out_dir=tmp_path), 1)
+
+
+def _sharded_build(rank: int, checkpoint: str, init_file: str, out_dir: str) -> None:
+    """One of 2 gloo ranks: build tiny-qwen3 on meta with LoRA, shard it (FSDP2), materialize, save full tensors."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from pipetune.config import LoraConfig, ModelConfig
+    from pipetune.model.load import build_meta, materialize
+    from pipetune.model.lora import apply_lora, full_tensor
+    from pipetune.model.shapes import resolve_model
+    from pipetune.model.stage import StageModule
+    from pipetune.parallel.fsdp import shard_stages
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    for source in ("tiny-qwen3", checkpoint):
+        resolved = resolve_model(ModelConfig(name=source, init="random" if source == "tiny-qwen3" else "pretrained"))
+        model = apply_lora(build_meta(resolved, torch.float32, range(4)), LoraConfig(), source, seed=7)
+        modules = [StageModule(model)]
+        shard_stages(modules, init_device_mesh("cpu", (2,)), pipelined=False)
+        materialize(model, resolved, torch.device("cpu"), seed=7, roots=modules)
+        local = {name: param.to_local().clone() for name, param in model.named_parameters()}
+        whole = {name: full_tensor(param).clone() for name, param in model.named_parameters()}
+        if rank == 0:
+            torch.save({"local": local, "whole": whole}, f"{out_dir}/{Path(source).name}.pt")
+    dist.destroy_process_group()
+
+
+def test_a_sharded_build_holds_the_unsharded_values(tmp_path: Path) -> None:
+    """FSDP shards at build: each rank allocates only its rows, filled as an unsharded build would be."""
+    from transformers import Qwen3Config
+
+    from pipetune.config import LoraConfig, ModelConfig
+    from pipetune.model.load import build_model
+    from pipetune.model.lora import apply_lora
+    from pipetune.model.shapes import resolve_model
+    from tests.model.test_load import TINY, write_checkpoint
+
+    checkpoint = write_checkpoint(tmp_path / "ckpt", Qwen3Config(**{**TINY, "tie_word_embeddings": False}))
+    torch.multiprocessing.spawn(
+        _sharded_build, args=(str(checkpoint), str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True
+    )
+    for source in ("tiny-qwen3", str(checkpoint)):
+        resolved = resolve_model(ModelConfig(name=source, init="random" if source == "tiny-qwen3" else "pretrained"))
+        base, _ = build_model(resolved, torch.float32, torch.device("cpu"), range(4), seed=7)
+        expected = dict(apply_lora(base, LoraConfig(), source, seed=7).named_parameters())
+        saved = torch.load(tmp_path / f"{Path(source).name}.pt", weights_only=True)
+        assert sorted(saved["whole"]) == sorted(expected), (source, set(expected) - set(saved["whole"]))
+        for name, value in expected.items():
+            torch.testing.assert_close(saved["whole"][name], value.detach(), rtol=0, atol=0, msg=name)
+            # rank 0 holds the first half of the rows (FSDP2 shards dim 0 as torch.chunk does)
+            rows = -(-value.shape[0] // 2)
+            torch.testing.assert_close(saved["local"][name], value.detach()[:rows], rtol=0, atol=0, msg=name)

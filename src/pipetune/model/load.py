@@ -1,9 +1,11 @@
 """Build a causal LM, or one pipeline stage of it, without ever holding the whole model.
 
-The model is constructed on the meta device, pruned to the stage's layers (kept under their
-full-model names: `model.layers.17` stays `model.layers.17`), materialized on the target device,
-then filled: from the checkpoint's safetensors files, reading only the stage's tensors, or
-with a random initialisation keyed by parameter name, so every layout gets the same weights.
+The model is constructed on the meta device (`build_meta`), pruned to the stage's layers (kept under
+their full-model names: `model.layers.17` stays `model.layers.17`), optionally wrapped with LoRA and
+sharded (FSDP2) while still on meta, then materialized on the target device (`materialize`), each rank
+allocating only its part. Values come from the checkpoint's safetensors files, reading only this rank's
+tensors (of a sharded parameter, only its slice), or from a random initialisation keyed by parameter
+name, so every layout gets the same weights.
 """
 
 from __future__ import annotations
@@ -11,14 +13,14 @@ from __future__ import annotations
 import copy
 import json
 import zlib
-from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from pipetune.config import ConfigError
@@ -44,12 +46,23 @@ def build_model(
     last: bool = True,
     seed: int = 0,
 ) -> tuple[PreTrainedModel, LoadStats]:
-    """The causal LM restricted to `layers` (None: all, as a plain HF model usable for generate()).
+    """The causal LM restricted to `layers` (None: all, as a plain HF model usable for generate()), on `device`.
 
     `first` keeps the token embedding, `last` keeps the final norm and lm_head.
     """
+    model = build_meta(resolved, dtype, layers, first, last)
+    return model, materialize(model, resolved, device, seed)
+
+
+def build_meta(
+    resolved: ResolvedModel,
+    dtype: torch.dtype,
+    layers: Sequence[int] | None = None,
+    first: bool = True,
+    last: bool = True,
+) -> PreTrainedModel:
+    """The model (or stage) on the meta device: shapes and names, no memory; `materialize` allocates it."""
     config = copy.deepcopy(resolved.config)
-    tie = bool(getattr(config, "tie_word_embeddings", False))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(dtype)
     model.name_or_path = resolved.name
@@ -57,21 +70,82 @@ def build_model(
         _prune(model, layers, first, last)
         # A stage owns its lm_head outright (a frozen copy of the embedding when the checkpoint ties them).
         model.config.tie_word_embeddings = False
-    model.to_empty(device=device)
-    # Buffers computed in __init__ (rotary inv_freq, kept in float32) are lost by to_empty: rebuild on device.
-    with torch.device(device):
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+        if model.lm_head is not None and first:
+            model.lm_head.weight = nn.Parameter(torch.empty_like(model.lm_head.weight))
+    model.requires_grad_(False)
+    return model
 
-    tied = {"lm_head.weight": "model.embed_tokens.weight"} if tie and model.lm_head is not None else {}
+
+@torch.no_grad()
+def materialize(
+    model: nn.Module,
+    resolved: ResolvedModel,
+    device: torch.device,
+    seed: int = 0,
+    roots: Iterable[nn.Module] | None = None,
+) -> LoadStats:
+    """Allocate a meta model (possibly LoRA-wrapped and sharded) on `device` and fill every tensor.
+
+    `roots`: the modules to allocate, which together hold all of the model's parameters; FSDP's roots
+    (the stage modules) must allocate their own, so that FSDP re-points its shards. Each parameter gets
+    its values as the unsharded model would, and a rank keeps its slice: for a sharded parameter
+    (DTensor), one whole tensor is live at a time (random init) or only the slice is read (safetensors).
+    """
+    for root in roots if roots is not None else [model]:
+        root.to_empty(device=device)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    # Buffers computed in __init__ (rotary inv_freq, kept in float32) are lost by to_empty: compute them again.
+    rotary = base.model.rotary_emb
+    with torch.device(device):
+        fresh = type(rotary)(config=resolved.config)
+    for name, buffer in fresh.named_buffers():
+        rotary.get_buffer(name).copy_(buffer)
+
+    from pipetune.model.lora import initial_adapter_value
+
+    tie = bool(getattr(resolved.config, "tie_word_embeddings", False)) and base.lm_head is not None
+    tied = {"lm_head.weight": "model.embed_tokens.weight"} if tie else {}
+    weights: dict[str, list[torch.Tensor]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if _is_adapter(name):
+            fill(param, lambda shape, device, name=name: initial_adapter_value(name, shape, seed, device))
+            continue
+        weights.setdefault(base_name(name), []).append(param)
     if resolved.weights_dir is None:
-        _random_init(model, config.initializer_range, seed, tied)
+        _random_init(weights, resolved.config.initializer_range, seed, tied)
         stats = LoadStats()
     else:
-        stats = _load_safetensors(model, resolved.weights_dir, tied)
-    if layers is None and tied:
-        model.tie_weights()
-    model.requires_grad_(False)
-    return model, stats
+        stats = _load_safetensors(weights, resolved.weights_dir, tied)
+    if base.config.tie_word_embeddings and base.lm_head is not None:
+        base.tie_weights()  # the whole model: lm_head is the embedding again
+    return stats
+
+
+def _is_adapter(name: str) -> bool:
+    return ".lora_" in name
+
+
+def base_name(name: str) -> str:
+    """A base parameter's name in the HF model (and its checkpoint) from its name in a PEFT-wrapped model."""
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def local_slices(param: torch.Tensor) -> tuple[slice, ...] | None:
+    """The part of the whole tensor that this rank holds, for a sharded parameter (DTensor); None: all of it."""
+    if not isinstance(param, DTensor):
+        return None
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
+
+
+def fill(param: torch.Tensor, make_whole: Callable[[torch.Size, torch.device], torch.Tensor]) -> None:
+    """Set a parameter to `make_whole(shape, device)`, keeping only this rank's slice of a sharded one."""
+    local = param.to_local() if isinstance(param, DTensor) else param
+    whole = make_whole(param.shape, local.device)
+    slices = local_slices(param)
+    local.copy_(whole if slices is None else whole[slices])
 
 
 def _prune(model: PreTrainedModel, layers: Sequence[int], first: bool, last: bool) -> None:
@@ -89,50 +163,68 @@ def _param_seed(seed: int, name: str) -> int:
     return zlib.crc32(f"{seed}:{name}".encode())
 
 
-@torch.no_grad()
-def _random_init(model: nn.Module, std: float, seed: int, tied: dict[str, str]) -> None:
-    """Normal(0, std) matrices and unit norm weights, each drawn from a generator seeded by its name."""
-    for name, param in model.named_parameters(remove_duplicate=False):
+def _random_init(weights: dict[str, list[torch.Tensor]], std: float, seed: int, tied: dict[str, str]) -> None:
+    """Normal(0, std) matrices, unit norm weights and zero biases, each drawn from a generator seeded by its name."""
+
+    def normal(shape: torch.Size, device: torch.device, source: str) -> torch.Tensor:
+        generator = torch.Generator(device=device).manual_seed(_param_seed(seed, source))
+        return torch.empty(shape, dtype=torch.float32, device=device).normal_(0.0, std, generator=generator)
+
+    for name, params in weights.items():
         source = tied.get(name, name)
-        if source.endswith("norm.weight"):
-            param.fill_(1.0)
-            continue
-        generator = torch.Generator(device=param.device).manual_seed(_param_seed(seed, source))
-        values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
-        values.normal_(0.0, std, generator=generator)
-        param.copy_(values)
+        for param in params:
+            if source.endswith("norm.weight"):
+                fill(param, lambda shape, device: torch.ones(shape, device=device))
+            elif source.endswith(".bias"):
+                fill(param, lambda shape, device: torch.zeros(shape, device=device))
+            else:
+                fill(param, lambda shape, device, source=source: normal(shape, device, source))
 
 
-@torch.no_grad()
-def _load_safetensors(model: nn.Module, weights_dir: Path, tied: dict[str, str]) -> LoadStats:
-    """Copy this model's tensors, and only those, from the (possibly sharded) safetensors checkpoint."""
+def _load_safetensors(weights: dict[str, list[torch.Tensor]], weights_dir: Path, tied: dict[str, str]) -> LoadStats:
+    """Copy this model's tensors, and only those (only its slice of a sharded one), from the checkpoint."""
     file_of = checkpoint_index(weights_dir)
-    wanted: dict[str, list[torch.Tensor]] = defaultdict(list)
-    for name, param in model.named_parameters(remove_duplicate=False):
+    wanted: dict[str, list[torch.Tensor]] = {}
+    for name, params in weights.items():
         source = name if name in file_of else tied.get(name, name)
         if source not in file_of:
             raise ConfigError(f"checkpoint {weights_dir} has no tensor {source!r} (needed for {name!r})")
-        wanted[source].append(param)
+        wanted.setdefault(source, []).extend(params)
 
-    by_file: dict[str, list[str]] = defaultdict(list)
+    by_file: dict[str, list[str]] = {}
     for source in wanted:
-        by_file[file_of[source]].append(source)
+        by_file.setdefault(file_of[source], []).append(source)
     stats = LoadStats()
     for file_name, sources in sorted(by_file.items()):
-        device = str(next(iter(wanted[sources[0]])).device)
-        with safe_open(weights_dir / file_name, framework="pt", device=device) as f:
+        device = _local(wanted[sources[0]][0]).device
+        sharded = any(isinstance(p, DTensor) for s in sources for p in wanted[s])
+        # Whole tensors are read straight to the device; slices of sharded ones through the host.
+        with safe_open(weights_dir / file_name, framework="pt", device="cpu" if sharded else str(device)) as f:
             for source in sources:
-                tensor = f.get_tensor(source)
-                stats.tensors += 1
-                stats.bytes += tensor.numel() * tensor.element_size()
+                whole = None
                 for param in wanted[source]:
-                    if param.shape != tensor.shape:
+                    slices = local_slices(param)
+                    view = f.get_slice(source)
+                    if tuple(view.get_shape()) != tuple(param.shape):
                         raise ConfigError(
-                            f"checkpoint tensor {source!r} has shape {tuple(tensor.shape)}, "
+                            f"checkpoint tensor {source!r} has shape {tuple(view.get_shape())}, "
                             f"the model expects {tuple(param.shape)}: config.json and weights disagree"
                         )
-                    param.copy_(tensor)
+                    if slices is not None:
+                        part = view[slices]
+                    elif whole is None:
+                        part = whole = f.get_tensor(source)
+                    else:
+                        _local(param).copy_(whole)  # a second parameter from the same tensor: no second read
+                        continue
+                    _local(param).copy_(part)
+                    stats.tensors += 1
+                    stats.bytes += part.numel() * part.element_size()
     return stats
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def checkpoint_index(weights_dir: Path) -> dict[str, str]:

@@ -33,23 +33,29 @@ def peft_config(lora: LoraConfig, base_name: str) -> peft.LoraConfig:
 def apply_lora(model: nn.Module, lora: LoraConfig, base_name: str, seed: int) -> peft.PeftModel:
     """Wrap the (possibly pruned) model with LoRA adapters whose initial values depend only on `seed`.
 
-    PEFT draws lora_A from the global RNG in module order, so a stage holding layers 18-35 would
-    get different values than a full model; re-draw each lora_A from a generator seeded by its
-    full-model name instead (same distribution: kaiming-uniform with a = sqrt(5)). lora_B starts at 0.
+    On a meta-device model the adapters get their values when the model is materialized (model/load.py).
     """
     model.name_or_path = base_name  # PEFT records it as base_model_name_or_path
     peft_model = peft.get_peft_model(model, peft_config(lora, base_name))
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
-            if ".lora_A." in name:
-                generator = torch.Generator(device=param.device).manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-                bound = 1.0 / math.sqrt(param.shape[1])
-                values = torch.empty(param.shape, dtype=torch.float32, device=param.device)
-                values.uniform_(-bound, bound, generator=generator)
-                param.copy_(values)
-            elif ".lora_B." in name:
-                param.zero_()
+            if ".lora_" in name and not param.is_meta:
+                param.copy_(initial_adapter_value(name, param.shape, seed, param.device))
     return peft_model
+
+
+def initial_adapter_value(name: str, shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:
+    """The initial value of the adapter tensor `name` (its name in the PEFT model), the same in every layout.
+
+    PEFT draws lora_A from the global RNG in module order, so a stage holding layers 18-35 would get
+    different values than a full model; each lora_A is drawn from a generator seeded by its full-model
+    name instead (same distribution: kaiming-uniform with a = sqrt(5)). lora_B starts at 0.
+    """
+    if ".lora_B." in name:
+        return torch.zeros(shape, device=device)
+    generator = torch.Generator(device=device).manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
+    bound = 1.0 / math.sqrt(shape[1])
+    return torch.empty(shape, dtype=torch.float32, device=device).uniform_(-bound, bound, generator=generator)
 
 
 def adapter_state(peft_model: peft.PeftModel) -> dict[str, torch.Tensor]:

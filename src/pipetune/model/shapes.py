@@ -1,7 +1,9 @@
 """Model configs: built-in shapes (no hub needed) and resolution of hub ids and local directories.
 
-Built-in shapes carry the published Qwen3 configs so random-weight runs of real sizes need no
-network; "tiny-qwen3" is the few-million-parameter model of the demo and the tests.
+Built-in shapes carry the published configs of Qwen3, Qwen2.5 and Llama 3.1 models, so random-weight
+runs of real sizes need no network; "tiny-qwen3" is the few-million-parameter model of the demo and the
+tests. A local directory holding only a config.json is a shape too: with model.init = "random" the model
+is built from it, with the built-in demo tokenizer unless the directory has a tokenizer of its own.
 """
 
 from __future__ import annotations
@@ -9,14 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import AutoConfig, PretrainedConfig, Qwen3Config
+from transformers import AutoConfig, PretrainedConfig
 
 from pipetune.config import ConfigError, ModelConfig
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 """Decoder-only families with the model.embed_tokens / layers / norm / rotary_emb + lm_head layout."""
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+"""Any of these in a model directory means it brings its own tokenizer."""
+
 _QWEN3_COMMON = dict(
+    model_type="qwen3",
     vocab_size=151936,
     head_dim=128,
     num_key_value_heads=8,
@@ -28,9 +34,32 @@ _QWEN3_COMMON = dict(
     bos_token_id=151643,
     eos_token_id=151645,
 )
+_LLAMA31_COMMON = dict(
+    model_type="llama",
+    vocab_size=128256,
+    head_dim=128,
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    rope_theta=500_000.0,
+    rope_scaling=dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    ),
+    rms_norm_eps=1e-5,
+    hidden_act="silu",
+    attention_bias=False,
+    mlp_bias=False,
+    tie_word_embeddings=False,
+    bos_token_id=128000,
+    eos_token_id=[128001, 128008, 128009],
+)
 
 BUILTIN_SHAPES: dict[str, dict] = {
     "tiny-qwen3": dict(
+        model_type="qwen3",
         vocab_size=2048,
         hidden_size=256,
         intermediate_size=688,
@@ -97,44 +126,96 @@ BUILTIN_SHAPES: dict[str, dict] = {
         num_attention_heads=64,
         tie_word_embeddings=False,
     ),
+    "qwen2.5-72b": dict(  # Qwen/Qwen2.5-72B-Instruct
+        model_type="qwen2",
+        vocab_size=152064,
+        hidden_size=8192,
+        intermediate_size=29568,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        bos_token_id=151643,
+        eos_token_id=151645,
+    ),
+    "llama-3.1-8b": dict(  # meta-llama/Llama-3.1-8B-Instruct
+        _LLAMA31_COMMON,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+    ),
+    "llama-3.1-70b": dict(  # meta-llama/Llama-3.1-70B-Instruct
+        _LLAMA31_COMMON,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+    ),
 }
+"""Published configs by name; `builtin_config` builds the family's config class from one."""
+
+
+def builtin_config(name: str) -> PretrainedConfig:
+    """The transformers config of a built-in shape."""
+    values = dict(BUILTIN_SHAPES[name])
+    return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
 @dataclass
 class ResolvedModel:
-    """Where a model comes from: its config, and the directory of its weights (None for built-ins)."""
+    """Where a model comes from: its config, the directory of its weights (None: random init) and the
+    directory it was found in (None for built-in shapes), which may hold its tokenizer."""
 
     name: str
     config: PretrainedConfig
     weights_dir: Path | None
+    source_dir: Path | None = None
 
     @property
     def is_builtin(self) -> bool:
-        return self.weights_dir is None
+        return self.weights_dir is None and self.source_dir is None
+
+    @property
+    def has_tokenizer(self) -> bool:
+        """The model's directory brings a tokenizer (else random-init shapes use the demo tokenizer)."""
+        return self.source_dir is not None and any((self.source_dir / f).is_file() for f in TOKENIZER_FILES)
 
 
 def resolve_model(model: ModelConfig) -> ResolvedModel:
     """Find the model's config (and weights directory); raise ConfigError with the fix when unavailable."""
+    random_init = model.init == "random"
     if model.name in BUILTIN_SHAPES:
-        if model.init != "random":
+        if not random_init:
             raise ConfigError(
                 f"model.name = {model.name!r} is a built-in shape without weights; "
                 f"set model.init = 'random', or point model.name at a checkpoint directory or hub id"
             )
-        config = Qwen3Config(**BUILTIN_SHAPES[model.name])
-        return ResolvedModel(model.name, _check_family(config, model.name), None)
+        return ResolvedModel(model.name, _check_family(builtin_config(model.name), model.name), None)
 
     local = Path(model.name).expanduser()
     if local.is_dir():
-        weights_dir = local
+        source_dir = local
     elif local.exists() or model.name.startswith((".", "/", "~")):
         raise ConfigError(f"model.name = {model.name!r} is not a directory with a config.json")
     else:
-        weights_dir = _download(model.name, weights=model.init == "pretrained")
-    if not (weights_dir / "config.json").is_file():
-        raise ConfigError(f"model.name = {model.name!r}: {weights_dir} has no config.json")
-    config = AutoConfig.from_pretrained(weights_dir, trust_remote_code=model.trust_remote_code)
-    return ResolvedModel(model.name, _check_family(config, model.name), weights_dir)
+        source_dir = _download(model.name, weights=not random_init)
+    if not (source_dir / "config.json").is_file():
+        raise ConfigError(f"model.name = {model.name!r}: {source_dir} has no config.json")
+    try:
+        config = AutoConfig.from_pretrained(source_dir, trust_remote_code=model.trust_remote_code)
+    except ValueError as e:  # a model_type transformers does not know
+        raise ConfigError(
+            f"model.name = {model.name!r}: its config.json cannot be read ({str(e).splitlines()[0]}); pipetune "
+            f"builds {', '.join(SUPPORTED_MODEL_TYPES)} decoder-only models"
+        ) from None
+    config = _check_family(config, model.name)
+    return ResolvedModel(model.name, config, None if random_init else source_dir, source_dir)
 
 
 def _check_family(config: PretrainedConfig, name: str) -> PretrainedConfig:
