@@ -121,9 +121,14 @@ class TrainConfig:
     columns). Same math as the plain loss; one host sync per microbatch (the supervised-row count)."""
     loss_chunk: int = 2048
     """Rows (tokens) per chunk of train.fused_loss: peak extra memory ~ loss_chunk x vocab x 12 bytes."""
-    activation_checkpointing: bool = False
-    """Keep only each decoder layer's input during forward and recompute the layer in backward: less activation
-    memory (long contexts) for about one more forward of compute."""
+    activation_checkpointing: bool | str = field(default=False, metadata={"also": ("auto",)})
+    """Keep only a decoder layer's input during forward and recompute the layer in backward: less activation
+    memory (long contexts) for about one more forward of the layer. true: every layer; "auto": on each stage only
+    as many layers as its memory needs (measured per layer, with the microbatches the schedule keeps in flight
+    on that stage: the first stages of 1F1B hold more), planned for the GPU's memory or train.memory_gb."""
+    memory_gb: float = 0.0
+    """Memory per rank that activation_checkpointing = "auto" plans for, in GB; 0: the GPU's total memory
+    (on a CPU, 0 plans no checkpointing)."""
     timeline_step: int = 0
     """Record when each stage ran each forward/backward during this optimizer step's first schedule step
     (timeline.json and timeline.png in the run directory, with the measured bubble); 0 = never."""
@@ -261,8 +266,11 @@ def _set_field(section: Any, section_name: str, key: str, value: Any) -> None:
     fields = {f.name: f for f in dataclasses.fields(section)}
     if key not in fields:
         raise ConfigError(f"unknown key {section_name}.{key}; keys of [{section_name}] are: {', '.join(fields)}")
-    default = getattr(section, key)
-    if isinstance(default, bool):
+    declared = fields[key]
+    default = declared.default if declared.default is not dataclasses.MISSING else declared.default_factory()
+    if isinstance(value, str) and value in declared.metadata.get("also", ()):
+        ok = True  # a named alternative to the declared type, e.g. activation_checkpointing = "auto"
+    elif isinstance(default, bool):
         ok = isinstance(value, bool)
     elif isinstance(default, float):
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -277,6 +285,7 @@ def _set_field(section: Any, section_name: str, key: str, value: Any) -> None:
         raise ConfigError(
             f"{section_name}.{key} = {value!r} has type {type(value).__name__}; "
             f"expected {type(default).__name__} like {default!r}"
+            + "".join(f" or {alt!r}" for alt in declared.metadata.get("also", ()))
         )
     setattr(section, key, value)
 
@@ -404,6 +413,7 @@ def validate(config: Config, world_size: int) -> None:
             f"{d.max_length}, e.g. [{d.max_length // 4}, {d.max_length // 2}, {d.max_length}]",
         )
     _check(t.eval_every >= 0, f"train.eval_every = {t.eval_every} must be >= 0 (0: at epoch ends only)")
+    _check(t.memory_gb >= 0, f"train.memory_gb = {t.memory_gb} must be >= 0 (0: the GPU's total memory)")
     _check(t.max_grad_norm >= 0, f"train.max_grad_norm = {t.max_grad_norm} must be >= 0 (0 disables clipping)")
     _check(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio = {t.min_lr_ratio} must be within [0, 1]")
     _check(0 <= config.lora.dropout < 1, f"lora.dropout = {config.lora.dropout} must be within [0, 1)")

@@ -3,7 +3,9 @@
 The first eight columns are the seed script's, so its plots keep working; the rest follow.
 `peak_vram_gb` is the true peak since the previous row (max_memory_allocated, reset after each
 row) on the rank with the highest peak; per-rank peaks follow in `peak_gb_rank<i>`, and on GPUs the
-allocator's peak reservation in `reserved_gb_rank<i>` (the figure that counts CUDA-graph pools). On the CPU
+allocator's peak reservation in `reserved_gb_rank<i>` (the figure that counts CUDA-graph pools) and in
+`alloc_retries` the allocations so far that needed the allocator to free its cache first (a rank at the
+edge of its memory; the most of any rank). On the CPU
 the figure is the process's peak resident set size (which cannot be reset).
 """
 
@@ -32,6 +34,13 @@ def peak_memory_gb(device: torch.device) -> float:
     return host_peak_gb()
 
 
+def alloc_retries(device: torch.device) -> int:
+    """Allocations so far that succeeded only after the caching allocator freed its cache (0 on CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+    return 0
+
+
 def peak_reserved_gb(device: torch.device) -> float:
     """Peak memory the caching allocator held from the device since the last reset (0 on CPU). With
     train.cuda_graphs this is the figure to read: a replayed graph's tensors live in its memory pool,
@@ -55,7 +64,7 @@ class MetricsWriter:
 
     def __init__(self, path: Path, n_ranks: int, keep_until_step: int | None = None) -> None:
         self.columns = SEED_COLUMNS + EXTRA_COLUMNS + [f"peak_gb_rank{i}" for i in range(n_ranks)]
-        self.columns += [f"reserved_gb_rank{i}" for i in range(n_ranks)]  # GPU only
+        self.columns += [f"reserved_gb_rank{i}" for i in range(n_ranks)] + ["alloc_retries"]  # GPU only
         path.parent.mkdir(parents=True, exist_ok=True)
         kept: list[dict] = []
         if keep_until_step is not None and path.is_file():

@@ -31,6 +31,7 @@ from pipetune.metrics import (
     MetricsWriter,
     ProgressReporter,
     TensorBoardWriter,
+    alloc_retries,
     host_peak_gb,
     peak_memory_gb,
     peak_reserved_gb,
@@ -38,9 +39,10 @@ from pipetune.metrics import (
 )
 from pipetune.model.load import DTYPES, build_meta, materialize
 from pipetune.model.lora import adapter_state, apply_lora, save_adapter, use_fast_path
-from pipetune.model.split import estimate_costs, split_layers, stage_costs
+from pipetune.model.split import cuda_graphs_pay_off, estimate_costs, split_layers, stage_costs
 from pipetune.model.stage import StageModule
 from pipetune.parallel.fsdp import restore_gradients, shard_stages, stash_gradients
+from pipetune.parallel.memory import auto_checkpointing
 from pipetune.parallel.mesh import all_reduce_gradients, build_mesh
 from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, stage_ids, validation_loss
 from pipetune.parallel.process_group import DistEnv, close_distributed, init_distributed
@@ -178,10 +180,15 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     if p.sharded:  # replaces the parameters with DTensor shards: before the optimizer and pipeline stages
         shard_stages(modules, mesh.dp_mesh, pipelined=n_stages > 1)
     load_stats = materialize(peft_model, prepared.model, device, t.seed, roots=modules)
+    cuda_graphs = t.compile and t.cuda_graphs and device.type == "cuda"
+    if cuda_graphs:
+        cuda_graphs, why = cuda_graphs_pay_off(costs, config.microbatch_size, max_length)
+        if not cuda_graphs:
+            print0(f"note: train.cuda_graphs off for this run: {why}")
     for module in modules:
-        module.checkpoint_layers = t.activation_checkpointing
+        module.checkpoint_layers = len(module.layers) if t.activation_checkpointing is True else 0
         if t.compile:
-            module.compile_layers(cuda_graphs=t.cuda_graphs and device.type == "cuda")
+            module.compile_layers(cuda_graphs=cuda_graphs)
         keep_rng_out_of_no_grad_forwards(module, device)
     params = [param for param in peft_model.parameters() if param.requires_grad]
     estimated = stage_costs(ranges, costs)
@@ -219,6 +226,13 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         if t.timeline_step:
             timelines[length] = StageTimeline(runners[length].stages, runners[length].schedule, env.rank, device)
     runner = runners[max_length]  # validation runs at full length
+    if t.activation_checkpointing == "auto":  # planned for the longest shape, with the schedule's microbatches
+        plan = auto_checkpointing(
+            modules, getattr(runner, "schedule", None), my_stages, mesh.pp_rank, config, prepared.model, device
+        )
+        for module, count in zip(modules, plan.layers, strict=True):
+            module.checkpoint_layers = count
+        print(f"rank {env.rank}: {plan.describe(my_stages, [len(m.layers) for m in modules])}", flush=True)
     optimizer = torch.optim.AdamW(
         params, lr=t.lr, betas=(0.9, 0.999), weight_decay=t.weight_decay, fused=device.type == "cuda"
     )
@@ -578,6 +592,7 @@ class _Window:
                 self.grad_norm.float(),
                 torch.tensor(peak_memory_gb(self.device), device=self.device),
                 torch.tensor(peak_reserved_gb(self.device), device=self.device),
+                torch.tensor(alloc_retries(self.device), device=self.device),
             ]
         ).float()
         rows = [local]
@@ -598,6 +613,9 @@ class _Window:
         }
         if self.device.type == "cuda":
             row.update({f"reserved_gb_rank{i}": float(reserved) for i, reserved in enumerate(values[:, 3])})
+            # Allocations that failed at first and succeeded after the allocator freed its cache (a slow,
+            # synchronizing path): a sign that the rank runs at the edge of its memory.
+            row["alloc_retries"] = int(values[:, 4].max())
         reset_peak_memory(self.device)
         self._reset()
         return row

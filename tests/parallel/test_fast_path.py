@@ -4,11 +4,13 @@ float32 run."""
 from __future__ import annotations
 
 import csv
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
+from pipetune.parallel.memory import plan_checkpointing
 from tests.conftest import run_cli, tiny_config, write_config
 from tests.parallel.test_parity import _adapter, _losses, _max_relative
 
@@ -58,8 +60,27 @@ def test_compiled_fast_path_matches_plain(plain: Path, tmp_path: Path, monkeypat
 
 
 def test_activation_checkpointing_changes_nothing_but_memory(tmp_path: Path) -> None:
-    # With dropout on: the recomputation must draw the same masks as the first forward.
+    """ "auto" checkpoints where memory is short: under 1F1B stage 0 holds two microbatches' activations, stage 1
+    one, so with the same budget only stage 0 recomputes layers. With dropout on: the recomputation must draw
+    the same masks as the first forward."""
     plain = _train(tmp_path, "plain", "parallel.pp=2", "lora.dropout=0.1")
-    recomputed = _train(tmp_path, "ckpt", "parallel.pp=2", "lora.dropout=0.1", "train.activation_checkpointing=true")
+    auto = ['train.activation_checkpointing="auto"', "train.memory_gb=0.04"]
+    recomputed = _train(tmp_path, "ckpt", "parallel.pp=2", "lora.dropout=0.1", *auto)
+    log = (recomputed / "train.log").read_text()
+    planned = {int(stage): int(k) for stage, k in re.findall(r"stage (\d): (\d) of 2 layers", log)}
+    assert planned[0] >= 1 and planned[1] == 0, log
     torch.testing.assert_close(torch.tensor(_losses(recomputed)), torch.tensor(_losses(plain)), rtol=1e-6, atol=0)
     assert _max_relative(_adapter(recomputed), _adapter(plain)) < 1e-6
+
+
+def test_checkpointing_plan_recomputes_first_where_most_microbatches_wait() -> None:
+    # 1F1B over 4 stages, as rank 0 sees it: stage 0 of 4 holds 4 microbatches, 12 layers of 1 GB each.
+    plan = plan_checkpointing([12], [[4]], layer_bytes=1e9, input_bytes=0.1e9, fixed_bytes=10e9, budget_bytes=40e9)
+    # 4 x (k x 0.1 + (12 - k) x 1) + 1 (one layer recomputed) + 10 <= 40  ->  k >= 5.3
+    assert plan.layers == [6] and plan.fits
+    assert plan_checkpointing([12], [[1]], 1e9, 0.1e9, 10e9, 40e9).layers == [0]  # the last stage: one in flight
+    # Two stages on one rank (interleaved): the one holding more microbatches at the peak goes first.
+    two = plan_checkpointing([6, 6], [[1, 0], [3, 1], [2, 2]], 1e9, 0.1e9, 0.0, 20e9)
+    assert two.layers[0] > two.layers[1] and two.fits
+    hopeless = plan_checkpointing([2], [[2]], 1e9, 0.5e9, 10e9, 5e9)
+    assert hopeless.layers == [2] and not hopeless.fits

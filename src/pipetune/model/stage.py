@@ -69,8 +69,9 @@ class StageModule(nn.Module):
         self.norm = decoder.norm if last else None
         self.lm_head = base.lm_head if last else None
         self.rotary = decoder.rotary_emb
-        self.checkpoint_layers = False
-        """Recompute each layer in backward instead of keeping its activations (train.activation_checkpointing)."""
+        self.checkpoint_layers = 0
+        """How many of the stage's layers (the first ones) recompute their forward in backward instead of keeping
+        their activations (train.activation_checkpointing: all, none, or as many as memory needs)."""
         self.head_in_loss = False
         """The last stage returns normed hidden states; the loss applies lm_head (train.fused_loss)."""
         self.own_boundary_memory = False
@@ -86,6 +87,37 @@ class StageModule(nn.Module):
         for layer in self.layers:
             layer.compile(mode="reduce-overhead" if cuda_graphs else None)
         self.own_boundary_memory = cuda_graphs
+
+    def layer_memory(self, batch: int, seq: int) -> tuple[int, int]:
+        """Bytes one decoder layer keeps for backward per microbatch of [batch, seq] (measured by running one
+        forward of the first layer, eagerly, leaving the random streams as they were) and bytes of its input,
+        which is all a checkpointed layer keeps."""
+        layer = self.layers[0]
+        frozen = next(p for p in layer.parameters() if not p.requires_grad)
+        device, dtype = frozen.device, frozen.dtype
+        hidden = torch.zeros(batch, seq, self.rotary.config.hidden_size, dtype=dtype, device=device)
+        hidden.requires_grad_(True)  # as a received activation: gradients flow to the previous stage
+        saved: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if tensor.device.type != "meta":
+                saved[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
+        kwargs = dict(
+            attention_mask=None,
+            position_ids=position_ids,
+            position_embeddings=self.rotary(hidden, position_ids),
+            use_cache=False,
+        )
+        devices = [device] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):  # dropout draws
+                out = layer(hidden, **kwargs)
+        del out
+        return sum(saved.values()), hidden.numel() * hidden.element_size()
 
     @property
     def is_first(self) -> bool:
@@ -107,8 +139,8 @@ class StageModule(nn.Module):
         kwargs = dict(
             attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings, use_cache=False
         )
-        for layer in self.layers:
-            if self.checkpoint_layers and torch.is_grad_enabled():
+        for index, layer in enumerate(self.layers):
+            if index < self.checkpoint_layers and torch.is_grad_enabled():
                 # Non-reentrant, with the RNG state restored for the recomputation: same dropout masks, same math.
                 out = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
             else:

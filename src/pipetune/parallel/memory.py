@@ -1,0 +1,197 @@
+"""Activation memory of this rank's stages, and how many layers `train.activation_checkpointing = "auto"` recomputes.
+
+A stage keeps one set of a layer's activations per microbatch whose backward has not run yet. How many are
+in flight depends on the schedule and the stage: under 1F1B stage s of p holds up to p - s, so the first
+stages need checkpointing first. A checkpointed layer keeps only its input. The plan checkpoints layers one
+at a time, always on the stage that holds the most microbatches at the rank's peak, until the predicted peak
+fits the budget:
+
+    peak = fixed + max over the schedule of sum_s inflight_s x (k_s x input + (L_s - k_s) x layer) + layer
+
+(`fixed`: weights, adapters with their gradients and AdamW moments, the loss's workspace and a margin; the
+last `layer`: the activations of the one layer being recomputed in backward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from pipetune.config import Config
+from pipetune.model.shapes import ResolvedModel
+from pipetune.model.stage import StageModule
+
+GB = 1e9
+
+
+@dataclass
+class CheckpointPlan:
+    layers: list[int]
+    """Layers to checkpoint, per stage of this rank (the first ones of each stage)."""
+    peak_bytes: float
+    """Predicted peak memory of the rank with that many checkpointed."""
+    budget_bytes: float
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_bytes <= self.budget_bytes
+
+    def describe(self, stage_ids: Sequence[int], stage_layers: Sequence[int]) -> str:
+        parts = [
+            f"stage {stage}: {k} of {n} layers"
+            for stage, k, n in zip(stage_ids, self.layers, stage_layers, strict=True)
+        ]
+        fits = "" if self.fits else " (does not fit even so: lower the microbatch or data.max_length)"
+        return (
+            f"activation checkpointing (auto): {', '.join(parts)}; predicted peak {self.peak_bytes / GB:.3g} of "
+            f"{self.budget_bytes / GB:.3g} GB{fits}"
+        )
+
+
+def inflight_timeline(
+    schedule: object, stage_ids: Sequence[int], pp_rank: int, pp: int, n_microbatches: int
+) -> list[list[int]]:
+    """For each moment after a forward, the microbatches whose activations each of this rank's stages holds.
+
+    Multi-stage schedules publish every rank's actions (`pipeline_order`), which are replayed; the
+    single-stage ones are torch's GPipe (all microbatches) and 1F1B (warm-up of pp - stage forwards, then
+    a backward before each forward). No schedule (pp = 1): one microbatch at a time."""
+    order = getattr(schedule, "pipeline_order", None)
+    if order:
+        index = {stage: i for i, stage in enumerate(stage_ids)}
+        held, timeline = [0] * len(stage_ids), []
+        for action in _flatten(order[pp_rank]):
+            kind = getattr(action.computation_type, "value", action.computation_type)
+            if action.stage_index not in index:
+                continue
+            if kind == "F":
+                held[index[action.stage_index]] += 1
+                timeline.append(list(held))
+            elif kind in ("B", "I"):
+                held[index[action.stage_index]] -= 1
+        return timeline or [[0] * len(stage_ids)]
+    if schedule is None:
+        return [[1]]
+    if type(schedule).__name__ == "ScheduleGPipe":
+        return [[n_microbatches]]
+    return [[min(n_microbatches, pp - stage_ids[0])]]
+
+
+def _flatten(actions: Sequence[object]) -> list[object]:
+    flat = []
+    for action in actions:
+        if action is None:
+            continue
+        sub = getattr(action, "sub_actions", None)
+        flat.extend(_flatten(sub) if sub else [action])
+    return flat
+
+
+def plan_checkpointing(
+    stage_layers: Sequence[int],
+    timeline: Sequence[Sequence[int]],
+    layer_bytes: float,
+    input_bytes: float,
+    fixed_bytes: float,
+    budget_bytes: float,
+) -> CheckpointPlan:
+    """The fewest checkpointed layers per stage whose predicted peak fits `budget_bytes` (all, if none does)."""
+    checkpointed = [0] * len(stage_layers)
+
+    def peak_at(moment: Sequence[int]) -> float:
+        return sum(
+            held * (k * input_bytes + (n - k) * layer_bytes)
+            for held, k, n in zip(moment, checkpointed, stage_layers, strict=True)
+        )
+
+    def peak() -> tuple[float, Sequence[int]]:
+        moment = max(timeline, key=peak_at)
+        recompute = layer_bytes if any(checkpointed) else 0.0
+        return fixed_bytes + peak_at(moment) + recompute, moment
+
+    total, moment = peak()
+    while total > budget_bytes:
+        candidates = [i for i, (k, n) in enumerate(zip(checkpointed, stage_layers, strict=True)) if k < n]
+        if not candidates:
+            break
+        # The stage that holds the most microbatches at the peak saves the most per checkpointed layer.
+        checkpointed[max(candidates, key=lambda i: (moment[i], -i))] += 1
+        total, moment = peak()
+    return CheckpointPlan(checkpointed, total, budget_bytes)
+
+
+def auto_checkpointing(
+    modules: Sequence[StageModule],
+    schedule: object,
+    stage_ids: Sequence[int],
+    pp_rank: int,
+    config: Config,
+    resolved: ResolvedModel,
+    device: torch.device,
+) -> CheckpointPlan:
+    """Plan this rank's checkpointed layers for `config`'s microbatch shape and the device's memory (or
+    train.memory_gb); measures one layer's activations on a throwaway copy of it (random weights)."""
+    t, p = config.train, config.parallel
+    microbatch, seq = config.microbatch_size, config.data.max_length
+    layer_bytes, input_bytes = measure_layer_memory(config, resolved, device, microbatch, seq)
+    if t.memory_gb > 0:
+        budget = t.memory_gb * GB
+    elif device.type == "cuda":
+        budget = float(torch.cuda.get_device_properties(device).total_memory)
+    else:
+        budget = float("inf")  # a CPU has no memory limit to plan for unless train.memory_gb says so
+    trainable = sum(_local(param).numel() for module in modules for param in module.parameters() if param.requires_grad)
+    fixed = _allocated_bytes(modules, device) + 12 * trainable  # fp32 gradients and two AdamW moments
+    last = next((module for module in modules if module.is_last), None)
+    if last is not None:
+        vocab = last.lm_head.weight.shape[0]
+        rows = t.loss_chunk if t.fused_loss else microbatch * seq
+        fixed += rows * vocab * (12 if t.fused_loss else 10)  # logits in fp32 (and their gradient)
+    fixed += 0.07 * budget if budget != float("inf") else 0.0  # allocator slack, NCCL buffers, CUDA context
+    timeline = inflight_timeline(schedule, stage_ids, pp_rank, p.pp, p.n_microbatches)
+    stage_layers = [len(module.layers) for module in modules]
+    return plan_checkpointing(stage_layers, timeline, layer_bytes, input_bytes, fixed, budget)
+
+
+def measure_layer_memory(
+    config: Config, resolved: ResolvedModel, device: torch.device, batch: int, seq: int
+) -> tuple[int, int]:
+    """(activation bytes one decoder layer keeps for backward, bytes of its input) for a microbatch of
+    [batch, seq], with the run's dtype, adapters and LoRA path, on a fresh random copy of one layer."""
+    from pipetune.model.load import DTYPES, build_meta, materialize
+    from pipetune.model.lora import apply_lora, use_fast_path
+
+    shape_only = dataclasses.replace(resolved, weights_dir=None)  # values do not matter: no checkpoint read
+    # PEFT draws its own adapter initialisation from the global generator: the run's streams stay untouched.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        model = apply_lora(
+            build_meta(shape_only, DTYPES[config.model.dtype], [0], first=False, last=False),
+            config.lora,
+            resolved.name,
+            seed=0,
+        )
+        if config.lora.fast_path:
+            use_fast_path(model)
+        materialize(model, shape_only, device)
+        model.train()
+        measured = StageModule(model).layer_memory(batch, seq)
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return measured
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _allocated_bytes(modules: Sequence[StageModule], device: torch.device) -> float:
+    """What the rank holds now: the allocator's count on a GPU, the stages' tensors on a CPU."""
+    if device.type == "cuda":
+        return float(torch.cuda.memory_allocated(device))
+    tensors = {id(t): _local(t) for module in modules for t in [*module.parameters(), *module.buffers()]}
+    return float(sum(t.numel() * t.element_size() for t in tensors.values()))
