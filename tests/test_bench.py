@@ -44,3 +44,22 @@ def test_bench_runs_strategies_and_reports_bubble(tmp_path: Path) -> None:
     for png in (out / "bench.png", out / "pp" / "timeline.png"):
         assert png.read_bytes().startswith(b"\x89PNG")
     assert "pipetune bench" in result.stdout
+    # It talks while it runs: each strategy's phases with the seconds since its launch, in order.
+    said = [line for line in result.stdout.splitlines() if line.startswith("bench: pp: ")]
+    assert said[0] == "bench: pp: launch" and "load" in said[1] and "ready" in said[2], said
+    assert any("warm-up step 1/1 (compiles, records graphs)" in line for line in said), said
+    assert any("timed step 2" in line for line in said) and "done" in said[-1], said
+    assert all(0 < r["load_s"] < r["first_step_s"] for r in rows)
+
+
+def test_bench_reports_a_strategy_past_its_timeout_and_runs_the_next(tmp_path: Path) -> None:
+    config = write_config(tiny_config(tmp_path / "unused"), tmp_path / "c.toml")
+    out = tmp_path / "bench"
+    # 3 s: no strategy gets past its start; each is ended and reported, and the next one still runs.
+    args = ["bench", "--config", str(config), "--strategies", "pp,single", "--steps", "1", "--warmup", "1"]
+    result = run_cli(*args, "--out", str(out), "--timeout", "3", check=False)
+    assert result.returncode == 1
+    rows = json.loads((out / "bench.json").read_text())
+    assert [r["strategy"] for r in rows] == ["pp", "single"]
+    assert all(r["error"].startswith("timed out after 3 s in ") and r["last_phase"] for r in rows), rows
+    assert "bench: single: timed out after 3 s in " in result.stdout

@@ -15,13 +15,17 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from pipetune.config import Config, ConfigError, save_config
+from pipetune.metrics import read_phases
 from pipetune.model.split import estimate_costs
 from pipetune.preflight import prepare
 
@@ -60,8 +64,16 @@ def strategy_config(config: Config, strategy: str, steps: int, warmup: int, out_
 
 
 def run_bench(
-    config: Config, strategies: list[str], steps: int, warmup: int, out_dir: Path, peak_tflops: float = 790.0
+    config: Config,
+    strategies: list[str],
+    steps: int,
+    warmup: int,
+    out_dir: Path,
+    peak_tflops: float = 790.0,
+    timeout_s: float = 0.0,
 ) -> list[dict]:
+    """Each strategy in turn, saying live where it is; `timeout_s` > 0 ends a strategy that runs longer (it is
+    reported as timed out, with its last phase, and the next one runs)."""
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise ConfigError(f"--strategies {unknown} unknown; available: {', '.join(STRATEGIES)}")
@@ -77,16 +89,82 @@ def run_bench(
         save_config(variant, path)
         n_gpus = variant.parallel.pp * variant.parallel.dp
         print(f"bench: {strategy} ({n_gpus} process{'es' if n_gpus > 1 else ''}), {warmup} + {steps} steps", flush=True)
-        cmd = [sys.executable, "-m", "pipetune", "train", "--config", str(path), "--quiet"]
-        code = subprocess.run(cmd).returncode
-        if code != 0:
-            results.append({"strategy": strategy, "error": f"exit code {code}"})
+        run = run_strategy(path, Path(variant.output.dir), out_dir / f"{strategy}.log", strategy, warmup, timeout_s)
+        if "error" in run:
+            results.append({"strategy": strategy, **run})
             continue
-        results.append(summarize_run(Path(variant.output.dir), strategy, warmup, n_gpus, flops_per_token, peak_tflops))
+        result = summarize_run(Path(variant.output.dir), strategy, warmup, n_gpus, flops_per_token, peak_tflops)
+        results.append({**result, **run})
     (out_dir / "bench.json").write_text(json.dumps(results, indent=1))
     print_table(results)
     plot_bench(results, out_dir / "bench.png")
     return results
+
+
+def run_strategy(config_path: Path, run_dir: Path, log: Path, name: str, warmup: int, timeout_s: float) -> dict:
+    """Train one strategy in its own process group, printing each phase it enters (from its progress.jsonl)
+    with the seconds since launch. Returns load_s and first_step_s (launch to the end of optimizer step 1),
+    or an error with the last phase."""
+    cmd = [sys.executable, "-m", "pipetune", "train", "--config", str(config_path), "--quiet"]
+    started = time.time()
+    shown, phase, timing = 0, "launch", {}
+    print(f"bench: {name}: launch", flush=True)
+    with open(log, "w") as output:
+        process = subprocess.Popen(cmd, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        while True:
+            try:
+                code = process.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                code = None
+            phases = read_phases(run_dir / "progress.jsonl")
+            for entry in phases[shown:]:
+                phase = describe_phase(entry, warmup)
+                print(f"bench: {name}: {phase} ({entry['time'] - started:.0f} s)", flush=True)
+            shown, timing = len(phases), phase_times(phases, started)
+            if code is not None:
+                break
+            if timeout_s > 0 and time.time() - started > timeout_s:
+                _stop(process)
+                print(f"bench: {name}: timed out after {timeout_s:.0f} s in {phase}", flush=True)
+                return {"error": f"timed out after {timeout_s:.0f} s in {phase}", "last_phase": phase, **timing}
+    if code != 0:
+        tail = log.read_text(errors="replace").strip().splitlines()[-5:]
+        print(f"bench: {name}: exit code {code} in {phase}; last lines of {log}:", *tail, sep="\n  ", flush=True)
+        return {"error": f"exit code {code} in {phase}", "last_phase": phase, **timing}
+    return timing
+
+
+def describe_phase(entry: dict, warmup: int) -> str:
+    """A phase as the bench shows it: warm-up steps (the first compiles) apart from timed ones."""
+    if entry["phase"] != "step":
+        return entry["phase"] + (f" ({entry['load_s']:.0f} s to load)" if "load_s" in entry else "")
+    step = entry["step"]
+    if step <= warmup:
+        return f"warm-up step {step}/{warmup}" + (" (compiles, records graphs)" if step == 1 else "")
+    return f"timed step {step - warmup}"
+
+
+def phase_times(phases: list[dict], started: float) -> dict:
+    """load_s (building the stages) and first_step_s (launch to the end of optimizer step 1), when known."""
+    timing = {key: entry[key] for entry in phases for key in ("load_s",) if key in entry}
+    steps = [i for i, entry in enumerate(phases) if entry["phase"] == "step"]
+    if steps and steps[0] + 1 < len(phases):  # whatever follows step 1 (step 2, a checkpoint, ...) ends it
+        timing["first_step_s"] = round(phases[steps[0] + 1]["time"] - started, 1)
+    return timing
+
+
+def _stop(process: subprocess.Popen) -> None:
+    """End a strategy's launcher and its workers (its own process session)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=15)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def summarize_run(run_dir: Path, strategy: str, warmup: int, n_gpus: int, flops: float, peak_tflops: float) -> dict:
@@ -131,11 +209,13 @@ def print_table(results: list[dict]) -> None:
         "peak GB/rank",
         "reserved GB",
         "bubble",
+        "load s",
+        "1st step s",
     ):
         table.add_column(column, justify="right")
     for r in results:
         if "error" in r:
-            table.add_row(r["strategy"], "-", r["error"], "", "", "", "", "", "")
+            table.add_row(r["strategy"], "-", r["error"], *[""] * 6, *_timing_cells(r))
             continue
         bubble = ""
         if "bubble_per_rank" in r:
@@ -150,8 +230,13 @@ def print_table(results: list[dict]) -> None:
             " ".join(f"{p:.1f}" for p in r["peak_gb_per_rank"]),
             " ".join(f"{p:.1f}" for p in r.get("reserved_gb_per_rank", [])),
             bubble,
+            *_timing_cells(r),
         )
     Console().print(table)
+
+
+def _timing_cells(result: dict) -> list[str]:
+    return [f"{result[key]:.0f}" if key in result else "" for key in ("load_s", "first_step_s")]
 
 
 def plot_bench(results: list[dict], path: Path) -> None:

@@ -61,6 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included (default: 5)")
     bench.add_argument("--out", default="runs/bench", help="output directory (default: runs/bench)")
     bench.add_argument("--peak-tflops", type=float, default=790.0, help="per-GPU peak for MFU (default: 790)")
+    bench.add_argument(
+        "--timeout",
+        type=float,
+        default=0,
+        metavar="S",
+        help="end a strategy that runs longer than S seconds, report it as timed out, go on (default: no limit)",
+    )
 
     summarize = commands.add_parser("summarize", help="summarize meeting transcripts with a fine-tuned adapter")
     summarize.add_argument(
@@ -205,7 +212,9 @@ def run_bench_command(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     preflight(config, config.parallel.pp * config.parallel.dp)  # one clear error before any run starts
-    results = run_bench(config, strategies, args.steps, args.warmup, Path(args.out), args.peak_tflops)
+    if args.timeout < 0:
+        raise ConfigError(f"--timeout {args.timeout} must be >= 0 seconds (0: no limit)")
+    results = run_bench(config, strategies, args.steps, args.warmup, Path(args.out), args.peak_tflops, args.timeout)
     return 0 if all("error" not in r for r in results) else 1
 
 

@@ -95,6 +95,43 @@ def _format(value: object) -> object:
     return value
 
 
+class PhaseLog:
+    """progress.jsonl in the run directory: one line per phase the run enters (rank 0), with the wall-clock time.
+
+    Phases: "load" (building this rank's stages), "ready" (with load_s, the seconds the load took), "step"
+    (optimizer step `step` begins), "validation", "checkpoint", "adapter", "done". `pipetune bench` follows
+    it to say where each run is, and reads load time and time to the first step from it."""
+
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self.path = path if enabled else None
+        if self.path is not None:
+            self.path.write_text("")  # a new run (or a resumed one) starts the log afresh
+
+    def mark(self, phase: str, **fields: object) -> None:
+        if self.path is None:
+            return
+        import json
+        import time
+
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"phase": phase, "time": time.time(), **fields}) + "\n")
+
+
+def read_phases(path: Path) -> list[dict]:
+    """The lines of a progress.jsonl written so far (a half-written last line is left for the next read)."""
+    import json
+
+    if not path.is_file():
+        return []
+    phases = []
+    for line in path.read_text().splitlines():
+        try:
+            phases.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return phases
+
+
 class ProgressReporter:
     """A rich progress bar (step/total, loss, tokens/s, ETA) on a terminal; one plain line per row otherwise."""
 

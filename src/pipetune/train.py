@@ -29,6 +29,7 @@ from pipetune.data.batching import IGNORE, bucket_lengths, bucketed_epoch_batche
 from pipetune.data.sources import load_dataset
 from pipetune.metrics import (
     MetricsWriter,
+    PhaseLog,
     ProgressReporter,
     TensorBoardWriter,
     alloc_retries,
@@ -108,6 +109,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir / "config.toml")
+    phases = PhaseLog(run_dir / "progress.jsonl", enabled=env.is_main)
     torch.manual_seed(t.seed + env.rank)  # LoRA dropout: a different stream per stage and replica
     mesh = build_mesh(env, p.pp, p.dp)
     global_batch = t.batch_size * p.dp  # samples per schedule step over all replicas; rank takes its columns
@@ -165,6 +167,8 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     # This rank's stages (several for interleaved schedules) live in one pruned model, one PEFT wrapper.
     my_stages = stage_ids(p.schedule, mesh.pp_rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
     # Built on the meta device and sharded there (FSDP), then each rank allocates and fills only its part.
+    phases.mark("load")
+    load_started = time.perf_counter()
     model = build_meta(
         prepared.model,
         DTYPES[config.model.dtype],
@@ -190,6 +194,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         if t.compile:
             module.compile_layers(cuda_graphs=cuda_graphs)
         keep_rng_out_of_no_grad_forwards(module, device)
+    phases.mark("ready", load_s=round(time.perf_counter() - load_started, 2))
     params = [param for param in peft_model.parameters() if param.requires_grad]
     estimated = stage_costs(ranges, costs)
     print0(
@@ -269,6 +274,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
             if step >= total_steps:
                 break
             status.step, status.phase = step + 1, "pipeline send/recv"
+            phases.mark("step", step=step + 1)
             group = slice(i * t.grad_accum, (i + 1) * t.grad_accum)
             n_supervised = int(supervised[batches[group].flatten()].sum())
             loss_fn.normalizer = max(n_supervised, 1)  # all-masked step: loss 0, never 0/0
@@ -335,6 +341,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
                 row.update(strategy=p.strategy, epoch=epoch, step=step, lr=lr)
                 if evaluate:
                     status.phase = "validation"
+                    phases.mark("validation", step=step)
                     row["val_loss"] = evaluate_validation(
                         runner, peft_model, validation, t.batch_size, loss_fn, device, p.dp
                     )
@@ -345,6 +352,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
                 progress.update(step, row)
             if save:
                 status.phase = "checkpoint barrier"
+                phases.mark("checkpoint", step=step)
                 next_epoch, next_batch = (epoch + 1, 0) if epoch_end else (epoch, i + 1)
                 after = Position(step, next_epoch, next_batch, skipped_in_row)
                 started = time.perf_counter()
@@ -362,6 +370,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
 
     # ------------------------------------------------------------------ adapter: one PEFT directory from all stages
     status.phase = "adapter gather"
+    phases.mark("adapter", step=step)
     state = adapter_state(peft_model)
     if env.distributed:
         gathered: list[dict] | None = [None] * env.world_size if env.is_main else None
@@ -371,6 +380,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     if env.is_main:
         save_adapter(state, config.lora, config.model.name, run_dir / "adapter")
         print0(f"adapter ({len(state)} tensors) -> {run_dir / 'adapter'}")
+    phases.mark("done", step=step)
     return RunResult(run_dir, losses)
 
 
