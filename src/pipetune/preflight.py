@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pipetune.config import Config, ConfigError, validate, validate_against_model
 from pipetune.data.prompt import PromptBuilder
-from pipetune.model.shapes import ResolvedModel, resolve_model
+from pipetune.model.shapes import ResolvedModel, one_layer_model, resolve_model
 
 
 @dataclass
@@ -36,7 +35,12 @@ class Prepared:
 def preflight(config: Config, world_size: int) -> Prepared:
     """All checks for a training run of world_size processes, then the resolved model and tokenizer."""
     validate(config, world_size)
-    return prepare(config)
+    prepared = prepare(config)
+    from pipetune.model.split import run_split
+    from pipetune.parallel.memory import check_weights_fit
+
+    check_weights_fit(config, prepared.model.config, run_split(config, prepared.model.config)[1])
+    return prepared
 
 
 def prepare(config: Config) -> Prepared:
@@ -74,8 +78,5 @@ def load_tokenizer(config: Config, resolved: ResolvedModel) -> PreTrainedTokeniz
 
 def linear_layer_names(resolved: ResolvedModel) -> set[str]:
     """Short names of the model's linear layers (q_proj, ...), read off a meta-device instance of one layer."""
-    config = resolved.config.__class__.from_dict(resolved.config.to_dict())
-    config.num_hidden_layers = 1
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = one_layer_model(resolved.config)
     return {name.rsplit(".", 1)[-1] for name, m in model.model.layers.named_modules() if isinstance(m, nn.Linear)}

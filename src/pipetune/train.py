@@ -40,7 +40,7 @@ from pipetune.metrics import (
 )
 from pipetune.model.load import DTYPES, build_meta, materialize
 from pipetune.model.lora import adapter_state, apply_lora, save_adapter, use_fast_path
-from pipetune.model.split import cuda_graphs_pay_off, estimate_costs, split_layers, stage_costs
+from pipetune.model.split import cuda_graphs_pay_off, run_split, stage_costs
 from pipetune.model.stage import StageModule
 from pipetune.parallel.fsdp import restore_gradients, shard_stages, stash_gradients
 from pipetune.parallel.memory import auto_checkpointing
@@ -162,8 +162,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
 
     # ------------------------------------------------------------------ model: this rank's stage
     n_stages = p.n_stages
-    costs = estimate_costs(prepared.model.config, max_length, fused_loss_share(config))
-    ranges = split_layers(prepared.n_layers, n_stages, p.layers_per_stage, costs)
+    costs, ranges = run_split(config, prepared.model.config)
     # This rank's stages (several for interleaved schedules) live in one pruned model, one PEFT wrapper.
     my_stages = stage_ids(p.schedule, mesh.pp_rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
     # Built on the meta device and sharded there (FSDP), then each rank allocates and fills only its part.
@@ -427,13 +426,6 @@ def plot_saved_timeline(run_dir: Path, config: Config) -> None:
         + f" (ideal {summary['expected_bubble']:.0%})"
     )
     plot_timeline(summary, run_dir / "timeline.png", title)
-
-
-def fused_loss_share(config: Config) -> float | None:
-    """With train.fused_loss, the most of a row's tokens that reach lm_head (the summary's); else None."""
-    if not config.train.fused_loss:
-        return None
-    return min(1.0, (config.data.max_summary_tokens + 1) / config.data.max_length)
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:

@@ -9,11 +9,13 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 import pipetune.model.load as load_module
-from pipetune.config import ConfigError, ModelConfig
+from pipetune.config import Config, ConfigError, ModelConfig, apply_override
 from pipetune.model.load import build_model
 from pipetune.model.shapes import BUILTIN_SHAPES, ResolvedModel, builtin_config, resolve_model
 from pipetune.model.split import estimate_costs, split_layers, stage_costs
 from pipetune.model.stage import StageModule
+from pipetune.parallel.memory import parameter_counts
+from pipetune.preflight import preflight, prepare
 
 CPU = torch.device("cpu")
 TINY = {k: v for k, v in BUILTIN_SHAPES["tiny-qwen3"].items() if k != "model_type"}
@@ -150,3 +152,58 @@ def test_balanced_split_gives_the_last_stage_of_qwen3_4b_fewer_layers() -> None:
     assert 1.2 < fused.head_time / fused.layer < 1.6
     assert [len(r) for r in split_layers(36, 2, costs=fused)] == [19, 17]
     assert [len(r) for r in split_layers(36, 4, costs=fused)] == [10, 9, 9, 8]
+
+
+@pytest.mark.parametrize(
+    "name, billions",
+    [("qwen3-4b", 4.02), ("qwen3-32b", 32.8), ("qwen2.5-72b", 72.7), ("llama-3.1-8b", 8.03), ("llama-3.1-70b", 70.6)],
+)
+def test_builtin_shapes_have_their_published_sizes(name: str, billions: float) -> None:
+    config = builtin_config(name)
+    layer, embedding, head = parameter_counts(config)
+    total = (
+        config.num_hidden_layers * layer + embedding + head - (head - config.hidden_size) * config.tie_word_embeddings
+    )
+    assert total / 1e9 == pytest.approx(billions, rel=5e-3)
+
+
+def test_a_directory_with_only_a_config_builds_a_random_model(tmp_path: Path) -> None:
+    """model.init = "random" needs nothing but config.json; the demo tokenizer stands in for a missing one."""
+    shape = tmp_path / "llama-shape"
+    LlamaConfig(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ).save_pretrained(shape)
+    assert sorted(p.name for p in shape.iterdir()) == ["config.json"]
+    config = Config()
+    config.model = ModelConfig(name=str(shape), init="random", dtype="float32")
+    prepared = prepare(config)
+    assert prepared.model.weights_dir is None and prepared.model.config.model_type == "llama"
+    assert prepared.tokenizer.chat_template  # the built-in demo tokenizer
+    model, stats = build_model(prepared.model, torch.float32, CPU, seed=1)
+    assert stats.tensors == 0 and model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 4096)
+    with pytest.raises(ConfigError, match="has no model.safetensors"):  # "pretrained" still needs weights
+        build_model(resolve_model(ModelConfig(name=str(shape))), torch.float32, CPU)
+
+
+def test_a_layout_whose_weights_cannot_fit_is_refused_with_the_fix(tmp_path: Path) -> None:
+    config = Config()
+    for item in (
+        'model.name="qwen2.5-72b"',
+        'model.init="random"',
+        "train.memory_gb=141",
+        "parallel.pp=1",
+        'parallel.strategy="single"',
+        "train.batch_size=8",
+        "parallel.n_microbatches=8",
+    ):
+        apply_override(config, item)
+    with pytest.raises(ConfigError, match=r"rank 0 hold 145 GB of frozen bfloat16 weights .* Raise parallel.pp"):
+        preflight(config, 1)
+    apply_override(config, 'parallel.strategy="pp"')
+    apply_override(config, "parallel.pp=2")
+    preflight(config, 2)  # 73 GB a rank: fits

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from pipetune.config import ConfigError, ModelConfig
 
@@ -216,6 +216,18 @@ def resolve_model(model: ModelConfig) -> ResolvedModel:
         ) from None
     config = _check_family(config, model.name)
     return ResolvedModel(model.name, config, None if random_init else source_dir, source_dir)
+
+
+def one_layer_model(config: PretrainedConfig) -> PreTrainedModel:
+    """A meta-device model of `config` with one decoder layer: its module names and parameter shapes, no memory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    one = config.__class__.from_dict(config.to_dict())
+    one.num_hidden_layers = 1
+    one.tie_word_embeddings = False
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(one)
 
 
 def _check_family(config: PretrainedConfig, name: str) -> PretrainedConfig:

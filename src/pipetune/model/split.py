@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
+from pipetune.config import Config
+
 HEAD_TIME_PER_FLOP = 0.5
 """Time of lm_head + loss per FLOP, relative to a decoder layer's (see the module docstring)."""
 FUSED_HEAD_TIME_PER_FLOP = 0.75
@@ -67,6 +69,16 @@ def estimate_costs(config: PretrainedConfig, seq_len: int, fused_loss_share: flo
     if fused_loss_share is None:
         return StageCosts(layer=float(layer), head=head)
     return StageCosts(layer=float(layer), head=head * fused_loss_share, head_time_per_flop=FUSED_HEAD_TIME_PER_FLOP)
+
+
+def run_split(config: Config, model_config: PretrainedConfig) -> tuple[StageCosts, list[range]]:
+    """The cost model and the layer ranges of every pipeline stage of a run (parallel.layers_per_stage, or
+    balanced by cost for the run's sequence length and loss)."""
+    t, d = config.train, config.data
+    share = min(1.0, (d.max_summary_tokens + 1) / d.max_length) if t.fused_loss else None
+    costs = estimate_costs(model_config, d.max_length, share)
+    p = config.parallel
+    return costs, split_layers(model_config.num_hidden_layers, p.n_stages, p.layers_per_stage, costs)
 
 
 def split_layers(

@@ -20,10 +20,12 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
+from transformers import PretrainedConfig
 
-from pipetune.config import Config
-from pipetune.model.shapes import ResolvedModel
+from pipetune.config import Config, ConfigError
+from pipetune.model.shapes import ResolvedModel, one_layer_model
 from pipetune.model.stage import StageModule
+from pipetune.parallel.pipeline import stage_ids
 
 GB = 1e9
 
@@ -195,3 +197,43 @@ def _allocated_bytes(modules: Sequence[StageModule], device: torch.device) -> fl
         return float(torch.cuda.memory_allocated(device))
     tensors = {id(t): _local(t) for module in modules for t in [*module.parameters(), *module.buffers()]}
     return float(sum(t.numel() * t.element_size() for t in tensors.values()))
+
+
+def check_weights_fit(config: Config, model_config: PretrainedConfig, ranges: Sequence[range]) -> None:
+    """Refuse, before any process starts, a layout whose frozen weights alone exceed a rank's memory (the GPU's,
+    or train.memory_gb); the message names the settings that would make it fit."""
+    if config.train.memory_gb > 0:
+        budget = config.train.memory_gb * GB
+    elif torch.cuda.is_available():
+        budget = float(torch.cuda.get_device_properties(0).total_memory)
+    else:
+        return
+    p = config.parallel
+    layer, embedding, head = parameter_counts(model_config)
+    element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
+    shards = p.dp if p.sharded else 1
+    for rank in range(p.pp):
+        stages = stage_ids(p.schedule, rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
+        count = sum(len(ranges[s]) for s in stages) * layer
+        count += embedding if 0 in stages else 0
+        count += head if len(ranges) - 1 in stages else 0
+        weights = count * element / shards
+        if weights > 0.9 * budget:
+            sharded = f", sharded over parallel.dp = {p.dp}" if shards > 1 else ""
+            raise ConfigError(
+                f"{config.model.name!r}: the stage(s) of pipeline rank {rank} hold {weights / GB:.0f} GB of frozen "
+                f"{config.model.dtype} weights (parallel.pp = {p.pp}{sharded}), more than 90% of the "
+                f"{budget / GB:.0f} GB of memory per rank, before any activation. Raise parallel.pp (more GPUs, "
+                "fewer layers each), or shard replicas with parallel.dp_shard = true (strategy 'fsdp' for pp = 1) "
+                "over more GPUs"
+            )
+
+
+def parameter_counts(model_config: PretrainedConfig) -> tuple[int, int, int]:
+    """Parameters of one decoder layer, of the token embedding, and of the final norm + lm_head, counted on a
+    meta-device model of one layer (exact for every family)."""
+    model = one_layer_model(model_config)
+    layer = sum(param.numel() for param in model.model.layers[0].parameters())
+    embedding = model.model.embed_tokens.weight.numel()
+    head = model.lm_head.weight.numel() + sum(param.numel() for param in model.model.norm.parameters())
+    return layer, embedding, head
