@@ -108,8 +108,9 @@ def test_seed_job_config_matches_the_seed_script() -> None:
         (
             ["train.cuda_graphs=true", "train.compile=true", "train.activation_checkpointing=true"],
             2,
-            r"does not combine with train.activation_checkpointing",
+            r"does not combine with train.activation_checkpointing = true",
         ),
+        (["train.memory_gb=-1"], 2, r"train.memory_gb = -1.0 must be >= 0 \(0: the GPU's total memory\)"),
         (["train.loss_chunk=0"], 2, r"train.loss_chunk = 0 must be at least 1"),
         (["parallel.p2p_channels=-1"], 2, r"parallel.p2p_channels = -1 must be >= 0 \(0: NCCL's choice; e.g. 1\)"),
     ],
@@ -119,6 +120,17 @@ def test_validation_errors_name_value_and_fix(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         validate(tiny_config(tmp_path, *overrides), world_size)
+
+
+def test_activation_checkpointing_takes_true_false_or_auto(tmp_path: Path) -> None:
+    auto = tiny_config(
+        tmp_path, 'train.activation_checkpointing="auto"', "train.compile=true", "train.cuda_graphs=true"
+    )
+    validate(auto, 2)  # "auto" with graphs: ranks that checkpoint run without them
+    apply_override(auto, "train.activation_checkpointing=false")  # back to a bool after a string
+    assert auto.train.activation_checkpointing is False
+    with pytest.raises(ConfigError, match=r"= 'some' has type str; expected bool like False or 'auto'"):
+        apply_override(auto, 'train.activation_checkpointing="some"')
 
 
 @pytest.mark.parametrize(

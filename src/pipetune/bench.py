@@ -232,7 +232,10 @@ def print_table(results: list[dict]) -> None:
             bubble,
             *_timing_cells(r),
         )
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # a log file: no terminal width to fit, keep every column readable
+        console.width = 160
+    console.print(table)
 
 
 def _timing_cells(result: dict) -> list[str]:

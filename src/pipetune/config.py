@@ -361,10 +361,15 @@ def validate(config: Config, world_size: int) -> None:
     if t.cuda_graphs:
         _check(t.compile, "train.cuda_graphs = true replays compiled layers: set train.compile = true as well")
         _check(
-            not t.activation_checkpointing,
-            "train.cuda_graphs = true does not combine with train.activation_checkpointing (a recomputed layer "
-            "would replay its graph inside another's backward); set one of them to false",
+            t.activation_checkpointing is not True,
+            "train.cuda_graphs = true does not combine with train.activation_checkpointing = true (a recomputed "
+            "layer would replay its graph inside another's backward); set one of them to false, or checkpointing "
+            'to "auto" (ranks that checkpoint then run without graphs)',
         )
+    _check(
+        t.activation_checkpointing in (True, False, "auto"),
+        f'train.activation_checkpointing = {t.activation_checkpointing!r} is unknown; use true, false or "auto"',
+    )
     if p.strategy == "ddp":
         _check(p.pp == 1, f"parallel.strategy = 'ddp' runs whole-model replicas: set parallel.pp = 1 (got {p.pp})")
         _check(

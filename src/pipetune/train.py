@@ -183,15 +183,8 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     if p.sharded:  # replaces the parameters with DTensor shards: before the optimizer and pipeline stages
         shard_stages(modules, mesh.dp_mesh, pipelined=n_stages > 1)
     load_stats = materialize(peft_model, prepared.model, device, t.seed, roots=modules)
-    cuda_graphs = t.compile and t.cuda_graphs and device.type == "cuda"
-    if cuda_graphs:
-        cuda_graphs, why = cuda_graphs_pay_off(costs, config.microbatch_size, max_length)
-        if not cuda_graphs:
-            print0(f"note: train.cuda_graphs off for this run: {why}")
     for module in modules:
         module.checkpoint_layers = len(module.layers) if t.activation_checkpointing is True else 0
-        if t.compile:
-            module.compile_layers(cuda_graphs=cuda_graphs)
         keep_rng_out_of_no_grad_forwards(module, device)
     phases.mark("ready", load_s=round(time.perf_counter() - load_started, 2))
     params = [param for param in peft_model.parameters() if param.requires_grad]
@@ -237,6 +230,17 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         for module, count in zip(modules, plan.layers, strict=True):
             module.checkpoint_layers = count
         print(f"rank {env.rank}: {plan.describe(my_stages, [len(m.layers) for m in modules])}", flush=True)
+    cuda_graphs = t.compile and t.cuda_graphs and device.type == "cuda"
+    if cuda_graphs:
+        cuda_graphs, why = cuda_graphs_pay_off(costs, config.microbatch_size, max_length)
+        if not cuda_graphs:
+            print0(f"note: train.cuda_graphs off for this run: {why}")
+    if cuda_graphs and any(module.checkpoint_layers for module in modules):
+        cuda_graphs = False  # a recomputed layer would replay its graph inside another's backward
+        print(f"rank {env.rank}: note: train.cuda_graphs off on this rank: it checkpoints layers", flush=True)
+    if t.compile:  # compilation itself happens at the first forward
+        for module in modules:
+            module.compile_layers(cuda_graphs=cuda_graphs)
     optimizer = torch.optim.AdamW(
         params, lr=t.lr, betas=(0.9, 0.999), weight_decay=t.weight_decay, fused=device.type == "cuda"
     )

@@ -47,11 +47,12 @@ class CheckpointPlan:
             f"stage {stage}: {k} of {n} layers"
             for stage, k, n in zip(stage_ids, self.layers, stage_layers, strict=True)
         ]
+        if self.budget_bytes == float("inf"):
+            budget = "no memory limit to plan for (a CPU: set train.memory_gb)"
+        else:
+            budget = f"predicted peak {self.peak_bytes / GB:.3g} of {self.budget_bytes / GB:.3g} GB"
         fits = "" if self.fits else " (does not fit even so: lower the microbatch or data.max_length)"
-        return (
-            f"activation checkpointing (auto): {', '.join(parts)}; predicted peak {self.peak_bytes / GB:.3g} of "
-            f"{self.budget_bytes / GB:.3g} GB{fits}"
-        )
+        return f"activation checkpointing (auto): {', '.join(parts)}; {budget}{fits}"
 
 
 def inflight_timeline(
