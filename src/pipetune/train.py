@@ -40,7 +40,7 @@ from pipetune.metrics import (
 )
 from pipetune.model.load import DTYPES, build_meta, materialize
 from pipetune.model.lora import adapter_state, apply_lora, save_adapter, use_fast_path
-from pipetune.model.split import cuda_graphs_pay_off, run_split, stage_costs
+from pipetune.model.split import cuda_graphs_pay_off, graph_recording_seconds, run_split, stage_costs
 from pipetune.model.stage import StageModule
 from pipetune.parallel.fsdp import restore_gradients, shard_stages, stash_gradients
 from pipetune.parallel.memory import auto_checkpointing
@@ -238,6 +238,14 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     if cuda_graphs and any(module.checkpoint_layers for module in modules):
         cuda_graphs = False  # a recomputed layer would replay its graph inside another's backward
         print(f"rank {env.rank}: note: train.cuda_graphs off on this rank: it checkpoints layers", flush=True)
+    recording = graph_recording_seconds(sum(len(m.layers) for m in modules), p.n_microbatches)
+    if cuda_graphs and recording > 60:
+        print(
+            f"rank {env.rank}: note: train.cuda_graphs records one graph per layer, microbatch and direction: "
+            f"{sum(len(m.layers) for m in modules)} layers x {p.n_microbatches} microbatches x 2 on this rank, "
+            f"~{recording:.0f} s in the second step; fewer microbatches, or more pipeline ranks, record fewer",
+            flush=True,
+        )
     if t.compile:  # compilation itself happens at the first forward
         for module in modules:
             module.compile_layers(cuda_graphs=cuda_graphs)

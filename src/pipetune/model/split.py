@@ -139,6 +139,16 @@ def _balanced_counts(n_layers: int, n_stages: int, costs: StageCosts) -> list[in
     return solve(0, 0)[1]
 
 
+SECONDS_PER_GRAPH_RECORDING = 0.3
+"""Time torch's CUDA-graph trees take to record one compiled layer call, measured on 2x H200 (Qwen3-4B): the
+step that records them took 30-48 s for 144-152 layer calls per rank (benchmarks/2026-11-29-speed-h200.md)."""
+
+
+def graph_recording_seconds(layers_on_rank: int, n_microbatches: int) -> float:
+    """Predicted time of the step that records the graphs: one graph per layer, microbatch and direction."""
+    return layers_on_rank * n_microbatches * 2 * SECONDS_PER_GRAPH_RECORDING
+
+
 def cuda_graphs_pay_off(costs: StageCosts, microbatch: int, seq_len: int) -> tuple[bool, str]:
     """Whether replaying layers as CUDA graphs can speed a run up, and why not when it cannot.
 
