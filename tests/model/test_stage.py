@@ -49,3 +49,17 @@ def test_own_boundary_memory_copies_what_is_sent_and_changes_no_value() -> None:
         assert shares is not own
     torch.testing.assert_close(results[1][0], results[0][0], rtol=0, atol=0)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=0)
+
+
+def test_layer_memory_counts_activations_not_weights() -> None:
+    """What a layer keeps for backward grows with the tokens; the weights its matmuls save are not counted."""
+    resolved = resolve_model(ModelConfig(name="tiny-qwen3", init="random"))
+    model, _ = build_model(resolved, torch.float32, torch.device("cpu"), layers=range(1), first=False, last=False)
+    stage = StageModule(apply_lora(model, LoraConfig(dropout=0.1), "tiny-qwen3", seed=0)).train()
+    state = torch.get_rng_state()
+    short, short_input = stage.layer_memory(1, 64)
+    long, long_input = stage.layer_memory(2, 64)
+    assert torch.equal(torch.get_rng_state(), state)  # the run's dropout stream is untouched
+    assert short_input == 64 * 256 * 4 and long_input == 2 * short_input
+    weights = sum(p.numel() * p.element_size() for p in stage.layers[0].parameters())
+    assert long == pytest.approx(2 * short, rel=0.02), (short, long, weights)

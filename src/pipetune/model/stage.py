@@ -98,10 +98,12 @@ class StageModule(nn.Module):
         hidden = torch.zeros(batch, seq, self.rotary.config.hidden_size, dtype=dtype, device=device)
         hidden.requires_grad_(True)  # as a received activation: gradients flow to the previous stage
         saved: dict[int, int] = {}
+        # A linear layer saves its weight for the input gradient: memory the weights hold anyway, not activations.
+        weights = {param.untyped_storage().data_ptr() for param in layer.parameters()}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
-            if tensor.device.type != "meta":
+            if storage.data_ptr() not in weights:
                 saved[storage.data_ptr()] = storage.nbytes()
             return tensor
 
