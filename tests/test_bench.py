@@ -49,7 +49,7 @@ def test_bench_runs_strategies_and_reports_bubble(tmp_path: Path) -> None:
     assert said[0] == "bench: pp: launch" and "load" in said[1] and "ready" in said[2], said
     assert any("warm-up step 1/1 (compiles, records graphs)" in line for line in said), said
     assert any("timed step 2" in line for line in said) and "done" in said[-1], said
-    assert all(0 < r["load_s"] < r["first_step_s"] for r in rows)
+    assert all(0 < r["load_s"] < r["first_step_s"] and r["load_peak_gb"] > 0 for r in rows)
 
 
 def test_bench_reports_a_strategy_past_its_timeout_and_runs_the_next(tmp_path: Path) -> None:

@@ -144,9 +144,14 @@ def describe_phase(entry: dict, warmup: int) -> str:
     return f"timed step {step - warmup}"
 
 
+READY_FIELDS = {"load_s": "load_s", "peak_gb": "load_peak_gb"}
+"""What the run's "ready" phase records, under the names bench.json gives them."""
+
+
 def phase_times(phases: list[dict], started: float) -> dict:
-    """load_s (building the stages) and first_step_s (launch to the end of optimizer step 1), when known."""
-    timing = {key: entry[key] for entry in phases for key in ("load_s",) if key in entry}
+    """load_s (building the stages), load_peak_gb (rank 0's peak memory after it) and first_step_s (launch to
+    the end of optimizer step 1), when known."""
+    timing = {name: entry[key] for entry in phases for key, name in READY_FIELDS.items() if key in entry}
     steps = [i for i, entry in enumerate(phases) if entry["phase"] == "step"]
     if steps and steps[0] + 1 < len(phases):  # whatever follows step 1 (step 2, a checkpoint, ...) ends it
         timing["first_step_s"] = round(phases[steps[0] + 1]["time"] - started, 1)

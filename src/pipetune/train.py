@@ -186,7 +186,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     for module in modules:
         module.checkpoint_layers = len(module.layers) if t.activation_checkpointing is True else 0
         keep_rng_out_of_no_grad_forwards(module, device)
-    phases.mark("ready", load_s=round(time.perf_counter() - load_started, 2))
+    phases.mark("ready", load_s=round(time.perf_counter() - load_started, 2), peak_gb=round(peak_memory_gb(device), 2))
     params = [param for param in peft_model.parameters() if param.requires_grad]
     estimated = stage_costs(ranges, costs)
     print0(
