@@ -38,9 +38,10 @@ from pipetune.metrics import (
     peak_reserved_gb,
     reset_peak_memory,
 )
+from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory
 from pipetune.model.load import DTYPES, build_meta, materialize
 from pipetune.model.lora import adapter_state, apply_lora, save_adapter, use_fast_path
-from pipetune.model.split import cuda_graphs_pay_off, graph_recording_seconds, run_split, stage_costs
+from pipetune.model.split import run_split, stage_costs
 from pipetune.model.stage import StageModule
 from pipetune.parallel.fsdp import restore_gradients, shard_stages, stash_gradients
 from pipetune.parallel.memory import auto_checkpointing
@@ -232,20 +233,15 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         print(f"rank {env.rank}: {plan.describe(my_stages, [len(m.layers) for m in modules])}", flush=True)
     cuda_graphs = t.compile and t.cuda_graphs and device.type == "cuda"
     if cuda_graphs:
-        cuda_graphs, why = cuda_graphs_pay_off(costs, config.microbatch_size, max_length)
-        if not cuda_graphs:
-            print0(f"note: train.cuda_graphs off for this run: {why}")
-    if cuda_graphs and any(module.checkpoint_layers for module in modules):
-        cuda_graphs = False  # a recomputed layer would replay its graph inside another's backward
-        print(f"rank {env.rank}: note: train.cuda_graphs off on this rank: it checkpoints layers", flush=True)
-    recording = graph_recording_seconds(sum(len(m.layers) for m in modules), p.n_microbatches)
-    if cuda_graphs and recording > 60:
-        print(
-            f"rank {env.rank}: note: train.cuda_graphs records one graph per layer, microbatch and direction: "
-            f"{sum(len(m.layers) for m in modules)} layers x {p.n_microbatches} microbatches x 2 on this rank, "
-            f"~{recording:.0f} s in the second step; fewer microbatches, or more pipeline ranks, record fewer",
-            flush=True,
+        checkpointed = any(module.checkpoint_layers for module in modules)
+        layers_here = sum(len(module.layers) for module in modules)
+        cuda_graphs, note = choose_cuda_graphs(
+            costs, layers_here, checkpointed, p.n_microbatches, config.microbatch_size, max_length
         )
+        if note:
+            print(f"rank {env.rank}: note: {note}", flush=True)
+    if cuda_graphs:
+        give_gradients_own_memory(params)
     if t.compile:  # compilation itself happens at the first forward
         for module in modules:
             module.compile_layers(cuda_graphs=cuda_graphs)
@@ -311,7 +307,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
             grad_norm, bad_stages = clip_global_grad_norm(params, t.max_grad_norm, device, step_loss, p.dp)
             lr = optimizer.param_groups[0]["lr"]
             if bad_stages:  # every rank got the same flags from the all-reduce: all skip together
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=not cuda_graphs)
                 skipped_in_row += 1
                 warn0(
                     f"step {step + 1}: non-finite loss or gradient norm on stage {', '.join(map(str, bad_stages))}; "
@@ -328,7 +324,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
             else:
                 optimizer.step()
                 scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=not cuda_graphs)
                 skipped_in_row = 0
             step += 1
             window.add(

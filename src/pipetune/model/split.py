@@ -32,11 +32,6 @@ HEAD_TIME_PER_FLOP = 0.5
 """Time of lm_head + loss per FLOP, relative to a decoder layer's (see the module docstring)."""
 FUSED_HEAD_TIME_PER_FLOP = 0.75
 """The same for the fused loss, per FLOP of the head over its share of rows."""
-GPU_FLOPS = 790e12
-"""bf16 matmul rate measured on an H200 (the benchmarks' peak)."""
-HOST_SECONDS_PER_LAYER_CALL = 1.85e-3
-"""Host time to launch one compiled decoder layer's call without CUDA graphs, measured on 2x H200 (Qwen3-4B,
-benchmarks/NOTES.md): what replaying it as a graph saves."""
 
 
 @dataclass(frozen=True)
@@ -137,30 +132,3 @@ def _balanced_counts(n_layers: int, n_stages: int, costs: StageCosts) -> list[in
         return result
 
     return solve(0, 0)[1]
-
-
-SECONDS_PER_GRAPH_RECORDING = 0.3
-"""Time torch's CUDA-graph trees take to record one compiled layer call, measured on 2x H200 (Qwen3-4B): the
-step that records them took 30-48 s for 144-152 layer calls per rank (benchmarks/2026-11-29-speed-h200.md)."""
-
-
-def graph_recording_seconds(layers_on_rank: int, n_microbatches: int) -> float:
-    """Predicted time of the step that records the graphs: one graph per layer, microbatch and direction."""
-    return layers_on_rank * n_microbatches * 2 * SECONDS_PER_GRAPH_RECORDING
-
-
-def cuda_graphs_pay_off(costs: StageCosts, microbatch: int, seq_len: int) -> tuple[bool, str]:
-    """Whether replaying layers as CUDA graphs can speed a run up, and why not when it cannot.
-
-    Graphs remove launch cost, which only matters while the host needs longer to launch a layer than the
-    GPU needs to run it: once the GPU's time is the longer, the host runs ahead and the GPU never waits. A
-    layer's forward costs half its training FLOPs (forward + input-gradient backward), timed at GPU_FLOPS:
-    a lower bound, so graphs stay on wherever they might help."""
-    seconds = costs.layer / 2 * microbatch * seq_len / GPU_FLOPS
-    if seconds < HOST_SECONDS_PER_LAYER_CALL:
-        return True, ""
-    return False, (
-        f"a layer's forward at microbatch {microbatch} x {seq_len} tokens takes at least {seconds * 1e3:.1f} ms on "
-        f"the GPU, longer than the ~{HOST_SECONDS_PER_LAYER_CALL * 1e3:.2f} ms the host needs to launch it, so "
-        "replaying it as a CUDA graph cannot make the run faster; it runs compiled without graphs"
-    )

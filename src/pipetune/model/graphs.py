@@ -1,0 +1,77 @@
+"""CUDA graphs for compiled layers (train.cuda_graphs): where they pay off, what recording them costs, and the
+memory rules their replays impose.
+
+torch.compile's "reduce-overhead" mode records each compiled layer call as a CUDA graph (one per layer,
+microbatch and direction in a schedule step: torch's CUDA-graph trees) and replays it afterwards, which removes
+the host's launch cost. Replays write their outputs into the graphs' memory pool, reused from one schedule step
+to the next (`torch.compiler.cudagraph_mark_step_begin`): whatever outlives a step must not live there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pipetune.model.split import StageCosts
+
+GPU_FLOPS = 790e12
+"""bf16 matmul rate measured on an H200 (the benchmarks' peak)."""
+HOST_SECONDS_PER_LAYER_CALL = 1.85e-3
+"""Host time to launch one compiled decoder layer's call without CUDA graphs, measured on 2x H200 (Qwen3-4B,
+benchmarks/NOTES.md): what replaying it as a graph saves."""
+SECONDS_PER_GRAPH_RECORDING = 0.3
+"""Time torch's CUDA-graph trees take to record one compiled layer call, measured on 2x H200 (Qwen3-4B): the
+step that records them took 30-48 s for 144-152 layer calls per rank (benchmarks/2026-11-29-speed-h200.md)."""
+
+
+def graph_recording_seconds(layers_on_rank: int, n_microbatches: int) -> float:
+    """Predicted time of the step that records the graphs: one graph per layer, microbatch and direction."""
+    return layers_on_rank * n_microbatches * 2 * SECONDS_PER_GRAPH_RECORDING
+
+
+def cuda_graphs_pay_off(costs: StageCosts, microbatch: int, seq_len: int) -> tuple[bool, str]:
+    """Whether replaying layers as CUDA graphs can speed a run up, and why not when it cannot.
+
+    Graphs remove launch cost, which only matters while the host needs longer to launch a layer than the
+    GPU needs to run it: once the GPU's time is the longer, the host runs ahead and the GPU never waits. A
+    layer's forward costs half its training FLOPs (forward + input-gradient backward), timed at GPU_FLOPS:
+    a lower bound, so graphs stay on wherever they might help."""
+    seconds = costs.layer / 2 * microbatch * seq_len / GPU_FLOPS
+    if seconds < HOST_SECONDS_PER_LAYER_CALL:
+        return True, ""
+    return False, (
+        f"a layer's forward at microbatch {microbatch} x {seq_len} tokens takes at least {seconds * 1e3:.1f} ms on "
+        f"the GPU, longer than the ~{HOST_SECONDS_PER_LAYER_CALL * 1e3:.2f} ms the host needs to launch it, so "
+        "replaying it as a CUDA graph cannot make the run faster; it runs compiled without graphs"
+    )
+
+
+def choose_cuda_graphs(
+    costs: StageCosts, layers_on_rank: int, checkpointed: bool, n_microbatches: int, microbatch: int, seq_len: int
+) -> tuple[bool, str]:
+    """Whether this rank replays its compiled layers as CUDA graphs (train.cuda_graphs asked for them), and a
+    note for the user: why not, or what recording them will cost when that is over a minute."""
+    pays, why = cuda_graphs_pay_off(costs, microbatch, seq_len)
+    if not pays:
+        return False, f"train.cuda_graphs off for this run: {why}"
+    if checkpointed:  # a recomputed layer would replay its graph inside another's backward
+        return False, "train.cuda_graphs off on this rank: it checkpoints layers (activation_checkpointing)"
+    recording = graph_recording_seconds(layers_on_rank, n_microbatches)
+    if recording > 60:
+        return True, (
+            f"train.cuda_graphs records one graph per layer, microbatch and direction: {layers_on_rank} layers x "
+            f"{n_microbatches} microbatches x 2 on this rank, ~{recording:.0f} s in the second step; fewer "
+            "microbatches, or more pipeline ranks, record fewer"
+        )
+    return True, ""
+
+
+def give_gradients_own_memory(params: list[torch.Tensor]) -> None:
+    """Allocate every gradient before the first backward, so that backward adds into it.
+
+    Without a gradient, autograd keeps the first one computed as the parameter's .grad; computed by a replayed
+    graph, it lives in the graphs' pool, which the next schedule step reuses: with gradient accumulation (several
+    schedule steps per optimizer step) the next step overwrote it (torch raises "accessing tensor output of
+    CUDAGraphs that has been overwritten", seen at Qwen3-32B ddp with 4 accumulation steps). Zero these in place
+    (`zero_grad(set_to_none=False)`) rather than freeing them."""
+    for param in params:
+        param.grad = torch.zeros_like(param)
