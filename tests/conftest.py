@@ -55,7 +55,7 @@ def write_config(config: Config, path: Path) -> Path:
     return path
 
 
-def run_cli(*args: str, timeout: float = 240, check: bool = True) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
     """Run `python -m pipetune ARGS` in a subprocess (it starts its own workers when --nproc > 1)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     result = subprocess.run(

@@ -16,7 +16,7 @@ from tests.conftest import run_cli
 
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "demo"
-    result = run_cli("demo", "--out", str(out), "--steps", "20", timeout=300)
+    result = run_cli("demo", "--out", str(out), "--steps", "20")
 
     config = load_config(out / "config.toml")
     assert config.model.name == "tiny-qwen3" and config.parallel.pp == 2 and config.train.max_steps == 20

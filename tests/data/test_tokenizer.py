@@ -155,7 +155,7 @@ def test_concurrent_builds_into_one_empty_cache(tmp_path):
     for process in processes:
         process.start()
     for process in processes:
-        process.join(timeout=60)
+        process.join(timeout=600)
     assert [process.exitcode for process in processes] == [0, 0]
     vocabs = [json.loads(out.read_text()) for out in outputs]
     assert vocabs[0] == vocabs[1]

@@ -18,7 +18,7 @@ from tests.parallel.test_parity import _adapter, _losses, _max_relative
 def _train(tmp: Path, name: str, *overrides: str) -> Path:
     """Train a tiny config; the run directory holds its metrics, its adapter, and train.log (stdout + stderr)."""
     config = tiny_config(tmp / name, *overrides)
-    result = run_cli("train", "--config", str(write_config(config, tmp / f"{name}.toml")), "--quiet", timeout=300)
+    result = run_cli("train", "--config", str(write_config(config, tmp / f"{name}.toml")), "--quiet")
     (tmp / name / "train.log").write_text(result.stdout + result.stderr)
     return tmp / name
 

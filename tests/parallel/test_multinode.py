@@ -60,7 +60,7 @@ def test_two_nodes_on_loopback_match_single_process(tmp_path: Path, single: Path
         )
         for node in (0, 1)
     ]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    outputs = [node.communicate(timeout=600)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)
 
     run = tmp_path / "run"
