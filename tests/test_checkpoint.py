@@ -99,7 +99,7 @@ def test_optimizer_state_follows_parameter_names_into_another_layout(config, tmp
         _train_a_little(*stage)
         parts.append(stage)
     position = Position(step=2, epoch=0, batch=2)
-    for rank, (model, optimizer, scheduler, names) in enumerate(parts):
+    for rank, (model, optimizer, scheduler, names) in reversed(list(enumerate(parts))):  # rank 0 commits last
         save_checkpoint(two_stage, position, rank, 2, model, optimizer, scheduler, names)
     marker = json.loads((checkpoint_dir(tmp_path / "run", 2) / MARKER).read_text())
     assert (marker["world_size"], marker["pp"], marker["model"], marker["lora"]["r"]) == (2, 2, "tiny-qwen3", 16)

@@ -4,9 +4,11 @@
       adapter.rank<k>.safetensors   rank k's adapter tensors under PEFT's full-model names
       state.rank<k>.safetensors     rank k's AdamW moments keyed "<full parameter name>/<field>", its torch RNG states
       state.rank<k>.json            data position, scheduler, optimizer hyper-parameters, python/numpy RNG, file hashes
-      COMMITTED                     JSON written last by rank 0, after every rank wrote its part
+      COMMITTED                     JSON written last by rank 0, after every rank wrote its part: the step, the
+                                    resolved config, the hash of every rank's state JSON
 
-A directory without COMMITTED is never loaded. Optimizer state is keyed by full-model parameter
+Every file is covered by a hash: the marker holds those of the JSON files, which hold those of the
+safetensors files. A directory without COMMITTED is never loaded. Optimizer state is keyed by full-model parameter
 name, not by position, so a checkpoint written with pp=2 loads under pp=4: every rank reads all
 parts and takes the names it holds. Tensors are saved whole, also those FSDP shards over dp
 (parallel.dp_shard), and each rank cuts its own shard on load, so sharded and plain replicas resume
@@ -17,8 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
+import re
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -32,12 +34,34 @@ from safetensors.torch import save as save_tensors
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pipetune.config import Config, ConfigError
+from pipetune.files import write_atomic
 
 if TYPE_CHECKING:  # peft (2 s to import) only where adapters are read or written: the launcher finds
     import peft  # and checks checkpoints without it
 
 CHECKPOINTS_DIR = "checkpoints"
 MARKER = "COMMITTED"
+PART_NAME = re.compile(r"(adapter|state)\.rank\d+\.safetensors")
+"""The only file names a rank's state JSON may list: plain names inside the checkpoint directory."""
+RESUME_REFUSED = {
+    "model": ("name", "init", "tokenizer"),
+    "data": (
+        "source",
+        "max_length",
+        "max_summary_tokens",
+        "buckets",
+        "transcript_column",
+        "summary_column",
+        "synthetic_train",
+        "validation_fraction",
+    ),
+    "lora": ("r", "alpha", "target_modules"),
+    "train": ("seed", "batch_size", "grad_accum"),
+    "parallel": ("dp",),
+}
+"""Keys a resumed run must keep: they shape the base model, the adapters, the samples or the data order and
+position (seed, batch_size x dp, grad_accum). Every other key may change on resume and is applied: lr, weight
+decay and the schedule (warmup_steps, min_lr_ratio, epochs, max_steps) included."""
 
 
 class CheckpointError(ConfigError):
@@ -67,6 +91,13 @@ class Checkpoint:
     def step(self) -> int:
         return int(self.marker["step"])
 
+    @property
+    def weights_step(self) -> int:
+        """The step whose update the adapter weights hold: steps skipped as non-finite just before changed none."""
+        position = self.marker.get("position")
+        skipped = position.get("skipped_in_row", 0) if isinstance(position, dict) else 0
+        return self.step - skipped if isinstance(skipped, int) else self.step
+
 
 # --------------------------------------------------------------------------- finding checkpoints
 
@@ -88,19 +119,39 @@ def _step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
 
 
 def committed_checkpoints(run_dir: Path) -> list[Checkpoint]:
-    """Committed checkpoints of a run, oldest first."""
-    found = []
-    for _, path in _step_dirs(run_dir):
+    """Committed checkpoints of a run, oldest first; a directory whose marker is damaged is not one."""
+    return [c for c in _marked(run_dir) if isinstance(c, Checkpoint)]
+
+
+def _marked(run_dir: Path) -> list[Checkpoint | tuple[Path, str]]:
+    """Every checkpoint directory with a marker, oldest first: a Checkpoint, or (path, why the marker is damaged)."""
+    found: list[Checkpoint | tuple[Path, str]] = []
+    for number, path in _step_dirs(run_dir):
         marker = path / MARKER
         if not marker.is_file():
             continue
         try:
-            found.append(Checkpoint(path, json.loads(marker.read_text())))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(
-                f"checkpoint marker {marker} is damaged ({e}); delete {path} to resume from the checkpoint before it"
-            ) from None
+            found.append(Checkpoint(path, _parse_marker(marker.read_bytes(), number)))
+        except (OSError, ValueError, RecursionError) as e:
+            found.append((path, str(e)))
     return found
+
+
+def _parse_marker(data: bytes, number: int) -> dict[str, Any]:
+    """The marker's JSON, if it has the shape save_checkpoint writes (ValueError saying what is wrong otherwise)."""
+    marker = json.loads(data.decode("utf-8"))
+    if not isinstance(marker, dict):
+        raise ValueError(f"a JSON {type(marker).__name__}, not an object")
+    if type(marker.get("step")) is not int or marker["step"] != number:
+        raise ValueError(f"step {marker.get('step')!r} is not the directory's {number}")
+    if type(marker.get("world_size")) is not int or marker["world_size"] < 1:
+        raise ValueError(f"world_size {marker.get('world_size')!r} is not a positive integer")
+    files = marker.get("files", {})
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise ValueError("its file hashes are not a name -> hash object")
+    if not isinstance(marker.get("config", {}), dict) or not isinstance(marker.get("lora", {}), dict):
+        raise ValueError("its config is not an object")
+    return marker
 
 
 def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
@@ -117,17 +168,35 @@ def find_resume_checkpoint(config: Config, restarted: bool = False) -> Checkpoin
     before any training starts.
     """
     run_dir = Path(config.output.dir)
-    latest = latest_checkpoint(run_dir)
+    marked = _marked(run_dir)
+    valid = [c for c in marked if isinstance(c, Checkpoint)]
+    latest = valid[-1] if valid else None
+    finished = [name for name in ("adapter", "metrics.csv") if (run_dir / name).exists()]
     if config.train.resume != "auto" and not restarted:
-        if latest is not None:
+        if marked:
+            newest = marked[-1].path if isinstance(marked[-1], Checkpoint) else marked[-1][0]
             raise ConfigError(
                 f"output.dir = {str(run_dir)!r} already holds checkpoints of an earlier run "
-                f"(newest: {latest.path.name}); "
+                f"(newest: {newest.name}); "
                 "pass --resume (train.resume = 'auto') to continue it, or choose another output.dir "
                 f"(or delete {run_dir / CHECKPOINTS_DIR}) to start over"
             )
+        if finished:
+            raise ConfigError(
+                f"output.dir = {str(run_dir)!r} holds an earlier run ({' and '.join(finished)}) without checkpoints "
+                "to continue from; choose another output.dir, or delete them to start over there"
+            )
         return None
+    if marked and not isinstance(marked[-1], Checkpoint):  # the newest marker is damaged: say so, never skip it
+        path, why = marked[-1]
+        fallback = f"resume from {latest.path.name}" if latest else "start over"
+        raise CheckpointError(f"checkpoint marker {path / MARKER} is damaged ({why}); delete {path} to {fallback}")
     if latest is None:
+        if not restarted and (run_dir / "adapter").exists():
+            raise ConfigError(
+                f"output.dir = {str(run_dir)!r} holds a finished run's adapter/ but no checkpoint to continue from; "
+                "choose another output.dir, or delete it to start over there"
+            )
         return None
     check_compatible(latest, config)
     verify_files(latest)
@@ -147,11 +216,12 @@ def commit_metadata(config: Config, step: int, world_size: int) -> dict[str, Any
             "alpha": config.lora.alpha,
             "target_modules": sorted(config.lora.target_modules),
         },
+        "config": config.to_dict(),
     }
 
 
 def check_compatible(checkpoint: Checkpoint, config: Config) -> None:
-    """Refuse a checkpoint of another model or LoRA shape; a different pipeline layout is fine."""
+    """Refuse a checkpoint whose RESUME_REFUSED keys differ from the config's; every other key may change."""
     expected = commit_metadata(config, checkpoint.step, 0)
     problems = []
     if checkpoint.marker.get("model") != expected["model"]:
@@ -160,6 +230,16 @@ def check_compatible(checkpoint: Checkpoint, config: Config) -> None:
     for key in ("r", "alpha", "target_modules"):
         if saved_lora.get(key) != expected["lora"][key]:
             problems.append(f"lora.{key} {saved_lora.get(key)!r} (config: {expected['lora'][key]!r})")
+    saved = checkpoint.marker.get("config", {})  # absent in checkpoints of older versions: model and LoRA only
+    for section, keys in RESUME_REFUSED.items() if saved else ():
+        for key in keys:
+            name = f"{section}.{key}"
+            if name in ("model.name", "lora.r", "lora.alpha", "lora.target_modules"):
+                continue  # compared above
+            was = saved[section].get(key) if isinstance(saved.get(section), dict) else None
+            now = expected["config"][section][key]
+            if was != now:
+                problems.append(f"{name} {was!r} (config: {now!r})")
     if problems:
         raise CheckpointError(
             f"checkpoint {checkpoint.path} was written with {'; '.join(problems)}; resume with the settings it "
@@ -169,9 +249,8 @@ def check_compatible(checkpoint: Checkpoint, config: Config) -> None:
 
 def verify_files(checkpoint: Checkpoint) -> None:
     """Every rank's part exists and has the hash recorded when it was written."""
-    for rank in range(int(checkpoint.marker["world_size"])):
-        meta = _read_rank_meta(checkpoint, rank)
-        for name, digest in meta["files"].items():
+    for rank in range(checkpoint.marker["world_size"]):
+        for name, digest in _rank_files(checkpoint, _read_rank_meta(checkpoint, rank)).items():
             _read_verified(checkpoint, name, digest)
 
 
@@ -182,13 +261,30 @@ def _damaged(checkpoint: Checkpoint, what: str) -> CheckpointError:
 
 
 def _read_rank_meta(checkpoint: Checkpoint, rank: int) -> dict[str, Any]:
-    path = checkpoint.path / f"state.rank{rank}.json"
+    """Rank `rank`'s state JSON, checked against the marker's hash (markers of older versions have none)."""
+    name = f"state.rank{rank}.json"
     try:
-        return json.loads(path.read_text())
+        data = (checkpoint.path / name).read_bytes()
     except FileNotFoundError:
-        raise _damaged(checkpoint, f"{path.name} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise _damaged(checkpoint, f"{path.name} is not valid JSON ({e})") from None
+        raise _damaged(checkpoint, f"{name} is missing") from None
+    digest = checkpoint.marker.get("files", {}).get(name)
+    if digest is not None and hashlib.sha256(data).hexdigest() != digest:
+        raise _damaged(checkpoint, f"{name} does not match the hash recorded when it was written")
+    try:
+        meta = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError) as e:
+        raise _damaged(checkpoint, f"{name} is not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("files"), dict):
+        raise _damaged(checkpoint, f"{name} does not list its rank's files")
+    return meta
+
+
+def _rank_files(checkpoint: Checkpoint, meta: dict[str, Any]) -> dict[str, str]:
+    """The files a rank's state JSON lists, by name and hash; only plain part names inside the checkpoint."""
+    for name, digest in meta["files"].items():
+        if not isinstance(name, str) or not PART_NAME.fullmatch(name) or not isinstance(digest, str):
+            raise _damaged(checkpoint, f"it lists a file {name!r} that is not one of its parts")
+    return meta["files"]
 
 
 def _read_verified(checkpoint: Checkpoint, name: str, digest: str) -> dict[str, torch.Tensor]:
@@ -253,6 +349,10 @@ def save_checkpoint(
     _barrier()  # every part is on disk before the marker
     if rank == 0:
         marker = dict(commit_metadata(config, position.step, world_size), position=asdict(position))
+        marker["files"] = {
+            name: hashlib.sha256((path / name).read_bytes()).hexdigest()
+            for name in (f"state.rank{k}.json" for k in range(world_size))
+        }
         _write_atomic(path / MARKER, json.dumps(marker, indent=1).encode())
         prune_checkpoints(run_dir, config.train.keep_checkpoints)
     _barrier()  # nobody runs ahead of (or is killed before) the commit
@@ -322,13 +422,7 @@ def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    """Through a temporary file, fsync and a rename: a reader sees the old file or the whole new one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, data, sync=True)
 
 
 def _barrier() -> None:
@@ -347,15 +441,18 @@ def load_checkpoint(
     scheduler: torch.optim.lr_scheduler.LRScheduler,
     param_names: dict[torch.Tensor, str],
 ) -> Position:
-    """Restore this rank's adapters, optimizer, scheduler and RNG from every rank's part; returns the position."""
+    """Restore this rank's adapters, optimizer, scheduler and RNG from every rank's part; returns the position.
+
+    The optimizer's and scheduler's hyper-parameters are the config's (the optimizer and scheduler passed in are
+    built from it): a changed lr, weight decay or schedule applies from the first resumed step on."""
     adapters: dict[str, torch.Tensor] = {}
     optim: dict[str, torch.Tensor] = {}
     rng: dict[str, torch.Tensor] = {}
     metas = []
-    for saved_rank in range(int(checkpoint.marker["world_size"])):
+    for saved_rank in range(checkpoint.marker["world_size"]):
         meta = _read_rank_meta(checkpoint, saved_rank)
         metas.append(meta)
-        for name, digest in meta["files"].items():
+        for name, digest in _rank_files(checkpoint, meta).items():
             for key, tensor in _read_verified(checkpoint, name, digest).items():
                 if name.startswith("adapter."):
                     adapters[key] = tensor
@@ -365,11 +462,19 @@ def load_checkpoint(
                     rng[key] = tensor
 
     _load_adapter(checkpoint, peft_model, adapters)
-    _load_optimizer(checkpoint, optimizer, param_names, optim, metas)
-    scheduler.load_state_dict(dict(metas[0]["scheduler"], lr_lambdas=[None] * len(optimizer.param_groups)))
-    if rank < len(metas):  # a rank the saved layout did not have keeps its fresh seed
-        _set_rng(rng, metas[rank]["rng"])
-    return Position(**metas[0]["position"])
+    try:
+        _load_optimizer(checkpoint, optimizer, param_names, optim, metas)
+        scheduler.last_epoch = int(metas[0]["scheduler"]["last_epoch"])
+        if rank < len(metas):  # a rank the saved layout did not have keeps its fresh seed
+            _set_rng(rng, metas[rank]["rng"])
+        position = Position(**metas[0]["position"])
+    except (KeyError, TypeError, ValueError, IndexError) as e:  # a hash-verified file cannot be malformed, but
+        raise _damaged(checkpoint, f"its state has an unexpected shape ({type(e).__name__}: {e})") from None
+    # Where the (possibly new) schedule stands at the saved step, as LambdaLR computes it.
+    for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+        group["lr"] = base_lr * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    return position
 
 
 def _load_adapter(checkpoint: Checkpoint, peft_model: peft.PeftModel, adapters: dict[str, torch.Tensor]) -> None:
@@ -414,12 +519,8 @@ def _load_optimizer(
     state: dict[int, dict[str, Any]] = {}
     groups = []
     index = 0
-    saved_groups = metas[0]["optimizer_groups"]
-    for group_index, group in enumerate(optimizer.param_groups):
-        saved = saved_groups[min(group_index, len(saved_groups) - 1)]
-        hyper = {
-            k: (tuple(saved[k]) if isinstance(v, tuple) else saved[k]) if k in saved else v for k, v in group.items()
-        }
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}  # the config's: lr and weight decay may change
         hyper["params"] = []
         for param in group["params"]:
             name = param_names[param]

@@ -123,6 +123,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"pipetune: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        from pipetune.worker import disk_full_message
+
+        message = disk_full_message(e)
+        if message is None:
+            raise
+        print(f"pipetune: error: {message}", file=sys.stderr)
+        return 1
 
 
 def demo_config() -> Config:
@@ -134,7 +142,8 @@ def demo_config() -> Config:
 def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max_restarts: int = 0) -> int:
     """Validate, then train here (under torchrun, or one process) or start nproc local workers."""
     from pipetune.checkpoint import find_resume_checkpoint
-    from pipetune.preflight import preflight
+    from pipetune.preflight import check_optimizer_steps, preflight
+    from pipetune.run_lock import lock_run_dir
 
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts {max_restarts} must be >= 0")
@@ -151,22 +160,28 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
         return 0
     world_size = nproc or config.parallel.pp * config.parallel.dp
     preflight(config, world_size)  # fail here, once, before any process starts
-    find_resume_checkpoint(config)  # likewise: a checkpoint that cannot be resumed, or one a fresh start would clobber
-    if world_size == 1 and max_restarts == 0:
-        from pipetune.train import run_training
+    with lock_run_dir(config.output.dir):  # held until the workers are done; they run inside it
+        find_resume_checkpoint(config)  # a checkpoint that cannot be resumed, or a run a fresh start would clobber
+        if world_size == 1 and max_restarts == 0:
+            from pipetune.train import run_training
 
-        run_training(config, quiet)
-        return 0
-    from pipetune.data.sources import load_dataset
+            run_training(config, quiet)
+            return 0
+        from pipetune.data.sources import load_dataset
 
-    load_dataset(config.data, seed=config.train.seed)  # a data error once, here, not once per worker
-    return launch_local(config, world_size, quiet, max_restarts)
+        dataset = load_dataset(config.data, seed=config.train.seed)  # a data error once, here, not once per worker
+        check_optimizer_steps(config, len(dataset.splits["train"]), dataset.skipped_line())
+        return launch_local(config, world_size, quiet, max_restarts)
 
 
 def launch_local(config: Config, nproc: int, quiet: bool = False, max_restarts: int = 0) -> int:
     """Start nproc workers on this machine through torch's elastic launcher (torchrun --standalone)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from pipetune.checkpoint import latest_checkpoint
+    from pipetune.worker import LAUNCHER_ENV
 
     run_dir = Path(config.output.dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -184,6 +199,7 @@ def launch_local(config: Config, nproc: int, quiet: bool = False, max_restarts: 
     )
     argv = ["-m", "pipetune", "train", "--config", str(config_path)] + (["--quiet"] if quiet else [])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the workers die with this process and leave stops to it
     try:
         elastic_launch(launch, sys.executable)(*argv)
     except ChildFailedError as e:
@@ -193,6 +209,16 @@ def launch_local(config: Config, nproc: int, quiet: bool = False, max_restarts: 
             file=sys.stderr,
         )
         return 1
+    except SignalException as e:  # the elastic agent stopped the workers (SIGTERM first) before raising this
+        newest = latest_checkpoint(run_dir)
+        kept = f"the newest committed checkpoint, {newest.path}, is kept" if newest else "no checkpoint was committed"
+        print(
+            f"pipetune: error: stopped by {e.sigval.name}; {kept}: continue with --resume",
+            file=sys.stderr,
+        )
+        return 128 + int(e.sigval)
+    finally:
+        del os.environ[LAUNCHER_ENV]
     return 0
 
 

@@ -7,7 +7,6 @@ value fails once, on the launching process, with a message that names it and the
 from __future__ import annotations
 
 import dataclasses
-import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -303,10 +302,9 @@ def to_toml(config: Config) -> str:
 
 def save_config(config: Config, path: str | Path) -> None:
     """Write the resolved config through a temporary file and a rename: readers never see half a file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(to_toml(config))
-    os.replace(tmp, path)
+    from pipetune.files import write_atomic
+
+    write_atomic(path, to_toml(config))
 
 
 def _toml_value(value: Any) -> str:

@@ -11,7 +11,6 @@ averaged over the split; for ROUGE-Lsum each text is split into one sentence per
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 from pipetune.config import Config, ConfigError
 from pipetune.data.batching import tokenize_split
 from pipetune.data.sources import load_dataset
+from pipetune.files import write_atomic
 from pipetune.generate import load_finetuned, mean_token_loss, summarize
 from pipetune.metrics import TaskProgress
 
@@ -95,9 +95,7 @@ class EvalResult:
         """Write eval.json through a temporary file and a rename."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(asdict(self), indent=2, ensure_ascii=False) + "\n")
         return path
 
 

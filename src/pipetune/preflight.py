@@ -58,6 +58,23 @@ def prepare(config: Config) -> Prepared:
     return Prepared(resolved, tokenizer, prompts)
 
 
+def check_optimizer_steps(config: Config, n_samples: int, skipped: str, n_batches: int | None = None) -> int:
+    """Optimizer steps per epoch of `n_samples` training samples in `n_batches` schedule-step batches (default: as
+    many as fill a global batch); ConfigError when that is none."""
+    t, p = config.train, config.parallel
+    if n_batches is None:
+        n_batches = n_samples // (t.batch_size * p.dp)
+    steps = n_batches // t.grad_accum
+    if steps == 0:
+        raise ConfigError(
+            f"{n_samples} training samples ({skipped}) make no optimizer step of "
+            f"train.batch_size {t.batch_size} x train.grad_accum {t.grad_accum}"
+            + (f" x parallel.dp {p.dp}" if p.dp > 1 else "")
+            + "; lower them or add data"
+        )
+    return steps
+
+
 def load_tokenizer(config: Config, resolved: ResolvedModel) -> PreTrainedTokenizerBase:
     """model.tokenizer if set; else the model directory's own; else, for a random-init shape (built in, or a
     directory with only a config.json), the built-in demo tokenizer."""

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from pipetune.checkpoint import Position, find_resume_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
-from pipetune.config import V_SCHEDULES, Config, ConfigError, save_config
+from pipetune.config import V_SCHEDULES, Config, save_config
 from pipetune.data.batching import IGNORE, bucket_lengths, bucketed_epoch_batches, epoch_batches, tokenize_split
 from pipetune.data.sources import load_dataset
 from pipetune.metrics import (
@@ -47,9 +47,18 @@ from pipetune.parallel.fsdp import restore_gradients, shard_stages, stash_gradie
 from pipetune.parallel.memory import auto_checkpointing
 from pipetune.parallel.mesh import all_reduce_gradients, build_mesh
 from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, stage_ids, validation_loss
-from pipetune.parallel.process_group import DistEnv, close_distributed, init_distributed
+from pipetune.parallel.process_group import DistEnv, close_distributed, init_distributed, under_launcher
 from pipetune.parallel.timeline import StageTimeline, gather_timeline, plot_timeline
-from pipetune.preflight import preflight
+from pipetune.preflight import check_optimizer_steps, preflight
+from pipetune.run_lock import lock_for_worker
+from pipetune.worker import (
+    Stopped,
+    disk_full_message,
+    end_with_launcher,
+    has_launcher,
+    raise_on_stop_signals,
+    restore_signals,
+)
 
 
 @dataclass
@@ -72,23 +81,48 @@ class LoopStatus:
 
 
 def run_training(config: Config, quiet: bool = False) -> RunResult:
-    """Train in this process (one rank); a TrainingError or a lost peer ends it with one line and exit code 1."""
+    """Train in this process (one rank). A TrainingError, a lost peer, a full disk or a stop signal ends it with
+    one line (none from a worker whose pipetune launcher reports the stop) and a non-zero exit code."""
+    if under_launcher():
+        end_with_launcher()  # a worker never trains on after its launcher died
+    previous_handlers = raise_on_stop_signals()
     env = init_distributed(config.parallel.timeout_s, config.parallel.p2p_channels)
     status = LoopStatus()
+    lock = None
     try:
-        return train(config, env, quiet, status)
-    except TrainingError as e:  # every rank reached the same verdict: one of them says it
-        if env.is_main:
-            print(f"pipetune: error: {e}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
-    except RuntimeError as e:
-        message = peer_failure(e, env.rank, status, config.parallel.timeout_s)
-        if message is None:
-            raise
-        print(f"pipetune: error: {message}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+        try:
+            lock = lock_for_worker(config.output.dir, env.rank)
+            return train(config, env, quiet, status)
+        except TrainingError as e:  # every rank reached the same verdict: one of them says it
+            if env.is_main:
+                print(f"pipetune: error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        except RuntimeError as e:
+            message = peer_failure(e, env.rank, status, config.parallel.timeout_s)
+            if message is None:
+                raise
+            print(f"pipetune: error: {message}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        except OSError as e:
+            message = disk_full_message(e, env.rank)
+            if message is None:
+                raise
+            print(f"pipetune: error: {message}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+    except Stopped as e:  # the files being written were removed on the way here; committed ones stay
+        if env.is_main and not has_launcher():
+            where = f"the {status.phase} of step {status.step}" if status.step else f"the {status.phase}"
+            print(
+                f"pipetune: error: stopped by {e} in {where}; committed checkpoints are kept: continue with --resume",
+                file=sys.stderr,
+                flush=True,
+            )
+        raise SystemExit(128 + e.signum) from None
     finally:
+        if lock is not None:
+            lock.release()
         close_distributed()
+        restore_signals(previous_handlers)
 
 
 def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus | None = None) -> RunResult:
@@ -130,15 +164,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         batches = epoch_batches(len(train_split), global_batch, t.seed, epoch)
         return batches, torch.full((len(batches),), max_length, dtype=torch.long)
 
-    n_batches = len(epoch_plan(0)[0])
-    steps_per_epoch = n_batches // t.grad_accum
-    if steps_per_epoch == 0:
-        raise ConfigError(
-            f"{len(train_split)} training samples ({dataset.skipped_line()}) make no optimizer step of "
-            f"train.batch_size {t.batch_size} x train.grad_accum {t.grad_accum}"
-            + (f" x parallel.dp {p.dp}" if p.dp > 1 else "")
-            + "; lower them or add data"
-        )
+    steps_per_epoch = check_optimizer_steps(config, len(train_split), dataset.skipped_line(), len(epoch_plan(0)[0]))
     total_steps = steps_per_epoch * t.epochs if t.max_steps < 0 else min(t.max_steps, steps_per_epoch * t.epochs)
     supervised = (train_split.labels != IGNORE).sum(dim=1)  # per sample, on the CPU: no device sync per step
     input_ids = train_split.input_ids.to(device)
@@ -315,11 +341,16 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
                 )
                 if skipped_in_row >= t.max_skipped_steps:
                     last = latest_checkpoint(run_dir)
+                    kept = (
+                        f"The newest committed checkpoint, {last.path}, holds weights from before them (those of "
+                        f"step {last.weights_step}: a skipped step changes no weight)"
+                        if last
+                        else "No checkpoint was committed"
+                    )
                     raise TrainingError(
                         f"{skipped_in_row} optimizer steps in a row (up to step {step + 1}) had a non-finite loss or "
-                        f"gradient norm; stopping. The last committed checkpoint is "
-                        f"{last.path if last else 'none'}. Lower train.lr, check the data, or raise "
-                        "train.max_skipped_steps, then resume with --resume"
+                        f"gradient norm; stopping. {kept}. Lower train.lr (applied on resume, like the schedule), "
+                        "check the data, or raise train.max_skipped_steps, then continue with --resume"
                     )
             else:
                 optimizer.step()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import random
 from collections import Counter
 from collections.abc import Iterable
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipetune.config import ConfigError, DataConfig
+from pipetune.files import write_atomic
 
 SYNTHETIC = "synthetic"
 LOCAL_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
@@ -100,10 +100,7 @@ class Dataset:
 
     def write_summary(self, path: str | Path) -> None:
         """`summary()` as JSON, through a temporary file and a rename."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.summary(), indent=2) + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(self.summary(), indent=2) + "\n")
 
 
 def load_dataset(data: DataConfig, seed: int = 0) -> Dataset:

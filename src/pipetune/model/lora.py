@@ -9,11 +9,12 @@ from pathlib import Path
 
 import peft
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save as save_tensors
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from pipetune.config import LoraConfig
+from pipetune.files import write_atomic
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -83,7 +84,7 @@ def save_adapter(state: dict[str, torch.Tensor], lora: LoraConfig, base_name: st
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     peft_config(lora, base_name).save_pretrained(str(out_dir))
-    save_file(dict(sorted(state.items())), str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    write_atomic(out_dir / ADAPTER_WEIGHTS, save_tensors(dict(sorted(state.items())), metadata={"format": "pt"}))
     return out_dir
 
 
