@@ -47,7 +47,13 @@ from pipetune.parallel.fsdp import restore_gradients, shard_stages, stash_gradie
 from pipetune.parallel.memory import auto_checkpointing
 from pipetune.parallel.mesh import all_reduce_gradients, build_mesh
 from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, stage_ids, validation_loss
-from pipetune.parallel.process_group import DistEnv, close_distributed, init_distributed, under_launcher
+from pipetune.parallel.process_group import (
+    DistEnv,
+    close_distributed,
+    exit_skipping_teardown,
+    init_distributed,
+    under_launcher,
+)
 from pipetune.parallel.timeline import StageTimeline, gather_timeline, plot_timeline
 from pipetune.preflight import check_optimizer_steps, preflight
 from pipetune.run_lock import lock_for_worker
@@ -117,6 +123,10 @@ def run_training(config: Config, quiet: bool = False) -> RunResult:
                 file=sys.stderr,
                 flush=True,
             )
+        if env.distributed:  # a peer blocked in a collective with this rank returns only once this process is gone
+            if lock is not None:
+                lock.release()
+            exit_skipping_teardown(128 + e.signum)
         raise SystemExit(128 + e.signum) from None
     finally:
         if lock is not None:

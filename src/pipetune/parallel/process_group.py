@@ -85,14 +85,15 @@ def close_distributed() -> None:
         dist.destroy_process_group()
 
 
-def exit_skipping_teardown() -> NoReturn:
-    """End a finished worker at once (exit code 0), without the interpreter's shutdown.
+def exit_skipping_teardown(code: int = 0) -> NoReturn:
+    """End a worker at once (a finished one: exit code 0), without the interpreter's shutdown.
 
     For runs sharded with FSDP: fully_shard keeps its process groups alive after
     destroy_process_group (seen with torch 2.13), so gloo's worker threads outlive it, and one that is still
     releasing a collective's tensors when the interpreter shuts down needs the GIL, cannot take it, and
     aborts the process ("terminate called without an active exception", seen in ~1 run in 15 on CPU).
-    Everything the run writes is closed and flushed by then."""
+    Everything the run writes is closed and flushed by then. A stopped worker ends this way too: its
+    process group's teardown could wait on a peer that waits on it."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
