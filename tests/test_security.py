@@ -6,12 +6,15 @@ The checks read the source of src/ (its syntax tree, so formatting cannot hide a
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
 
 import pytest
 
+from pipetune.cli import main
 from pipetune.config import ModelConfig
-from tests.conftest import REPO
+from pipetune.generate import inference_config
+from tests.conftest import REPO, tiny_config, write_config
 
 SOURCES = sorted((REPO / "src" / "pipetune").rglob("*.py"))
 
@@ -75,3 +78,27 @@ def test_adapters_and_checkpoints_are_written_as_safetensors() -> None:
         text = (REPO / "src" / "pipetune" / module).read_text()
         assert "safetensors" in text, module
         assert ".bin" not in text and '.pt"' not in text, module
+
+
+def test_remote_code_named_in_a_run_directory_does_not_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """summarize and eval read RUN/config.toml, which anyone may have written: its trust_remote_code is ignored."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps({"model_type": "crafted", "auto_map": {"AutoConfig": "crafted.CraftedConfig"}})
+    )
+    (model / "crafted.py").write_text(f"import pathlib\npathlib.Path({str(model / 'RAN')!r}).touch()\n")
+    run = tmp_path / "run"
+    config = tiny_config(run, f'model.name="{model}"', "model.trust_remote_code=true", 'model.init="pretrained"')
+    write_config(config, run / "config.toml")
+    (run / "adapter").mkdir()
+    (run / "adapter" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(model)}))
+    (tmp_path / "meeting.txt").write_text("A: hello.\nB: bye.\n")
+
+    assert main(["summarize", "--adapter", str(run / "adapter"), str(tmp_path / "meeting.txt"), "--quiet"]) == 2
+    assert main(["eval", "--run", str(run), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("sets model.trust_remote_code = true, which is not taken from a file") == 2
+    assert err.count("is built by its own code, which runs only when trusted") == 2
+    assert not (model / "RAN").exists()
+    assert inference_config(run / "adapter", trust_remote_code=True).config.model.trust_remote_code  # the flag's way

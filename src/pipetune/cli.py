@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     summarize.add_argument("--temperature", type=float, default=None, help="with --sample (default: 0.7)")
     summarize.add_argument("--top-p", type=float, default=None, help="with --sample (default: 0.9)")
     summarize.add_argument("--quiet", action="store_true", help="no progress bar or settings line")
+    summarize.add_argument(
+        "--trust-remote-code", action="store_true", help="run the base model's own code (never taken from a config)"
+    )
 
     evaluate = commands.add_parser("eval", help="ROUGE and loss of the base and the fine-tuned model on a split")
     evaluate_source = evaluate.add_mutually_exclusive_group(required=True)
@@ -97,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--batch-size", type=int, default=8, help="meetings generated together (default: 8)")
     evaluate.add_argument("--out", default=None, help="eval.json path or directory (default: the run directory)")
     evaluate.add_argument("--quiet", action="store_true", help="no progress bar")
+    evaluate.add_argument(
+        "--trust-remote-code", action="store_true", help="run the base model's own code (never taken from a config)"
+    )
 
     report = commands.add_parser("report", help="charts and an HTML page comparing one or more runs")
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (metrics.csv, config.toml, ...)")
@@ -275,7 +281,7 @@ def run_summarize(args: argparse.Namespace) -> int:
         raise ConfigError("--temperature and --top-p set sampling; add --sample (decoding is greedy by default)")
     if args.batch_size < 1 or (args.max_new_tokens is not None and args.max_new_tokens < 1):
         raise ConfigError(f"--batch-size {args.batch_size} and --max-new-tokens {args.max_new_tokens} must be >= 1")
-    source = inference_config(args.adapter, args.base, args.config)
+    source = inference_config(args.adapter, args.base, args.config, args.trust_remote_code)
     config = source.config
     sampling = None
     if args.sample:
@@ -326,7 +332,7 @@ def run_eval(args: argparse.Namespace) -> int:
                 f"--adapter {args.adapter!r} has no config.toml beside it; pass --config FILE.toml "
                 "(the data and prompt settings of the run)"
             )
-    source = inference_config(adapter, None, args.config)
+    source = inference_config(adapter, None, args.config, args.trust_remote_code)
     if source.warning:
         print(f"pipetune: warning: {source.warning}", file=sys.stderr)
     with TaskProgress(enabled=not args.quiet) as progress:

@@ -55,12 +55,17 @@ class InferenceSource:
 
 
 def inference_config(
-    adapter_dir: str | Path, base: str | None = None, config_path: str | Path | None = None
+    adapter_dir: str | Path,
+    base: str | None = None,
+    config_path: str | Path | None = None,
+    trust_remote_code: bool = False,
 ) -> InferenceSource:
     """The config that rebuilds the adapter's base model: --config, else the run's config.toml, else defaults.
 
     The base model is `base`, else the adapter's `base_model_name_or_path`. A built-in shape (random init)
     is only the trained base when dtype, seed and tokenizer are the run's: hence the run's config.toml.
+    Remote model code runs only with `trust_remote_code` (the command line's --trust-remote-code), never because
+    a config file says so: a run directory may come from anyone.
     """
     adapter_dir = Path(adapter_dir)
     adapter_config = adapter_dir / "adapter_config.json"
@@ -75,6 +80,12 @@ def inference_config(
     recorded = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
     config.model.name = base or recorded or config.model.name
     warning = ""
+    if config.model.trust_remote_code and not trust_remote_code:
+        warning = (
+            f"{config_path} sets model.trust_remote_code = true, which is not taken from a file: the model's own "
+            "code does not run; pass --trust-remote-code if you trust it"
+        )
+    config.model.trust_remote_code = trust_remote_code
     if config.model.name in BUILTIN_SHAPES and config.model.init != "random":
         config.model.init = "random"  # a built-in shape has no weights: rebuilt from train.seed
     if config.model.name in BUILTIN_SHAPES and config_path is None:
