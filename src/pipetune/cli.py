@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 import uuid
 from importlib import resources
@@ -24,7 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="fine-tune the built-in tiny Qwen3 on synthetic meetings (CPU ok)")
-    demo.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
+    demo.add_argument(
+        "--out", default=None, help="a new run directory (default: runs/demo, or runs/demo-2, ... if that one is taken)"
+    )
     demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the demo config's)")
     demo.add_argument("--nproc", type=int, default=2, help="pipeline stages / processes (default: 2)")
 
@@ -111,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
-            return run_demo(Path(args.out), args.steps, args.nproc)
+            return run_demo(args.out, args.steps, args.nproc)
         if args.command == "bench":
             return run_bench_command(args)
         if args.command == "data":
@@ -250,19 +251,31 @@ def run_bench_command(args: argparse.Namespace) -> int:
     return 0 if all("error" not in r for r in results) else 1
 
 
-def run_demo(out: Path, steps: int | None, nproc: int) -> int:
+def run_demo(out: str | None, steps: int | None, nproc: int) -> int:
     from pipetune.demo import show_results
 
     config = demo_config()
-    config.output.dir = str(out)
+    config.output.dir = str(demo_dir(out))
     config.parallel.pp = nproc
     if steps is not None:
         config.train.max_steps = steps
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # the demo always starts over
     code = run_train(config, nproc)
     if code == 0:
         show_results(config)
     return code
+
+
+def demo_dir(out: str | None) -> Path:
+    """A new (or empty) run directory for the demo: --out, else the first free of runs/demo, runs/demo-2, ..."""
+
+    def is_new(path: Path) -> bool:
+        return not path.exists() or (path.is_dir() and not any(path.iterdir()))
+
+    if out is not None:
+        if not is_new(Path(out)):
+            raise ConfigError(f"--out {out!r} exists and is not empty; the demo writes only into a new directory")
+        return Path(out)
+    return next(path for n in range(1, 10**6) if is_new(path := Path("runs/demo" + (f"-{n}" if n > 1 else ""))))
 
 
 def run_summarize(args: argparse.Namespace) -> int:
