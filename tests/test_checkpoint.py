@@ -153,3 +153,23 @@ def test_metrics_csv_continues_from_the_checkpoint_step(tmp_path: Path) -> None:
         rows = list(csv.DictReader(f))
     assert [(r["step"], r["loss"]) for r in rows] == [("1", "1"), ("2", "2"), ("3", "30")]
     assert rows[0]["peak_gb_rank1"] == "0.5" and rows[2]["peak_gb_rank1"] == ""
+
+
+def test_a_damaged_metrics_tail_does_not_block_a_resume(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """What a full disk or a power cut leaves: a row cut short, NUL bytes, bytes that are not UTF-8."""
+    path = tmp_path / "metrics.csv"
+    writer = MetricsWriter(path, n_ranks=1)
+    for step in (1, 2, 3):
+        writer.write({"strategy": "pp", "epoch": 0, "step": step, "loss": float(step)})
+    writer.close()
+    with open(path, "ab") as f:
+        f.write(b"pp,0,4,4.0,12\x00\x00\x00\n\xff\xfe,0,\npp,0,5,5.0")
+
+    writer = MetricsWriter(path, n_ranks=1, keep_until_step=3)
+    writer.write({"strategy": "pp", "epoch": 0, "step": 4, "loss": 40.0})
+    writer.close()
+
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["step"], r["loss"]) for r in rows] == [("1", "1"), ("2", "2"), ("3", "3"), ("4", "40")]
+    assert "3 damaged line(s) dropped" in capsys.readouterr().err

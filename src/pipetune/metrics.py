@@ -12,11 +12,15 @@ the figure is the process's peak resident set size (which cannot be reset).
 from __future__ import annotations
 
 import csv
+import io
 import resource
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+from pipetune.files import write_atomic
 
 SEED_COLUMNS = ["strategy", "epoch", "step", "loss", "tokens_per_sec", "step_time_sec", "peak_vram_gb", "lr"]
 EXTRA_COLUMNS = ["real_tokens_per_sec", "grad_norm", "supervised_tokens", "val_loss"]
@@ -59,7 +63,8 @@ class MetricsWriter:
     """Appends one row per log step to metrics.csv, flushing each row so a killed run keeps its log.
 
     `keep_until_step` continues a resumed run's file: its rows up to that step stay, later ones
-    (written after the checkpoint, before the run died) go, so the file reads as one run.
+    (written after the checkpoint, before the run died) go, so the file reads as one run. Rows a full disk or
+    a power cut left damaged (cut short, NUL bytes, not UTF-8) go too, with a warning.
     """
 
     def __init__(self, path: Path, n_ranks: int, keep_until_step: int | None = None) -> None:
@@ -68,16 +73,20 @@ class MetricsWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         kept: list[dict] = []
         if keep_until_step is not None and path.is_file():
-            with open(path, newline="") as f:
-                reader = csv.DictReader(f)
-                kept = [row for row in reader if row.get("step", "").isdigit() and int(row["step"]) <= keep_until_step]
-                self.columns += [c for c in reader.fieldnames or [] if c not in self.columns]  # e.g. another pp
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=self.columns)
-            writer.writeheader()
-            writer.writerows(kept)
-        tmp.replace(path)
+            kept, fieldnames, damaged = _read_rows(path)
+            kept = [row for row in kept if int(row["step"]) <= keep_until_step]
+            self.columns += [c for c in fieldnames if c not in self.columns]  # e.g. another pp
+            if damaged:
+                print(
+                    f"pipetune: warning: {path}: {damaged} damaged line(s) dropped (a write cut short)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=self.columns)
+        writer.writeheader()
+        writer.writerows(kept)
+        write_atomic(path, text.getvalue())
         self._file = open(path, "a", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=self.columns)
 
@@ -87,6 +96,27 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _read_rows(path: Path) -> tuple[list[dict], list[str], int]:
+    """Complete rows with a step, the header's columns, and how many lines were damaged."""
+    text = path.read_bytes().decode("utf-8", errors="replace").replace("\0", "")
+    lines = text.splitlines()
+    if not lines:
+        return [], [], 0
+    fieldnames = next(csv.reader(lines[:1]), [])
+    rows, damaged = [], 0
+    for line in lines[1:]:
+        try:
+            values = next(csv.reader([line]), [])
+        except csv.Error:
+            values = []
+        row = dict(zip(fieldnames, values, strict=False))
+        if len(values) != len(fieldnames) or "\ufffd" in line or not row.get("step", "").isdigit():
+            damaged += bool(line.strip())
+            continue
+        rows.append(row)
+    return rows, fieldnames, damaged
 
 
 def _format(value: object) -> object:
