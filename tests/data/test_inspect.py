@@ -78,6 +78,8 @@ def test_inspect_json_through_the_command_line(tmp_path: Path, capsys: pytest.Ca
         "skipped": {"missing summary": 1, "unparsable JSON line": 1},
         "held_out": 2,
         "from_train": 0,
+        "skipped_at": {"missing summary": [f"{source}:10"], "unparsable JSON line": [f"{source}:9"]},
+        "shortened": 0,
     }
     splits = {s["name"]: s for s in report["splits"]}
     assert splits["train"]["samples"] == 6 and splits["validation"]["samples"] == 2

@@ -63,7 +63,8 @@ def test_csv_with_configured_columns_long_fields_and_short_rows(tmp_path: Path) 
         writer.writerow([2, "A: short.", "Short meeting."])
         writer.writerow([3, "A: no summary.", ""])
         writer.writerow([4, "A: cut short"])  # fewer fields than the header
-    dataset = load_dataset(DataConfig(source=str(path), transcript_column="text", summary_column="abstract"))
+    data = DataConfig(source=str(path), transcript_column="text", summary_column="abstract", max_length=8192)
+    dataset = load_dataset(data)  # 8192 tokens: room for the whole transcript, which is not cut by characters
 
     assert [e.summary for e in dataset.splits["train"]] == ["Long meeting.", "Short meeting."]
     assert dataset.splits["train"][0].transcript == long_transcript.strip()
@@ -133,6 +134,8 @@ def test_directory_of_split_files_in_any_format(tmp_path: Path) -> None:
         "skipped": {"missing summary": 1},
         "held_out": 0,
         "from_train": 0,
+        "skipped_at": {"missing summary": [f"{tmp_path / 'train.jsonl'}:6"]},
+        "shortened": 0,
     }
     assert summary["splits"]["test"]["read"] == 3 and summary["skipped"] == {"missing summary": 1}
 
@@ -223,3 +226,33 @@ def test_synthetic_summary_and_data_json(tmp_path: Path) -> None:
         "train": (6, 6),
         "validation": (2, 2),
     }
+
+
+def test_rows_that_would_crash_a_reader_are_skipped_counted_and_located(tmp_path: Path) -> None:
+    """Nesting deeper than Python's recursion, an integer too long for int(), a lone surrogate; a BOM is no
+    problem; a transcript far beyond any token budget is cut by characters before anything tokenizes it."""
+    path = tmp_path / "rows.jsonl"
+    huge = "A: " + "word " * 400_000  # 2 MB
+    lines = [
+        "\ufeff" + json.dumps(GOOD[0]),  # UTF-8 BOM
+        '{"dialogue": ' + "[" * 100_000 + "]" * 100_000 + ', "summary": "s"}',
+        '{"dialogue": "A: hi.", "summary": "S.", "n": ' + "9" * 5000 + "}",
+        '{"dialogue": "A: \\ud800 hi.", "summary": "S."}',
+        json.dumps({"dialogue": huge, "summary": "Long."}),
+    ]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    dataset = load_dataset(DataConfig(source=str(path), max_length=128))
+
+    stats = dataset.stats["train"]
+    assert stats.skipped == Counter({"unparsable JSON line": 2, "invalid Unicode in dialogue": 1})
+    assert stats.skipped_at == {
+        "unparsable JSON line": [f"{path}:2", f"{path}:3"],
+        "invalid Unicode in dialogue": [f"{path}:4"],
+    }
+    first, long = dataset.splits["train"]
+    assert first == Example(GOOD[0]["dialogue"], GOOD[0]["summary"])
+    assert stats.shortened == 1 and len(long.transcript) <= 128 * 64 + 1
+    assert long.transcript.startswith(huge[:1000]) and long.transcript.endswith(huge.strip()[-1000:])
+
+    (tmp_path / "rows.json").write_text("\ufeff" + json.dumps(GOOD[:2]), encoding="utf-8")  # a JSON list with a BOM
+    assert len(load_dataset(DataConfig(source=str(tmp_path / "rows.json"))).splits["train"]) == 2

@@ -183,9 +183,13 @@ def format_report(report: DataReport) -> str:
         out.append("skipped rows by reason:")
         for reason, count in report.rows["skipped"].items():
             where = ", ".join(f"{name} {r['skipped'][reason]}" for name, r in rows.items() if reason in r["skipped"])
-            out.append(f"  {count:>6}  {reason}  ({where})")
+            first = next(r["skipped_at"][reason][0] for r in rows.values() if r["skipped_at"].get(reason))
+            out.append(f"  {count:>6}  {reason}  ({where}; first: {first})")
     else:
         out.append("skipped rows: none")
+    shortened = sum(r["shortened"] for r in rows.values())
+    if shortened:
+        out.append(f"{shortened} row(s) with text too long for any sample were cut by characters before tokenizing")
     out.append("")
 
     length_rows = []

@@ -1,10 +1,13 @@
 """Where meetings come from: the synthetic corpus, local files or directories, or a hub dataset.
 
 Every source goes through the same cleaning: a row with a missing, empty or non-string
-transcript or summary, an unparsable JSONL line, or anything that is not a record is skipped
-and counted by reason (per split), never raised. `Dataset.summary()` is what a run writes to
-`data.json`. A source without a validation split can hold out `data.validation_fraction` of
-train, chosen by the seed alone.
+transcript or summary, text that is not valid Unicode (a lone surrogate), an unparsable JSONL line
+(nested too deep, an integer too long to read, ...), or anything that is not a record is skipped
+and counted by reason (per split), never raised; the first few skipped rows of each reason are
+located (file and line). A transcript or summary too long for any data.max_length budget is cut by
+characters (the head and tail of a transcript, the head of a summary) before anything tokenizes it.
+`Dataset.summary()` is what a run writes to `data.json`. A source without a validation split can
+hold out `data.validation_fraction` of train, chosen by the seed alone.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ NOT_UTF8_LINE = "line not UTF-8"
 NOT_A_RECORD = "not a record"
 NOT_A_LIST = "JSON file not a list of records"
 UNPARSABLE_CSV_ROW = "unparsable CSV row"
+LOCATED_PER_REASON = 5
+"""Skipped rows located per reason in data.json: enough to find the pattern, never the whole file."""
+CHARS_PER_TOKEN = 64
+"""A bound on the characters one token covers: text beyond data.max_length x this is cut before tokenizing."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +69,10 @@ class SplitStats:
     """Clean train rows moved to validation by data.validation_fraction."""
     from_train: int = 0
     """Validation rows that were taken from train (data.validation_fraction)."""
+    skipped_at: dict[str, list[str]] = field(default_factory=dict)
+    """Where the first LOCATED_PER_REASON skipped rows of each reason are ("train.jsonl:7", "x.parquet row 3")."""
+    shortened: int = 0
+    """Kept rows whose text was cut by characters before tokenizing (beyond data.max_length x CHARS_PER_TOKEN)."""
 
 
 @dataclass
@@ -95,6 +106,8 @@ class Dataset:
                 "skipped": dict(sorted(stats.skipped.items())),
                 "held_out": stats.held_out,
                 "from_train": stats.from_train,
+                "skipped_at": stats.skipped_at,
+                "shortened": stats.shortened,
             }
         return {"source": self.source, "splits": splits, "skipped": dict(sorted(self.skipped.items()))}
 
@@ -126,7 +139,7 @@ def load_dataset(data: DataConfig, seed: int = 0) -> Dataset:
     return dataset
 
 
-def _raw_splits(source: str) -> dict[str, Iterable[Any]]:
+def _raw_splits(source: str) -> dict[str, Iterable[tuple[str, Any]]]:
     path = Path(source).expanduser()
     if path.is_dir():
         return {split: _read_files(files) for split, files in split_files(path).items()}
@@ -168,23 +181,33 @@ def split_files(directory: Path) -> dict[str, list[Path]]:
     return {split: found[split] for split in SPLITS if split in found}
 
 
-def _read_files(files: list[Path]) -> list[Any]:
+def _read_files(files: list[Path]) -> list[tuple[str, Any]]:
     return [row for path in files for row in read_local_rows(path)]
 
 
-def clean_rows(raw: dict[str, Iterable[Any]], data: DataConfig) -> Dataset:
-    """Keep the rows with a usable transcript and summary (stripped); count the others by reason."""
+def clean_rows(raw: dict[str, Iterable[tuple[str, Any]]], data: DataConfig) -> Dataset:
+    """Keep the rows with a usable transcript and summary (stripped, cut to a length tokenizing can afford); count
+    and locate the others by reason. `raw` holds (where, row) pairs."""
     dataset = Dataset({})
+    limit = data.max_length * CHARS_PER_TOKEN
     for split, rows in raw.items():
         stats = SplitStats()
         kept = []
-        for row in rows:
+        for where, row in rows:
             stats.read += 1
             reason = _problem(row, data)
             if reason:
                 stats.skipped[reason] += 1
-            else:
-                kept.append(Example(row[data.transcript_column].strip(), row[data.summary_column].strip()))
+                located = stats.skipped_at.setdefault(reason, [])
+                if len(located) < LOCATED_PER_REASON:
+                    located.append(where)
+                continue
+            transcript, summary = row[data.transcript_column].strip(), row[data.summary_column].strip()
+            if len(transcript) > limit or len(summary) > limit:
+                stats.shortened += 1
+                transcript = transcript[: limit // 2] + "\n" + transcript[-(limit // 2) :]  # the prompt cuts the middle
+                summary = summary[:limit]  # a summary keeps its head
+            kept.append(Example(transcript, summary))
         dataset.splits[split] = kept
         dataset.stats[split] = stats
     return dataset
@@ -204,6 +227,10 @@ def _problem(row: Any, data: DataConfig) -> str | None:
             return f"non-string {column}"
         if not value.strip():
             return f"empty {column}"
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return f"invalid Unicode in {column}"  # a lone surrogate: JSON allows it, tokenizers do not
     return None
 
 
@@ -237,62 +264,73 @@ def hold_out_validation(dataset: Dataset, fraction: float, seed: int) -> None:
 # --------------------------------------------------------------------------- local files
 
 
-def read_local_rows(path: Path) -> list[Any]:
-    """Raw rows of a local JSONL/JSON/CSV/Parquet file; rows that cannot be parsed become `_Unusable`."""
+def read_local_rows(path: Path) -> list[tuple[str, Any]]:
+    """(where, raw row) of a local JSONL/JSON/CSV/Parquet file; rows that cannot be parsed become `_Unusable`."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        return _json_lines(path.read_bytes())
+        return _json_lines(path.read_bytes(), path)
     if suffix == ".json":
         return _json_rows(path)
     if suffix == ".csv":
         return _csv_rows(path)
     if suffix == ".parquet":
-        return _parquet_rows(path)
+        return [(f"{path} row {i}", row) for i, row in enumerate(_parquet_rows(path), start=1)]
     raise ConfigError(f"data.source = {str(path)!r}: unknown file type {suffix!r}; use .jsonl, .json, .csv or .parquet")
 
 
-def _json_lines(content: bytes) -> list[Any]:
-    rows: list[Any] = []
-    for line in content.splitlines():
+def _parse_json(text: bytes) -> Any:
+    """json.loads of UTF-8 bytes (a leading BOM allowed); ValueError for anything it cannot turn into a value:
+    invalid UTF-8 or JSON, nesting deeper than Python's recursion, integers longer than int() may read."""
+    try:
+        return json.loads(text.decode("utf-8-sig"))
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def _json_lines(content: bytes, path: Path) -> list[tuple[str, Any]]:
+    rows: list[tuple[str, Any]] = []
+    for number, line in enumerate(content.splitlines(), start=1):
         if not line.strip():
             continue
+        where = f"{path}:{number}"
         try:
-            rows.append(json.loads(line.decode("utf-8")))
+            rows.append((where, _parse_json(line)))
         except UnicodeDecodeError:
-            rows.append(_Unusable(NOT_UTF8_LINE))
-        except json.JSONDecodeError:
-            rows.append(_Unusable(UNPARSABLE_LINE))
+            rows.append((where, _Unusable(NOT_UTF8_LINE)))
+        except ValueError:  # JSONDecodeError, too deep, an integer too long
+            rows.append((where, _Unusable(UNPARSABLE_LINE)))
     return rows
 
 
-def _json_rows(path: Path) -> list[Any]:
+def _json_rows(path: Path) -> list[tuple[str, Any]]:
     """A list of records, or {"data": [records]}; JSON Lines under a .json name (what `datasets` writes) also work."""
     content = path.read_bytes()
     try:
-        loaded = json.loads(content.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        return _json_lines(content)
+        loaded = _parse_json(content)
+    except ValueError:
+        return _json_lines(content, path)
     if isinstance(loaded, dict) and isinstance(loaded.get("data"), list):
         loaded = loaded["data"]
     if not isinstance(loaded, list):
-        return [_Unusable(NOT_A_LIST)]
-    return loaded
+        return [(str(path), _Unusable(NOT_A_LIST))]
+    return [(f"{path} record {i}", row) for i, row in enumerate(loaded, start=1)]
 
 
-def _csv_rows(path: Path) -> list[Any]:
+def _csv_rows(path: Path) -> list[tuple[str, Any]]:
     # Meeting transcripts outgrow csv's default 128 KiB field limit.
     csv.field_size_limit(2**31 - 1)
-    rows: list[Any] = []
+    rows: list[tuple[str, Any]] = []
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:
             reader = csv.DictReader(f)
             while True:
+                where = f"{path}:{reader.line_num + 1}"
                 try:
-                    rows.append(next(reader))
+                    rows.append((where, next(reader)))
                 except StopIteration:
                     break
                 except csv.Error:
-                    rows.append(_Unusable(UNPARSABLE_CSV_ROW))
+                    rows.append((where, _Unusable(UNPARSABLE_CSV_ROW)))
     except UnicodeDecodeError as e:
         raise ConfigError(f"data.source file {str(path)!r} is not UTF-8 text ({e}); re-save it as UTF-8") from None
     return rows
@@ -336,4 +374,8 @@ def _hub_rows(name: str) -> dict[str, Iterable[Any]]:
             f"data.source = {name!r} is neither a local file nor directory, and could not be loaded from the hub "
             f"({type(e).__name__}{': ' + detail if detail else ''}). {offline}"
         ) from None
-    return {split: loaded[split] for split in loaded}
+    return {split: _located_rows(f"{name} {split} row", loaded[split]) for split in loaded}
+
+
+def _located_rows(prefix: str, rows: Iterable[Any]) -> Iterable[tuple[str, Any]]:
+    return ((f"{prefix} {i}", row) for i, row in enumerate(rows, start=1))
