@@ -181,3 +181,37 @@ def test_p2p_channels_reach_nccl_before_any_communicator(monkeypatch: pytest.Mon
     assert "NCCL_MAX_P2P_NCHANNELS" not in os.environ  # 0: NCCL's own choice
     init_distributed(p2p_channels=1)
     assert os.environ["NCCL_MAX_P2P_NCHANNELS"] == "1"
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("parallel.timeout_s=inf", r"parallel.timeout_s = inf must be positive \(seconds, e.g. 600\) and at most"),
+        ("train.weight_decay=-0.1", r"train.weight_decay = -0.1 must be >= 0 and finite"),
+        ("train.lr=nan", r"train.lr = nan must be positive and finite"),
+        ("train.max_grad_norm=inf", r"train.max_grad_norm = inf must be >= 0 and finite"),
+        ("parallel.layers_per_stage=[1.5, 2.5]", r"layers_per_stage = \[1.5, 2.5\] must be whole numbers of layers"),
+        ("lora.alpha=0", r"lora.alpha = 0 must be positive and finite"),
+        ("train.warmup_steps=-1", r"train.warmup_steps = -1 must be >= 0"),
+        ("train.seed=-1", r"train.seed = -1 must be within \[0, 2\*\*32\)"),
+        ("data.synthetic_train=0", r"data.synthetic_train = 0 must be at least 1"),
+        ("data.max_length=1099511627776", r"data.max_length = 1099511627776 is beyond 1048576 tokens"),
+        ("lora.target_modules=[1]", r"lora.target_modules = \[1\] must be names of linear layers"),
+        ('output.dir=""', r"output.dir is empty"),
+    ],
+)
+def test_values_that_passed_validation_and_crashed_later(tmp_path: Path, override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate(tiny_config(tmp_path, override), world_size=2)
+
+
+def test_output_dir_naming_a_file_and_config_files_that_cannot_be_read(tmp_path: Path) -> None:
+    (tmp_path / "taken").write_text("a file")
+    for out in (tmp_path / "taken", tmp_path / "taken" / "run"):
+        with pytest.raises(ConfigError, match=f"{tmp_path / 'taken'}' is a file, not a directory"):
+            validate(tiny_config(out), world_size=2)
+    with pytest.raises(ConfigError, match="is a directory; pass --config with a TOML file"):
+        load_config(tmp_path)
+    (tmp_path / "latin1.toml").write_bytes('[model]\nname = "caf\xe9"\n'.encode("latin-1"))
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        load_config(tmp_path / "latin1.toml")

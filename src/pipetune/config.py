@@ -7,6 +7,7 @@ value fails once, on the launching process, with a message that names it and the
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,10 @@ ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
 DTYPES = ("float32", "bfloat16", "float16")
 STRATEGIES = ("pp", "ddp", "fsdp", "single")
 RESUME_MODES = ("never", "auto")
+MAX_LENGTH = 2**20
+"""The longest sample pipetune accepts (tokens); far beyond what any model here can attend to."""
+MAX_TIMEOUT_S = 86400 * 7
+"""parallel.timeout_s at most a week: longer (or infinite) cannot be a collective's timeout."""
 
 
 class ConfigError(ValueError):
@@ -233,13 +238,18 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
+        if path.is_dir():
+            raise ConfigError(f"config file {str(path)!r} is a directory; pass --config with a TOML file")
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist; pass --config with a TOML file")
-        with open(path, "rb") as f:
-            try:
-                raw = tomllib.load(f)
-            except tomllib.TOMLDecodeError as e:
-                raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+        try:
+            raw = tomllib.loads(path.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({e}); save it as UTF-8") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"config file {str(path)!r} cannot be read ({e.strerror})") from None
     config = from_dict(raw)
     for item in overrides:
         apply_override(config, item)
@@ -353,8 +363,22 @@ def validate(config: Config, world_size: int) -> None:
         ("lora.r", config.lora.r),
         ("data.max_length", d.max_length),
         ("data.max_summary_tokens", d.max_summary_tokens),
+        ("data.synthetic_train", d.synthetic_train),
     ]:
         _check(value >= 1, f"{name} = {value} must be at least 1")
+    for name, value in [
+        ("train.warmup_steps", t.warmup_steps),
+        ("train.timeline_step", t.timeline_step),
+        ("data.synthetic_validation", d.synthetic_validation),
+    ]:
+        _check(value >= 0, f"{name} = {value} must be >= 0")
+    _check(d.max_length <= MAX_LENGTH, f"data.max_length = {d.max_length} is beyond {MAX_LENGTH} tokens; lower it")
+    _check(0 <= t.seed < 2**32, f"train.seed = {t.seed} must be within [0, 2**32) (e.g. 42)")
+    for name, value in [("model.name", m.name), ("data.source", d.source), ("output.dir", config.output.dir)]:
+        _check(bool(value.strip()), f"{name} is empty; set it (see the defaults in src/pipetune/config.py)")
+    for name, value in [("data.transcript_column", d.transcript_column), ("data.summary_column", d.summary_column)]:
+        _check(bool(value), f"{name} is empty; name the column of your data that holds it")
+    _check_output_dir(config.output.dir)
     _check_schedule(p, t.compile, t.activation_checkpointing)
     if t.cuda_graphs:
         _check(t.compile, "train.cuda_graphs = true replays compiled layers: set train.compile = true as well")
@@ -402,14 +426,25 @@ def validate(config: Config, world_size: int) -> None:
         t.max_steps == -1 or t.max_steps >= 1,
         f"train.max_steps = {t.max_steps} must be -1 (no cap) or at least 1",
     )
-    _check(t.lr > 0, f"train.lr = {t.lr} must be positive")
+    _check(t.lr > 0 and math.isfinite(t.lr), f"train.lr = {t.lr} must be positive and finite")
+    _check(
+        t.weight_decay >= 0 and math.isfinite(t.weight_decay),
+        f"train.weight_decay = {t.weight_decay} must be >= 0 and finite (e.g. 0.01)",
+    )
+    _check(
+        config.lora.alpha > 0 and math.isfinite(config.lora.alpha),
+        f"lora.alpha = {config.lora.alpha} must be positive and finite (e.g. 2 x lora.r)",
+    )
     _check(t.save_every >= 0, f"train.save_every = {t.save_every} must be >= 0 (0: checkpoints at epoch ends only)")
     _check(t.resume in RESUME_MODES, f"train.resume = {t.resume!r} is unknown; use one of {', '.join(RESUME_MODES)}")
-    _check(p.timeout_s > 0, f"parallel.timeout_s = {p.timeout_s} must be positive (seconds, e.g. 600)")
+    _check(
+        0 < p.timeout_s <= MAX_TIMEOUT_S,
+        f"parallel.timeout_s = {p.timeout_s} must be positive (seconds, e.g. 600) and at most {MAX_TIMEOUT_S:g}",
+    )
     _check(p.p2p_channels >= 0, f"parallel.p2p_channels = {p.p2p_channels} must be >= 0 (0: NCCL's choice; e.g. 1)")
     if d.buckets:
         _check(
-            all(isinstance(b, int) and b >= 1 for b in d.buckets)
+            all(type(b) is int and b >= 1 for b in d.buckets)
             and d.buckets == sorted(set(d.buckets))
             and d.buckets[-1] == d.max_length,
             f"data.buckets = {d.buckets} must be distinct ascending lengths ending at data.max_length = "
@@ -417,7 +452,11 @@ def validate(config: Config, world_size: int) -> None:
         )
     _check(t.eval_every >= 0, f"train.eval_every = {t.eval_every} must be >= 0 (0: at epoch ends only)")
     _check(t.memory_gb >= 0, f"train.memory_gb = {t.memory_gb} must be >= 0 (0: the GPU's total memory)")
-    _check(t.max_grad_norm >= 0, f"train.max_grad_norm = {t.max_grad_norm} must be >= 0 (0 disables clipping)")
+    _check(math.isfinite(t.memory_gb), f"train.memory_gb = {t.memory_gb} must be finite (GB, e.g. 80)")
+    _check(
+        t.max_grad_norm >= 0 and math.isfinite(t.max_grad_norm),
+        f"train.max_grad_norm = {t.max_grad_norm} must be >= 0 and finite (0 disables clipping)",
+    )
     _check(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio = {t.min_lr_ratio} must be within [0, 1]")
     _check(0 <= config.lora.dropout < 1, f"lora.dropout = {config.lora.dropout} must be within [0, 1)")
     _check(
@@ -425,6 +464,10 @@ def validate(config: Config, world_size: int) -> None:
         f"data.validation_fraction = {d.validation_fraction} must be within [0, 1) (0 = no hold-out); e.g. 0.1",
     )
     _check(bool(config.lora.target_modules), "lora.target_modules is empty; name at least one linear layer")
+    _check(
+        all(isinstance(name, str) and name for name in config.lora.target_modules),
+        f"lora.target_modules = {config.lora.target_modules} must be names of linear layers, e.g. ['q_proj', 'v_proj']",
+    )
     _check(
         t.batch_size % p.n_microbatches == 0,
         f"train.batch_size = {t.batch_size} is not divisible by parallel.n_microbatches = {p.n_microbatches}; "
@@ -436,6 +479,10 @@ def validate(config: Config, world_size: int) -> None:
         f"start {p.pp * p.dp} processes (--nproc {p.pp * p.dp}) or change parallel.pp",
     )
     if p.layers_per_stage:
+        _check(
+            all(type(n) is int for n in p.layers_per_stage),
+            f"parallel.layers_per_stage = {p.layers_per_stage} must be whole numbers of layers, e.g. [18, 18]",
+        )
         _check(
             len(p.layers_per_stage) == p.n_stages,
             f"parallel.layers_per_stage = {p.layers_per_stage} has {len(p.layers_per_stage)} entries "
@@ -518,6 +565,18 @@ def _check_schedule(p: ParallelConfig, compiled: bool, checkpointed: bool) -> No
             f"parallel.schedule = {s!r} splits each backward into input- and weight-gradient parts, which "
             "torch.compile'd layers do not support; set train.compile = false or use 1f1b / interleaved_1f1b",
         )
+
+
+def _check_output_dir(value: str) -> None:
+    """output.dir must be a directory or creatable as one: not a file, not below one."""
+    path = Path(value).expanduser()
+    for existing in (path, *path.parents):
+        if existing.exists():
+            _check(
+                existing.is_dir(),
+                f"output.dir = {value!r}: {str(existing)!r} is a file, not a directory; choose another output.dir",
+            )
+            return
 
 
 def _check(ok: bool, message: str) -> None:

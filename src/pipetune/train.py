@@ -150,6 +150,8 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     resume_from = find_resume_checkpoint(config, restarted)
     t, p = config.train, config.parallel
     device = env.device
+    if t.cuda_graphs and device.type != "cuda":
+        warn0("train.cuda_graphs = true is ignored on the CPU (CUDA graphs need GPUs): the layers run compiled only")
     run_dir = Path(config.output.dir)
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
