@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from pipetune.checkpoint import committed_checkpoints, verify_files
-from pipetune.train import clip_global_grad_norm
+from pipetune.parallel.process_group import DistEnv
+from pipetune.train import _Window, clip_global_grad_norm
 from tests.conftest import run_cli, tiny_config, write_config
 
 
@@ -91,3 +93,26 @@ def test_a_peer_that_stops_responding_ends_the_run_with_rank_and_collective(
     assert result.returncode != 0
     assert "rank 0 waited 10 s for a peer in the gradient-norm all-reduce of step 2 and gave up" in result.stderr
     assert "raise parallel.timeout_s" in result.stderr
+
+
+def test_validation_and_checkpoint_time_stay_out_of_the_step_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The row after a validation (or a checkpoint) reports training alone in step_time_sec and tokens/s."""
+    now = [100.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    env, window = DistEnv(0, 1, 0, torch.device("cpu")), _Window(torch.device("cpu"))
+
+    def step() -> None:
+        now[0] += 2.0
+        window.add(torch.tensor(1.0), torch.tensor(1.0), 100, 80, 10, skipped=False)
+
+    step()
+    row = window.flush(env, holds_loss=True)
+    assert (row["step_time_sec"], row["tokens_per_sec"]) == (2.0, 50.0)
+    started, now[0] = now[0], now[0] + 30.0  # a validation
+    assert window.exclude_since(started) == 30.0
+    started, now[0] = now[0], now[0] + 5.0  # a checkpoint
+    window.exclude_since(started)
+    step()
+    step()
+    row = window.flush(env, holds_loss=True)
+    assert (row["step_time_sec"], row["tokens_per_sec"]) == (2.0, 50.0)

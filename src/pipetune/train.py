@@ -389,12 +389,14 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
                 status.phase = "metrics all-gather"
                 row = window.flush(env, runner.is_last)
                 row.update(strategy=p.strategy, epoch=epoch, step=step, lr=lr)
-                if evaluate:
+                if evaluate:  # timed in its own column, and kept out of the next row's step time and tokens/s
                     status.phase = "validation"
                     phases.mark("validation", step=step)
+                    started = time.perf_counter()
                     row["val_loss"] = evaluate_validation(
                         runner, peft_model, validation, t.batch_size, loss_fn, device, p.dp
                     )
+                    row["val_time_sec"] = window.exclude_since(started)
                 if writer is not None:
                     writer.write(row)
                     tensorboard.write(row)
@@ -409,7 +411,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
                 saved = save_checkpoint(
                     config, after, env.rank, env.world_size, peft_model, optimizer, scheduler, param_names
                 )
-                print0(f"checkpoint {saved} ({time.perf_counter() - started:.1f} s)")
+                print0(f"checkpoint {saved} ({window.exclude_since(started):.1f} s)")  # not training time either
                 faults.after_step(step, saved=True)
     progress.close()
     if env.rank == 0 and t.timeline_step:
@@ -633,6 +635,12 @@ class _Window:
         self.tokens += tokens
         self.real_tokens += real
         self.supervised += supervised
+
+    def exclude_since(self, started: float) -> float:
+        """Keep the time since `started` (validation, a checkpoint) out of this window; returns it in seconds."""
+        seconds = time.perf_counter() - started
+        self.start += seconds
+        return seconds
 
     def flush(self, env: DistEnv, holds_loss: bool) -> dict:
         """One row: loss from the last stage, peak memory from every rank, in one all_gather."""
