@@ -8,6 +8,7 @@ Committed checkpoints are never lost on the way.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -119,6 +120,37 @@ def test_damaged_marker_is_named(run_dir: Path, capsys: pytest.CaptureFixture) -
     assert f"checkpoint marker {run_dir / 'checkpoints' / 'step-2' / MARKER} is damaged" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("marker", ["[]", '{"step": "2", "world_size": 1}', '{"step": 2, "world_size": 0}'])
+def test_a_marker_of_the_wrong_shape_is_named_with_the_fallback(
+    run_dir: Path, capsys: pytest.CaptureFixture, marker: str
+) -> None:
+    newest = run_dir / "checkpoints" / "step-2"
+    (newest / MARKER).write_text(marker)
+    assert _train(run_dir, "--resume") == 2
+    err = capsys.readouterr().err
+    assert (
+        f"checkpoint marker {newest / MARKER} is damaged (" in err and f"delete {newest} to resume from step-1" in err
+    )
+
+
+def test_a_damaged_older_marker_leaves_the_newest_checkpoint_usable(run_dir: Path) -> None:
+    (run_dir / "checkpoints" / "step-1" / MARKER).write_bytes(b"\xff\x00")
+    assert find_resume_checkpoint(tiny_config(run_dir, 'train.resume="auto"')).step == 2
+
+
+def test_file_names_in_a_checkpoint_stay_inside_it(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
+    """A crafted checkpoint, its hashes recomputed, that names a file outside itself is refused, never read."""
+    newest = run_dir / "checkpoints" / "step-2"
+    meta = json.loads((newest / "state.rank0.json").read_text())
+    meta["files"]["../../../outside.safetensors"] = "0" * 64
+    (newest / "state.rank0.json").write_text(json.dumps(meta))
+    marker = json.loads((newest / MARKER).read_text())
+    marker["files"]["state.rank0.json"] = hashlib.sha256((newest / "state.rank0.json").read_bytes()).hexdigest()
+    (newest / MARKER).write_text(json.dumps(marker))
+    assert _train(run_dir, "--resume") == 2
+    assert "lists a file '../../../outside.safetensors' that is not one of its parts" in capsys.readouterr().err
+
+
 def test_checkpoint_without_marker_is_never_loaded(run_dir: Path) -> None:
     (run_dir / "checkpoints" / "step-2" / MARKER).unlink()
     config = tiny_config(run_dir, 'train.resume="auto"')
@@ -132,6 +164,10 @@ def test_checkpoint_without_marker_is_never_loaded(run_dir: Path) -> None:
         ("lora.alpha=16", r"lora.alpha 32 (config: 16)"),
         ('lora.target_modules=["q_proj","v_proj"]', r"lora.target_modules ['down_proj', "),
         ('model.name="qwen3-0.6b"', r"model.name 'tiny-qwen3' (config: 'qwen3-0.6b')"),
+        ("train.seed=7", r"train.seed 42 (config: 7)"),  # builds a random-init base, orders the data
+        ("train.batch_size=8", r"train.batch_size 4 (config: 8)"),  # batch_size, grad_accum, dp: the data position
+        ("train.grad_accum=1", r"train.grad_accum 2 (config: 1)"),
+        ("data.max_length=256", r"data.max_length 128 (config: 256)"),
     ],
 )
 def test_incompatible_resume_fails_before_training_and_keeps_the_checkpoints(

@@ -65,6 +65,10 @@ def test_nan_on_a_middle_stage_is_skipped_by_all_then_stops_the_run(
     assert "step 6: non-finite loss or gradient norm on stage 1; optimizer step skipped (3 in a row" in result.stderr
     assert "3 optimizer steps in a row (up to step 6) had a non-finite loss or gradient norm; stopping" in result.stderr
     assert result.stderr.count("; stopping.") == 1  # said once, by rank 0
+    assert (  # steps 4 and 5 were skipped: step-5 holds the weights of step 3
+        f"The newest committed checkpoint, {run_dir / 'checkpoints' / 'step-5'}, holds weights from before them "
+        "(those of step 3: a skipped step changes no weight). Lower train.lr (applied on resume" in result.stderr
+    )
 
     rows = _rows(run_dir)
     assert sorted(rows) == [1, 2, 3, 4, 5]  # stopped before step 6 was logged or saved

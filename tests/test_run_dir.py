@@ -1,0 +1,187 @@
+"""A run directory belongs to one run at a time, and nothing deletes or replaces what it did not create.
+
+In-process: the lock, a stale lock, a finished run without checkpoints, the demo's directory, a full disk.
+One multi-process run (marked slow) stops a launcher with SIGTERM, kills one with SIGKILL, and resumes with a
+changed learning rate.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipetune.checkpoint import committed_checkpoints, verify_files
+from pipetune.cli import demo_dir, main
+from pipetune.config import ConfigError, load_config
+from pipetune.run_lock import LOCK_FILE, lock_for_worker, lock_run_dir
+from pipetune.train import lr_factor
+from tests.conftest import REPO, tiny_config, write_config
+
+
+def _train(config_file: Path, *args: str) -> int:
+    return main(["train", "--config", str(config_file), "--quiet", *args])
+
+
+def _files(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+def test_a_locked_run_directory_refuses_a_second_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = tmp_path / "run"
+    config_file = write_config(tiny_config(run_dir, "train.lr=0.5"), tmp_path / "c.toml")
+    with lock_run_dir(run_dir):  # as a running launcher holds it
+        before = _files(run_dir)
+        assert _train(config_file) == 2
+        assert _files(run_dir) == before  # no config.toml written over the running run's
+        err = capsys.readouterr().err
+        assert f"output.dir = '{run_dir}' is in use by another run (process {os.getpid()} on " in err
+        assert "wait for it to end, or choose another output.dir" in err
+        assert lock_for_worker(run_dir, rank=0) is None  # this process's workers run inside its lock
+        with monkeypatch.context() as patched:
+            patched.setenv("PIPETUNE_RUN_LOCK", "another launcher's token")
+            with pytest.raises(ConfigError, match="is no longer locked by this worker's launcher"):
+                lock_for_worker(run_dir, rank=0)
+    assert not (run_dir / LOCK_FILE).exists() and "PIPETUNE_RUN_LOCK" not in os.environ
+
+
+def test_a_stale_lock_is_taken_over_with_a_note(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": 4194305, "host": "gone", "started": 1.5e9}))  # no flock
+    with lock_run_dir(tmp_path):
+        holder = json.loads((tmp_path / LOCK_FILE).read_text())
+        assert holder["pid"] == os.getpid()
+    assert "note: taking over the lock of" in capsys.readouterr().err
+    assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_a_fresh_start_never_replaces_a_finished_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    run_dir = tmp_path / "run"
+    (run_dir / "adapter").mkdir(parents=True)
+    (run_dir / "adapter" / "adapter_model.safetensors").write_bytes(b"trained")
+    (run_dir / "metrics.csv").write_text("strategy,epoch,step,loss\npp,0,1,2.0\n")
+    config_file = write_config(tiny_config(run_dir, "parallel.pp=1"), tmp_path / "c.toml")
+    before = _files(run_dir)
+
+    assert _train(config_file) == 2
+    assert "holds an earlier run (adapter and metrics.csv) without checkpoints to continue from" in (
+        capsys.readouterr().err
+    )
+    assert _train(config_file, "--resume") == 2
+    assert "holds a finished run's adapter/ but no checkpoint to continue from" in capsys.readouterr().err
+    assert _files(run_dir) == before
+
+
+def test_the_demo_writes_only_into_a_new_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    mine = tmp_path / "mine"
+    (mine / "checkpoints").mkdir(parents=True)
+    (mine / "checkpoints" / "keep").write_text("not the demo's")
+    assert main(["demo", "--out", str(mine)]) == 2
+    assert "exists and is not empty; the demo writes only into a new directory" in capsys.readouterr().err
+    assert (mine / "checkpoints" / "keep").read_text() == "not the demo's"
+
+    monkeypatch.chdir(tmp_path)
+    assert demo_dir(None) == Path("runs/demo")
+    Path("runs/demo").mkdir(parents=True)
+    assert demo_dir(None) == Path("runs/demo")  # empty: still new
+    Path("runs/demo/metrics.csv").write_text("an earlier demo")
+    assert demo_dir(None) == Path("runs/demo-2")
+
+
+def test_a_full_disk_ends_the_run_with_one_line_and_keeps_what_was_committed(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """The second checkpoint's first file is written to /dev/full (through its temporary name: one process, so
+    its pid is this one's): the write fails with ENOSPC as on a full disk."""
+    run_dir = tmp_path / "run"
+    config = tiny_config(run_dir, "parallel.pp=1", "train.max_steps=2", "train.save_every=1")
+    step2 = run_dir / "checkpoints" / "step-2"
+    step2.mkdir(parents=True)
+    (step2 / f".adapter.rank0.safetensors.{os.getpid()}.tmp").symlink_to("/dev/full")
+
+    with pytest.raises(SystemExit) as stopped:
+        _train(write_config(config, tmp_path / "c.toml"))
+    assert stopped.value.code == 1
+    err = capsys.readouterr().err
+    assert err.count("pipetune: error:") == 1 and "Traceback" not in err
+    assert f"rank 0: no space left on the device writing {step2 / 'adapter.rank0.safetensors'}; " in err
+    assert "committed checkpoints are kept: free space, then continue with --resume" in err
+    assert not [p for p in run_dir.rglob("*") if p.name.endswith(".tmp")]  # the temporary file is gone
+    assert [c.step for c in committed_checkpoints(run_dir)] == [1]
+    verify_files(committed_checkpoints(run_dir)[0])
+
+
+def _start(config_file: Path, *args: str) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    command = [sys.executable, "-m", "pipetune", "train", "--config", str(config_file), "--quiet", *args]
+    return subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_checkpoint_after(run_dir: Path, step: int, launcher: subprocess.Popen) -> int:
+    while not any(c.step > step for c in committed_checkpoints(run_dir)):
+        assert launcher.poll() is None, launcher.communicate()
+        time.sleep(0.2)
+    return committed_checkpoints(run_dir)[-1].step
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] in "ZX"  # a zombie is dead
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal and /proc are Linux's")
+def test_killed_and_stopped_launchers_and_a_resume_with_a_new_lr(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    config = tiny_config(run_dir, "train.epochs=100", "train.max_steps=200", "train.save_every=1")
+    config_file = write_config(config, tmp_path / "c.toml")
+
+    # SIGKILL to the launcher: its workers die with it instead of training on alone.
+    launcher = _start(config_file)
+    killed_at = _wait_for_checkpoint_after(run_dir, 0, launcher)
+    workers = _children(launcher.pid)
+    assert len(workers) == 2
+    launcher.kill()
+    launcher.communicate(timeout=600)
+    deadline = time.monotonic() + 600  # a hang guard: the kernel kills them at once
+    while not all(_gone(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_gone(pid) for pid in workers)
+    assert (run_dir / LOCK_FILE).exists()  # left behind by the killed launcher
+
+    # Resume with a new lr: the stale lock is taken over, the lr is applied and config.toml records it.
+    resumed_at = committed_checkpoints(run_dir)[-1].step
+    assert resumed_at >= killed_at
+    launcher = _start(config_file, "--resume", "--set", "train.lr=1e-5")
+    _wait_for_checkpoint_after(run_dir, resumed_at, launcher)
+    with open(run_dir / "metrics.csv") as f:
+        lrs = {int(row["step"]): float(row["lr"]) for row in csv.DictReader(f)}
+    assert lrs[resumed_at + 1] == pytest.approx(1e-5 * lr_factor(resumed_at, 0, 200, 0.1), rel=1e-6)
+    assert lrs[resumed_at] == pytest.approx(1e-3 * lr_factor(resumed_at - 1, 0, 200, 0.1), rel=1e-6)
+    assert load_config(run_dir / "config.toml").train.lr == 1e-5
+
+    # SIGTERM to the launcher: one line, exit 128 + 15, no temporary file, the committed checkpoints intact.
+    launcher.send_signal(signal.SIGTERM)
+    _, err = launcher.communicate(timeout=600)
+    assert launcher.returncode == 128 + signal.SIGTERM, err
+    assert "note: taking over the lock of" in err and "which ended without releasing it" in err
+    assert err.count("pipetune: error:") == 1 and "Traceback" not in err, err
+    assert "pipetune: error: stopped by SIGTERM; the newest committed checkpoint, " in err
+    assert not [p for p in run_dir.rglob("*") if p.name.endswith(".tmp") or p.name == LOCK_FILE]
+    verify_files(committed_checkpoints(run_dir)[-1])
