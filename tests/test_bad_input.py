@@ -194,7 +194,7 @@ def test_data_that_makes_no_optimizer_step_is_a_config_error(tmp_path: Path, cap
     data = tmp_path / "meetings.jsonl"
     rows = [{"dialogue": "A: hi.", "summary": "They met."}, {"dialogue": "A: hi."}, {"summary": ""}]
     data.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
-    config = tiny_config(tmp_path / "run", "parallel.pp=1", f'data.source="{data}"')
+    config = tiny_config(tmp_path / "run", f'data.source="{data}"')  # pp = 2: the launcher says it, once
     assert main(["train", "--config", str(write_config(config, tmp_path / "c.toml")), "--quiet"]) == 2
     err = capsys.readouterr().err
     assert "1 training samples (skipped rows: 2" in err

@@ -177,7 +177,7 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
         from pipetune.data.sources import load_dataset
 
         dataset = load_dataset(config.data, seed=config.train.seed)  # a data error once, here, not once per worker
-        check_optimizer_steps(config, len(dataset.splits["train"]), dataset.skipped_line())
+        check_optimizer_steps(config, len(dataset.splits.get("train", [])), dataset.skipped_line())
         return launch_local(config, world_size, quiet, max_restarts)
 
 
