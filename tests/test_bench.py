@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import run_cli, tiny_config, write_config
+
+pytestmark = pytest.mark.slow  # multi-process end-to-end runs: pytest -m "not slow" leaves them out
 
 
 def test_bench_runs_strategies_and_reports_bubble(tmp_path: Path) -> None:

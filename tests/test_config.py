@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pipetune.cli import demo_config
+from pipetune.cli import demo_config, main
 from pipetune.config import Config, ConfigError, apply_override, load_config, save_config, validate
 from pipetune.preflight import preflight
-from tests.conftest import REPO, run_cli, tiny_config, write_config
+from tests.conftest import REPO, tiny_config, write_config
 
 
 def test_toml_round_trip_keeps_every_value(tmp_path: Path) -> None:
@@ -162,12 +162,13 @@ def test_model_dependent_errors(tmp_path: Path, overrides: list[str], world_size
         preflight(tiny_config(tmp_path, *overrides), world_size)
 
 
-def test_cli_fails_before_starting_workers(tmp_path: Path) -> None:
+def test_cli_fails_before_starting_workers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """In this process: the launcher's checks run before it starts any worker (a worker would be a subprocess)."""
     config = tiny_config(tmp_path / "run", "parallel.pp=4", "parallel.n_microbatches=2", "train.batch_size=4")
-    result = run_cli("train", "--config", str(write_config(config, tmp_path / "c.toml")), check=False)
-    assert result.returncode == 2
-    assert "n_microbatches = 2 < parallel.pp = 4" in result.stderr
-    assert "raise n_microbatches" in result.stderr
+    assert main(["train", "--config", str(write_config(config, tmp_path / "c.toml"))]) == 2
+    err = capsys.readouterr().err
+    assert "n_microbatches = 2 < parallel.pp = 4" in err
+    assert "raise n_microbatches" in err
     assert not (tmp_path / "run").exists()  # nothing was launched, no run directory
 
 

@@ -7,11 +7,14 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 from pipetune.config import load_config
 from pipetune.metrics import SEED_COLUMNS
 from tests.conftest import run_cli
+
+pytestmark = pytest.mark.slow  # multi-process end-to-end runs: pytest -m "not slow" leaves them out
 
 
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:

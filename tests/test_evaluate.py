@@ -58,6 +58,7 @@ def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_finetuned_beats_base(demo_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Measured on 8 validation meetings (48 new tokens): ROUGE-1 2.2 -> 30.9, ROUGE-2 0.0 -> 10.5,
     ROUGE-Lsum 1.9 -> 28.8, token loss 8.87 -> 3.61. The margins below are 40% of those gaps or less."""
@@ -75,6 +76,7 @@ def test_finetuned_beats_base(demo_run: Path, capsys: pytest.CaptureFixture[str]
     assert tuned["loss"] < base["loss"] - 2.0
 
 
+@pytest.mark.slow
 def test_eval_rejects_unknown_split(demo_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["eval", "--run", str(demo_run), "--split", "test", "--quiet"]) == 2
     error = capsys.readouterr().err

@@ -43,6 +43,7 @@ def _rows(run_dir: Path) -> dict[int, dict[str, str]]:
         return {int(row["step"]): row for row in csv.DictReader(f)}
 
 
+@pytest.mark.slow
 def test_nan_on_a_middle_stage_is_skipped_by_all_then_stops_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -87,6 +88,7 @@ def test_nan_on_a_middle_stage_is_skipped_by_all_then_stops_the_run(
         assert all(torch.isfinite(t).all() for t in after.values())
 
 
+@pytest.mark.slow
 def test_a_peer_that_stops_responding_ends_the_run_with_rank_and_collective(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

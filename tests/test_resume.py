@@ -48,12 +48,14 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp / "run"
 
 
+@pytest.mark.slow
 def test_reference_run_checkpoints_and_keeps_the_last_two(reference: Path) -> None:
     assert [step for _, step, _ in _metrics(reference)] == [str(s) for s in range(1, 9)]
     assert [c.step for c in committed_checkpoints(reference)] == [6, 8]
     assert sorted(p.name for p in (reference / "checkpoints").iterdir()) == ["step-6", "step-8"]
 
 
+@pytest.mark.slow
 def test_killed_and_resumed_run_equals_the_uninterrupted_one(
     reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -75,6 +77,7 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_one(
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-6", "step-8"]
 
 
+@pytest.mark.slow
 def test_max_restarts_finishes_a_run_whose_rank_was_killed(
     reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -87,6 +90,7 @@ def test_max_restarts_finishes_a_run_whose_rank_was_killed(
     assert _adapter_bytes(tmp_path / "run") == _adapter_bytes(reference)
 
 
+@pytest.mark.slow
 def test_checkpoint_of_two_stages_resumes_under_four(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Adapter and optimizer state are keyed by full-model names: the layout may change on resume.
 

@@ -45,6 +45,7 @@ def meetings() -> list[str]:
     return [meeting.transcript for meeting in synthetic_splits(seed=3, n_train=1, n_validation=3)["validation"]]
 
 
+@pytest.mark.slow
 def test_base_comes_from_the_runs_config(run_dir: Path, tmp_path: Path) -> None:
     source = inference_config(run_dir / "adapter")
     assert source.config_path == run_dir / "config.toml" and not source.warning
@@ -62,6 +63,7 @@ def test_base_comes_from_the_runs_config(run_dir: Path, tmp_path: Path) -> None:
         inference_config(tmp_path)
 
 
+@pytest.mark.slow
 def test_cli_summarizes_jsonl_keeping_other_fields(run_dir: Path, finetuned, meetings, tmp_path: Path) -> None:
     records = [{"id": i, "dialogue": text, "summary": f"reference {i}"} for i, text in enumerate(meetings)]
     path = tmp_path / "meetings.jsonl"
@@ -108,6 +110,7 @@ def test_inputs_text_jsonl_and_stdin(tmp_path: Path, meetings) -> None:
         read_transcripts(str(tmp_path / "missing.txt"), "dialogue")
 
 
+@pytest.mark.slow
 def test_batches_are_left_padded_and_keep_input_order(finetuned, meetings) -> None:
     """Prompts of different lengths in one left-padded batch give the same greedy text as one at a time."""
     model, prepared = finetuned
@@ -121,6 +124,7 @@ def test_batches_are_left_padded_and_keep_input_order(finetuned, meetings) -> No
     assert any(together)  # some generated text, not only the stop token
 
 
+@pytest.mark.slow
 def test_sampling_is_seeded_and_checked(finetuned, meetings) -> None:
     model, prepared = finetuned
     first = summarize(model, prepared, meetings[:2], MAX_NEW_TOKENS, sampling=Sampling(0.8, 0.9, seed=1))
@@ -132,6 +136,7 @@ def test_sampling_is_seeded_and_checked(finetuned, meetings) -> None:
         Sampling(top_p=1.5)
 
 
+@pytest.mark.slow
 def test_cli_rejects_sampling_flags_without_sample(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["summarize", "--adapter", str(run_dir / "adapter"), "--temperature", "0.5", "-"]) == 2
     assert "add --sample" in capsys.readouterr().err

@@ -27,6 +27,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory):
     return config, tmp / "run" / "adapter"
 
 
+@pytest.mark.slow
 def test_adapter_has_peft_layout_and_full_model_names(trained) -> None:
     config, adapter = trained
     meta = json.loads((adapter / "adapter_config.json").read_text())
@@ -39,6 +40,7 @@ def test_adapter_has_peft_layout_and_full_model_names(trained) -> None:
     assert len(names) == 4 * 7 * 2
 
 
+@pytest.mark.slow
 def test_peft_loaded_model_reproduces_the_stages_logits(trained) -> None:
     config, adapter = trained
     device = torch.device("cpu")

@@ -42,6 +42,7 @@ def test_bad_buckets_are_refused(tmp_path: Path) -> None:
         validate(tiny_config(tmp_path, "data.max_length=384", "data.buckets=[128, 256]"), 2)
 
 
+@pytest.mark.slow
 def test_bucketed_pipeline_matches_bucketed_single_process(tmp_path: Path) -> None:
     runs = {}
     for pp in (1, 2):

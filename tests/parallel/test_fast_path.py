@@ -14,6 +14,8 @@ from pipetune.parallel.memory import plan_checkpointing
 from tests.conftest import run_cli, tiny_config, write_config
 from tests.parallel.test_parity import _adapter, _losses, _max_relative
 
+pytestmark = pytest.mark.slow  # multi-process end-to-end runs: pytest -m "not slow" leaves them out
+
 
 def _train(tmp: Path, name: str, *overrides: str) -> Path:
     """Train a tiny config; the run directory holds its metrics, its adapter, and train.log (stdout + stderr)."""

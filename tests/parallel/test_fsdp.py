@@ -48,6 +48,7 @@ def _train(tmp: Path, name: str, *overrides: str, nproc: int, resume: bool = Fal
     return run_cli("train", "--config", config_file, "--nproc", str(nproc), *args).stdout
 
 
+@pytest.mark.slow
 def test_fsdp_matches_single_process_and_resumes_exactly(single: Path, tmp_path: Path) -> None:
     run = tmp_path / "fsdp2"
     _train(tmp_path, "fsdp2", *FSDP2, "train.save_every=1", nproc=2)
@@ -64,6 +65,7 @@ def test_fsdp_matches_single_process_and_resumes_exactly(single: Path, tmp_path:
     assert (resumed / ADAPTER).read_bytes() == (run / ADAPTER).read_bytes()
 
 
+@pytest.mark.slow
 def test_pipeline_with_sharded_replicas_matches_single_process(single: Path, tmp_path: Path) -> None:
     _train(tmp_path, "pp2xdp2", "parallel.pp=2", "parallel.dp=2", "parallel.dp_shard=true", nproc=4)
     _assert_same_run(tmp_path / "pp2xdp2", single)

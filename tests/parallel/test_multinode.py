@@ -9,11 +9,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.conftest import REPO, tiny_config, write_config
 from tests.parallel.test_data_parallel import EFFECTIVE_16
 from tests.parallel.test_parity import _adapter, _losses, _max_relative
+
+pytestmark = pytest.mark.slow  # multi-process end-to-end runs: pytest -m "not slow" leaves them out
 
 
 def _free_port() -> int:

@@ -11,6 +11,8 @@ from safetensors.torch import load_file
 
 from tests.conftest import run_cli, tiny_config, write_config
 
+pytestmark = pytest.mark.slow  # multi-process end-to-end runs: pytest -m "not slow" leaves them out
+
 
 def _losses(run_dir: Path) -> list[float]:
     with open(run_dir / "metrics.csv") as f:

@@ -13,6 +13,8 @@ from pipetune.data.sources import load_dataset
 from pipetune.generate import load_finetuned, mean_token_loss
 from tests.conftest import run_cli, tiny_config, write_config
 
+pytestmark = pytest.mark.slow  # multi-process end-to-end runs: pytest -m "not slow" leaves them out
+
 
 @pytest.mark.parametrize("pp", [1, 2])
 def test_pipeline_validation_loss_matches_one_process(tmp_path: Path, pp: int) -> None:
