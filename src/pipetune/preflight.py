@@ -45,16 +45,7 @@ def preflight(config: Config, world_size: int) -> Prepared:
 
 def prepare(config: Config) -> Prepared:
     """Resolve the model, load its tokenizer and build the prompt builder (also used for inference)."""
-    try:
-        resolved = resolve_model(config.model)
-    except ValueError as e:  # transformers refuses a model folder that ships its own code
-        if "trust_remote_code" not in str(e):
-            raise
-        raise ConfigError(
-            f"model.name = {config.model.name!r} is built by its own code, which runs only when trusted: set "
-            "model.trust_remote_code = true to train it, or pass --trust-remote-code to summarize or eval, if you "
-            "trust it"
-        ) from None
+    resolved = resolve_model(config.model)
     validate_against_model(config, resolved.config.num_hidden_layers, linear_layer_names(resolved))
     tokenizer = load_tokenizer(config, resolved)
     if len(tokenizer) > resolved.config.vocab_size:
