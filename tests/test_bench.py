@@ -67,3 +67,20 @@ def test_bench_reports_a_strategy_past_its_timeout_and_runs_the_next(tmp_path: P
     assert [r["strategy"] for r in rows] == ["pp", "single"]
     assert all(r["error"].startswith("timed out after 3 s in ") and r["last_phase"] for r in rows), rows
     assert "bench: single: timed out after 3 s in " in result.stdout
+
+
+def test_bench_removes_only_its_own_earlier_runs(tmp_path: Path) -> None:
+    from pipetune.bench import clear_previous_run
+    from pipetune.config import ConfigError
+
+    mine, theirs = tmp_path / "pp", tmp_path / "single"
+    (mine / "checkpoints").mkdir(parents=True)
+    (mine / "config.toml").write_text("")
+    (mine / "progress.jsonl").write_text("")
+    clear_previous_run(mine)
+    assert not mine.exists()
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="is not an earlier bench run of this strategy"):
+        clear_previous_run(theirs)
+    assert (theirs / "notes.txt").read_text() == "keep me"

@@ -84,7 +84,7 @@ def run_bench(
     results = []
     for strategy in strategies:
         variant = strategy_config(config, strategy, steps, warmup, out_dir)
-        shutil.rmtree(variant.output.dir, ignore_errors=True)
+        clear_previous_run(Path(variant.output.dir))
         path = out_dir / f"{strategy}.toml"
         save_config(variant, path)
         n_gpus = variant.parallel.pp * variant.parallel.dp
@@ -99,6 +99,22 @@ def run_bench(
     print_table(results)
     plot_bench(results, out_dir / "bench.png")
     return results
+
+
+def clear_previous_run(run_dir: Path) -> None:
+    """Remove an earlier bench run of this strategy (a run directory: config.toml with progress.jsonl or
+    metrics.csv); refuse anything else, which bench did not create."""
+    if not run_dir.exists():
+        return
+    made_by_a_run = (run_dir / "config.toml").is_file() and any(
+        (run_dir / name).is_file() for name in ("progress.jsonl", "metrics.csv")
+    )
+    if not made_by_a_run:
+        raise ConfigError(
+            f"{run_dir} exists and is not an earlier bench run of this strategy; bench writes each strategy's run "
+            "there: pass another --out"
+        )
+    shutil.rmtree(run_dir)
 
 
 def run_strategy(config_path: Path, run_dir: Path, log: Path, name: str, warmup: int, timeout_s: float) -> dict:

@@ -17,7 +17,7 @@ def test_checkpointed_layers_run_again_in_backward(checkpointed: bool, calls: in
     resolved = resolve_model(ModelConfig(name="tiny-qwen3", init="random"))
     model, _ = build_model(resolved, torch.float32, torch.device("cpu"), layers=range(4), seed=0)
     stage = StageModule(apply_lora(model, LoraConfig(dropout=0.1), "tiny-qwen3", seed=0)).train()
-    stage.checkpoint_layers = checkpointed
+    stage.checkpoint_layers = len(stage.layers) if checkpointed else 0
     seen = []
     # A pre-hook: the recomputation may stop early (torch stops once it has the tensors backward needs).
     stage.layers[1].register_forward_pre_hook(lambda *_: seen.append(1))
