@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pipetune.cli import silence_library_warnings
 from pipetune.config import Config, apply_override, save_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,6 +20,7 @@ def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Tests never touch the user's cache; the demo tokenizer is trained once per session."""
     os.environ["PIPETUNE_CACHE"] = str(tmp_path_factory.mktemp("pipetune-cache"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    silence_library_warnings()  # as the command line does
 
 
 def tiny_config(out_dir: Path, *overrides: str) -> Config:

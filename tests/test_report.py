@@ -1,4 +1,4 @@
-"""`pipetune report` renders charts and index.html from run directories; TensorBoard mirrors metrics rows."""
+"""`pipetune report` renders charts and index.html from run directories."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from pipetune.cli import main
 from pipetune.config import ConfigError, save_config
-from pipetune.metrics import MetricsWriter, TensorBoardWriter
+from pipetune.metrics import MetricsWriter
 from pipetune.report import bench_peak_gb, build_report, load_runs, summary_row
 from tests.conftest import tiny_config
 
@@ -106,21 +106,3 @@ def test_report_cli_and_bad_directories(tmp_path: Path, capsys: pytest.CaptureFi
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="neither metrics.csv nor bench.json"):
         load_runs([_mkdir(tmp_path / "empty")])
-
-
-def test_tensorboard_mirrors_metrics_rows(tmp_path: Path) -> None:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    writer = TensorBoardWriter(tmp_path / "tensorboard")
-    for step, loss in ((1, 5.0), (2, 4.0)):
-        writer.write(_row(step, loss))  # no close(): each row is flushed
-    events = EventAccumulator(str(tmp_path / "tensorboard"))
-    events.Reload()
-    assert "strategy" not in events.Tags()["scalars"] and "step" not in events.Tags()["scalars"]
-    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 5.0), (2, 4.0)]
-    assert [e.value for e in events.Scalars("peak_gb_rank1")] == pytest.approx([0.7, 0.7])
-    writer.close()
-
-    disabled = TensorBoardWriter(tmp_path / "off", enabled=False)
-    disabled.write(_row(1, 1.0))
-    assert not (tmp_path / "off").exists()

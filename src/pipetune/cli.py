@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import uuid
+import warnings
 from pathlib import Path
 
 from pipetune.config import Config, ConfigError, load_config, save_config
@@ -31,6 +33,18 @@ examples:
 """
 
 
+LIBRARY_WARNINGS = [
+    # peft 0.21 calls a transformers 5 method deprecated in favour of another: nothing a user can change
+    (FutureWarning, r".*is_gradient_checkpointing"),
+]
+
+
+def silence_library_warnings() -> None:
+    """Hide the libraries' warnings that a pipetune user cannot act on (workers start through main too)."""
+    for category, message in LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
 def version() -> str:
     from importlib.metadata import PackageNotFoundError
     from importlib.metadata import version as package_version
@@ -42,6 +56,7 @@ def version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    silence_library_warnings()
     parser = argparse.ArgumentParser(
         prog="pipetune",
         description="LoRA fine-tuning of open LLMs with pipeline and data parallelism, on torch.distributed.",
@@ -211,6 +226,7 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
     from pipetune.preflight import check_optimizer_steps, preflight
     from pipetune.run_lock import lock_run_dir
 
+    started = time.time()
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts {max_restarts} must be >= 0")
     if under_launcher():
@@ -237,12 +253,18 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
 
         dataset = load_dataset(config.data, seed=config.train.seed)  # a data error once, here, not once per worker
         check_optimizer_steps(config, len(dataset.splits.get("train", [])), dataset.skipped_line())
-        return launch_local(config, world_size, quiet, max_restarts)
+        return launch_local(config, world_size, quiet, max_restarts, started)
 
 
-def launch_local(config: Config, nproc: int, quiet: bool = False, max_restarts: int = 0) -> int:
+def launch_local(
+    config: Config, nproc: int, quiet: bool = False, max_restarts: int = 0, started: float | None = None
+) -> int:
     """Start nproc workers on this machine through torch's elastic launcher (torchrun --standalone)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from pipetune.run_log import STARTED_ENV
+
+    started = time.time() if started is None else started
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -266,6 +288,7 @@ def launch_local(config: Config, nproc: int, quiet: bool = False, max_restarts: 
     argv = ["-m", "pipetune", "train", "--config", str(config_path)] + (["--quiet"] if quiet else [])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # the workers die with this process and leave stops to it
+    os.environ[STARTED_ENV] = f"{started:.3f}"  # the workers' wall time counts from here
     try:
         elastic_launch(launch, sys.executable)(*argv)
     except ChildFailedError as e:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import sys
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,9 +36,7 @@ def load_finetuned(
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     prepared = prepare(config)
     base, _ = build_model(prepared.model, DTYPES[config.model.dtype], device, seed=config.train.seed)
-    with warnings.catch_warnings():  # peft 0.21 calls a transformers 5 method deprecated in favour of another
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-        model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     return model, prepared
 
 

@@ -1,4 +1,4 @@
-"""metrics.csv and memory figures.
+"""metrics.csv, memory figures and progress (other loggers: loggers.py).
 
 The first eight columns are the seed script's, so its plots keep working; the rest follow.
 `peak_vram_gb` is the true peak since the previous row (max_memory_allocated, reset after each
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from pipetune.files import write_atomic
+from pipetune.run_log import log_only, terminal
 
 SEED_COLUMNS = ["strategy", "epoch", "step", "loss", "tokens_per_sec", "step_time_sec", "peak_vram_gb", "lr"]
 EXTRA_COLUMNS = ["real_tokens_per_sec", "grad_norm", "supervised_tokens", "val_loss", "val_time_sec"]
@@ -173,7 +174,7 @@ class ProgressReporter:
             return
         from rich.console import Console
 
-        console = Console()
+        console = Console(file=terminal(sys.stdout))  # the bar stays out of train.log; its rows go in as lines
         if console.is_terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -193,55 +194,21 @@ class ProgressReporter:
         if not self.enabled:
             return
         loss, speed = f"{row['loss']:.4f}", f"{row['tokens_per_sec']:,.0f}"
+        line = (
+            f"step {step}/{self.total} | loss {loss} | {speed} tok/s | {row['step_time_sec']:.2f} s/step | "
+            f"peak {row['peak_vram_gb']:.2f} GB | lr {row['lr']:.2e}"
+        )
+        if "val_loss" in row:
+            line += f" | val_loss {row['val_loss']:.4f}"
         if self._bar is not None:
             self._bar.update(self._task, completed=step, loss=loss, speed=speed)
+            log_only(line)
         else:
-            print(
-                f"step {step}/{self.total} | loss {loss} | {speed} tok/s | {row['step_time_sec']:.2f} s/step | "
-                f"peak {row['peak_vram_gb']:.2f} GB | lr {row['lr']:.2e}",
-                flush=True,
-            )
+            print(line, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
-
-
-class TensorBoardWriter:
-    """Mirrors each metrics row into TensorBoard scalars (output.tensorboard = true); does nothing when disabled.
-
-    Every row is flushed at once, like metrics.csv, so a killed run keeps its curves and close() is optional.
-    """
-
-    def __init__(self, log_dir: Path, enabled: bool = True) -> None:
-        self._writer = None
-        if not enabled:
-            return
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            from pipetune.config import ConfigError
-
-            raise ConfigError(
-                "output.tensorboard = true needs the tensorboard package: pip install 'pipetune[plots]', "
-                "or set output.tensorboard = false"
-            ) from None
-        self._writer = SummaryWriter(log_dir=str(log_dir))
-
-    def write(self, row: dict) -> None:
-        if self._writer is None:
-            return
-        step = int(row["step"])
-        for key, value in row.items():
-            if key in ("step", "epoch") or isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
-                continue
-            self._writer.add_scalar(key, float(value), step)
-        self._writer.flush()
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
 
 
 class TaskProgress:
