@@ -15,12 +15,15 @@ from pipetune.config import Config, apply_override, save_config
 REPO = Path(__file__).resolve().parents[1]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    silence_library_warnings()  # as the command line does (here: pytest resets filters set while importing this)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Tests never touch the user's cache; the demo tokenizer is trained once per session."""
     os.environ["PIPETUNE_CACHE"] = str(tmp_path_factory.mktemp("pipetune-cache"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    silence_library_warnings()  # as the command line does
 
 
 def tiny_config(out_dir: Path, *overrides: str) -> Config:

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipetune.cli import main
 from pipetune.config import ConfigError
@@ -140,3 +143,34 @@ def test_sampling_is_seeded_and_checked(finetuned, meetings) -> None:
 def test_cli_rejects_sampling_flags_without_sample(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["summarize", "--adapter", str(run_dir / "adapter"), "--temperature", "0.5", "-"]) == 2
     assert "add --sample" in capsys.readouterr().err
+
+
+def test_export_reproduces_summarize_with_plain_transformers_and_peft(
+    run_dir: Path, finetuned, meetings, tmp_path: Path
+) -> None:
+    """The model card's code (transformers, PEFT, torch and the export directory only) builds pipetune's prompt
+    token for token and generates the same summaries; the merged model computes the same logits."""
+    out = tmp_path / "export"
+    assert main(["export", "--run", str(run_dir), "--out", str(out), "--merge"]) == 0
+    assert json.loads((out / "prompt.json").read_text()) == json.loads((run_dir / "prompt.json").read_text())
+    adapter_config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str((out / "base").resolve())
+    assert AutoTokenizer.from_pretrained(out / "adapter").chat_template is not None
+
+    code = re.search(r"## transformers \+ PEFT\n\n```python\n(.*?)```", (out / "README.md").read_text(), re.S)
+    card: dict = {}
+    exec(compile(code.group(1), str(out / "README.md"), "exec"), card)
+    model, prepared = finetuned
+    texts = [meetings[0], meetings[1][:60]]
+    budget = json.loads((out / "prompt.json").read_text())["transcript_budget"]
+    assert len(prepared.tokenizer.encode(texts[0])) > budget > len(prepared.tokenizer.encode(texts[1]))  # cut, not
+    assert [card["prompt_ids"](text) for text in texts] == [prepared.prompts.prompt_ids(text) for text in texts]
+    expected = summarize(model, prepared, texts, MAX_NEW_TOKENS)
+    assert [card["summarize"](text, MAX_NEW_TOKENS) for text in texts] == expected and any(expected)
+
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.float32).eval()
+    ids = torch.tensor([card["prompt_ids"](texts[0])])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, card["model"](input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+    assert main(["export", "--run", str(run_dir), "--out", str(out)]) == 2  # never writes into a used directory

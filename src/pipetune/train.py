@@ -28,6 +28,7 @@ from pipetune.checkpoint import Position, find_resume_checkpoint, latest_checkpo
 from pipetune.config import V_SCHEDULES, Config, save_config
 from pipetune.data.batching import IGNORE, bucket_lengths, bucketed_epoch_batches, epoch_batches, tokenize_split
 from pipetune.data.sources import load_dataset
+from pipetune.export import PROMPT_FILE, write_prompt_settings
 from pipetune.loggers import open_loggers
 from pipetune.metrics import (
     MetricsWriter,
@@ -169,6 +170,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir / "config.toml")
+        write_prompt_settings(run_dir / PROMPT_FILE, prepared.prompts, config)  # for export and plain-HF use
     phases = PhaseLog(run_dir / "progress.jsonl", enabled=env.is_main)
     torch.manual_seed(t.seed + env.rank)  # LoRA dropout: a different stream per stage and replica
     mesh = build_mesh(env, p.pp, p.dp)
