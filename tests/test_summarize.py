@@ -103,9 +103,21 @@ def test_inputs_text_jsonl_and_stdin(tmp_path: Path, meetings) -> None:
     assert out == [{"n": 0, SUMMARY_FIELD: "a"}, {"n": 1, SUMMARY_FIELD: "b"}]
     assert read_transcripts("-", "dialogue", stdin=io.StringIO(meetings[1])).transcripts == [meetings[1]]
 
+    # unusable rows are skipped and counted, the rest summarized; the first line makes stdin JSONL
+    rows = '{"dialogue": "a"}\n{"transcript": "b"}\nnot json\n{"dialogue": ""}\n[1]\n{"dialogue": "c", "n": 1}\n'
+    mixed = read_transcripts("-", "dialogue", stdin=io.StringIO(rows))
+    assert mixed.transcripts == ["a", "c"] and [r.get("n") for r in mixed.records] == [None, 1]
+    assert [n for n, _ in mixed.skipped] == [2, 3, 4, 5]
+    assert mixed.skipped_line() == (
+        "skipped 4 of 6 rows: line 2 ('dialogue': no field), line 3 (not valid JSON), "
+        "line 4 ('dialogue': empty), line 5 (a JSON list)"
+    )
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"dialogue": "a"}\n{"transcript": "b"}\n')
-    with pytest.raises(ConfigError, match=r"line 2 has no non-empty string field 'dialogue'.*--column"):
+    bad.write_text('{"transcript": "a"}\n{"transcript": "b", "id": 2}\n')
+    with pytest.raises(ConfigError, match=r"no usable row .* --column \(fields seen: id, transcript\)"):
+        read_transcripts(str(bad), "dialogue")
+    bad.write_text('{"dialogue": " "}\n')
+    with pytest.raises(ConfigError, match=r"no usable row \(skipped 1 of 1 rows: line 1 \('dialogue': empty\)\)"):
         read_transcripts(str(bad), "dialogue")
     with pytest.raises(ConfigError, match="is empty"):
         read_transcripts("-", "dialogue", stdin=io.StringIO("\n \n"))

@@ -144,7 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--max-new-tokens", type=int, default=None, help="(default: data.max_summary_tokens)")
     evaluate.add_argument("--batch-size", type=int, default=8, help="meetings generated together (default: 8)")
     evaluate.add_argument("--out", default=None, help="eval.json path or directory (default: the run directory)")
-    evaluate.add_argument("--quiet", action="store_true", help="no progress bar")
+    evaluate.add_argument(
+        "--no-base",
+        action="store_true",
+        help="skip scoring the base model (an earlier eval.json's base scores with equal settings are reused anyway)",
+    )
+    evaluate.add_argument("--quiet", action="store_true", help="no progress lines")
     evaluate.add_argument(
         "--trust-remote-code", action="store_true", help="run the base model's own code (never taken from a config)"
     )
@@ -386,6 +391,8 @@ def run_summarize(args: argparse.Namespace) -> int:
     inputs = read_transcripts(args.input, args.column or config.data.transcript_column)
     if source.warning:
         print(f"pipetune: warning: {source.warning}", file=sys.stderr)
+    if inputs.skipped:  # the other rows are still summarized; the output has one line per usable row
+        print(f"pipetune: warning: {inputs.skipped_line()}", file=sys.stderr)
     model, prepared = load_finetuned(config, args.adapter)
     if not args.quiet:
         settings = source.config_path or "defaults"
@@ -430,12 +437,21 @@ def run_eval(args: argparse.Namespace) -> int:
     source = inference_config(adapter, None, args.config, args.trust_remote_code)
     if source.warning:
         print(f"pipetune: warning: {source.warning}", file=sys.stderr)
+    out = Path(args.out) if args.out else run_dir
+    path = out if out.suffix == ".json" else out / "eval.json"
     with TaskProgress(enabled=not args.quiet) as progress:
         result = evaluate(
-            source.config, adapter, args.split, args.limit, args.max_new_tokens, args.batch_size, progress
+            source.config,
+            adapter,
+            args.split,
+            args.limit,
+            args.max_new_tokens,
+            args.batch_size,
+            progress,
+            base="skip" if args.no_base else "score",
+            cache=path,
         )
-    out = Path(args.out) if args.out else run_dir
-    path = result.save(out if out.suffix == ".json" else out / "eval.json")
+    result.save(path)
     print(result.table())
     print(f"\nscores -> {path}")
     return 0

@@ -15,6 +15,7 @@ import csv
 import io
 import resource
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -212,12 +213,14 @@ class ProgressReporter:
 
 
 class TaskProgress:
-    """Rich progress bars for counted work (generation, evaluation), drawn on stderr so stdout keeps the results.
+    """Progress of counted work (generation, evaluation) on stderr, so stdout keeps the results: rich bars on a
+    terminal; elsewhere (a log file, a pipe) plain lines, at a task's start and end and every `interval_s`.
 
-    Silent when disabled or when stderr is not a terminal. `task()` returns the callback that advances a bar.
+    `task()` returns the callback that advances a task; `note()` prints a line about what happens next.
     """
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, interval_s: float = 10.0) -> None:
+        self.enabled, self.interval_s = enabled, interval_s
         self._bar = None
         if not enabled:
             return
@@ -244,12 +247,40 @@ class TaskProgress:
             )
             self._bar.start()
 
+    def note(self, text: str) -> None:
+        """One line on stderr (above the bars on a terminal)."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
     def task(self, description: str, total: int) -> Callable[[int], None]:
-        """A new bar of `total` items; call the returned function with the number of items just done."""
-        if self._bar is None:
+        """A new task of `total` items; call the returned function with the number of items just done."""
+        if not self.enabled:
             return lambda n=1: None
-        bar, task_id = self._bar, self._bar.add_task(description, total=total)
-        return lambda n=1: bar.advance(task_id, n)
+        if self._bar is not None:
+            bar, task_id = self._bar, self._bar.add_task(description, total=total)
+            return lambda n=1: bar.advance(task_id, n)
+        started = time.monotonic()
+        state = {"done": 0, "printed": started}
+
+        def line() -> None:
+            elapsed = time.monotonic() - started
+            left = elapsed / state["done"] * (total - state["done"]) if 0 < state["done"] < total else 0.0
+            eta = f", about {left:.0f} s left" if left else ""
+            print(f"{description}: {state['done']}/{total} ({elapsed:.0f} s{eta})", file=sys.stderr, flush=True)
+
+        def advance(n: int = 1) -> None:
+            state["done"] += n
+            now = time.monotonic()
+            if state["done"] >= total or now - state["printed"] >= self.interval_s:
+                state["printed"] = now
+                line()
+
+        line()
+        return advance
 
     def close(self) -> None:
         if self._bar is not None:
