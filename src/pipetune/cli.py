@@ -339,13 +339,14 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 
 def run_demo(out: str | None, steps: int | None, nproc: int) -> int:
-    from pipetune.demo import show_results
+    from pipetune.demo import intro, show_results
 
     config = demo_config()
     config.output.dir = str(demo_dir(out))
     config.parallel.pp = nproc
     if steps is not None:
         config.train.max_steps = steps
+    print(intro(config), flush=True)
     code = run_train(config, nproc)
     if code == 0:
         show_results(config)
