@@ -44,10 +44,11 @@ def test_finish_run_summarizes_and_writes_run_json(tmp_path: Path) -> None:
     writer.close()
     (tmp_path / "adapter").mkdir()
     summary = finish_run(tmp_path, time.time() - 102)
+    record = json.loads((tmp_path / "run.json").read_text())
     assert "done: 20 steps in 1 min 42 s; train loss 2.5000 (step 20), validation loss 3.2500 (step 10)" in summary
     assert "  adapter/  " in summary and "PEFT adapter" in summary and "metrics.csv" in summary
     assert f"pipetune eval --run {tmp_path}" in summary and f"pipetune report {tmp_path}" in summary
-    record = json.loads((tmp_path / "run.json").read_text())
+    assert finish_run(tmp_path, time.time(), full=False).startswith("done: 20 steps in ")  # --quiet: one line
     assert (record["steps"], record["final_loss"], record["final_val_loss"]) == (20, 2.5, 3.25)
     assert 101 < record["wall_time_s"] < 110
     assert [format_duration(s) for s in (42.04, 102, 7300)] == ["42.0 s", "1 min 42 s", "2 h 1 min"]

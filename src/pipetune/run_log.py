@@ -117,8 +117,9 @@ def run_started() -> float:
     return time.time()
 
 
-def finish_run(run_dir: Path, started: float, resumed_from: int | None = None) -> str:
-    """Write run.json and return the summary to print: wall time, final losses, entries, next commands."""
+def finish_run(run_dir: Path, started: float, resumed_from: int | None = None, full: bool = True) -> str:
+    """Write run.json and return the summary to print: wall time and final losses, then (`full`) the run
+    directory's entries and the next commands."""
     wall = time.time() - started
     rows = _metrics_rows(run_dir / "metrics.csv")
     final = {column: _last(rows, column) for column in ("loss", "val_loss")}
@@ -140,6 +141,8 @@ def finish_run(run_dir: Path, started: float, resumed_from: int | None = None) -
     if final["val_loss"]:
         losses.append(f"validation loss {final['val_loss'][1]:.4f} (step {final['val_loss'][0]})")
     lines = [f"\ndone: {steps} steps in {format_duration(wall)}" + (f"; {', '.join(losses)}" if losses else "")]
+    if not full:
+        return lines[0].lstrip()
     lines.append(f"\nrun directory {run_dir}:")
     entries = sorted(run_dir.iterdir(), key=lambda path: path.name)
     width = max((len(path.name) + path.is_dir() for path in entries), default=0)
