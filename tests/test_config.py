@@ -268,3 +268,15 @@ def test_output_dir_naming_a_file_and_config_files_that_cannot_be_read(tmp_path:
     (tmp_path / "latin1.toml").write_bytes('[model]\nname = "caf\xe9"\n'.encode("latin-1"))
     with pytest.raises(ConfigError, match="is not UTF-8 text"):
         load_config(tmp_path / "latin1.toml")
+
+
+def test_system_prompt_is_the_prompts_system_turn(tmp_path: Path) -> None:
+    from pipetune.export import prompt_settings
+
+    config = tiny_config(tmp_path, 'data.system_prompt="Summarize the meeting in one line."')
+    prepared = preflight(config, world_size=2)
+    settings = prompt_settings(prepared.prompts, config)
+    assert settings["system_prompt"] == "Summarize the meeting in one line."
+    assert "Summarize the meeting in one line." in settings["prefix"]
+    ids = prepared.prompts.prompt_ids("Anna: hello.")
+    assert prepared.tokenizer.decode(ids) == settings["prefix"] + "Anna: hello." + settings["suffix"]
