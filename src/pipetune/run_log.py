@@ -28,6 +28,7 @@ ENTRIES = {
     "eval.json": "ROUGE and loss, base vs fine-tuned (pipetune eval)",
     "metrics.csv": "one row per logged step: loss, val_loss, lr, grad_norm, tokens/s, memory",
     "mlruns": "MLflow runs (mlflow ui --backend-store-uri <run>/mlruns)",
+    "progress.jsonl": "each phase the run entered, timed",
     "prompt.json": "the prompt settings: system prompt, template tokens, cut rule, caps",
     "report": "pipetune report's charts and index.html",
     "run.json": "wall time and final losses",
