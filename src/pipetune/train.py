@@ -330,6 +330,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     step, skipped_in_row = position.step, position.skipped_in_row
     if validation is not None and resume_from is None:  # where the validation curve starts: the base model
         status.phase = "validation"
+        phases.mark("validation", step=0)
         row = {"strategy": p.strategy, "epoch": 0, "step": 0}
         row["val_loss"] = evaluate_validation(runner, peft_model, validation, t.batch_size, loss_fn, device, p.dp)
         if writer is not None:
