@@ -331,8 +331,10 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     if validation is not None and resume_from is None:  # where the validation curve starts: the base model
         status.phase = "validation"
         phases.mark("validation", step=0)
-        row = {"strategy": p.strategy, "epoch": 0, "step": 0}
+        row: dict = {"strategy": p.strategy, "epoch": 0, "step": 0}
+        started = time.perf_counter()
         row["val_loss"] = evaluate_validation(runner, peft_model, validation, t.batch_size, loss_fn, device, p.dp)
+        row["val_time_sec"] = time.perf_counter() - started
         if writer is not None:
             writer.write(row)
             loggers.write(row)
