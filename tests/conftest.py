@@ -9,9 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from pipetune.cli import silence_library_warnings
 from pipetune.config import Config, apply_override, save_config
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    silence_library_warnings()  # as the command line does (here: pytest resets filters set while importing this)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import os
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from pipetune.cli import demo_config, main
-from pipetune.config import Config, ConfigError, apply_override, load_config, save_config, validate
+from pipetune.config import (
+    Config,
+    ConfigError,
+    apply_override,
+    from_dict,
+    load_config,
+    save_config,
+    shipped_configs,
+    validate,
+)
 from pipetune.preflight import preflight
 from tests.conftest import REPO, tiny_config, write_config
 
@@ -43,12 +53,56 @@ def test_bad_overrides_name_the_problem(item: str, message: str) -> None:
         apply_override(Config(), item)
 
 
-def test_demo_config_file_is_the_embedded_default() -> None:
-    assert load_config(REPO / "configs" / "demo.toml") == demo_config()
+def test_shipped_configs_load_by_name_from_anywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every config ships inside the package (configs/ at the top is a link to it) and loads by its name."""
+    assert (REPO / "configs").resolve() == (REPO / "src" / "pipetune" / "configs").resolve()
+    shipped = shipped_configs()
+    assert {"demo", "qwen3-4b-ami", "bench-qwen3-4b"} <= set(shipped)
+    monkeypatch.chdir(tmp_path)  # no configs/ here: the names resolve inside the package
+    assert load_config("demo") == load_config("demo.toml") == load_config(shipped["demo"]) == demo_config()
+    for name in shipped:
+        config = load_config(name)
+        validate(config, config.parallel.pp * config.parallel.dp)
+    with pytest.raises(
+        ConfigError, match=r"does not exist; .* shipped config: bench-.*, demo, qwen3-4b-ami \(pipetune"
+    ):
+        load_config("qwen3-4b")
+
+
+def test_config_show_prints_resolved_toml_with_docs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "show", "--config", "qwen3-4b-ami", "--set", "train.lr=1e-4"]) == 0
+    text = capsys.readouterr().out
+    expected = load_config("qwen3-4b-ami", ["train.lr=1e-4"])
+    assert from_dict(tomllib.loads(text)) == expected  # valid TOML: the resolved config, every key
+    lines = text.splitlines()
+    for section, values in expected.to_dict().items():
+        for key in values:
+            at = next(
+                i for i, line in enumerate(lines) if line.startswith(f"{key} = ") and i > lines.index(f"[{section}]")
+            )
+            assert lines[at - 1].startswith("# "), f"{section}.{key} has no docstring above it"
+    assert "lr = 0.0001  # default: 0.0002" in lines
+    assert "# Peak learning rate of AdamW." in lines
+    assert 'source = "knkarthick/AMI"  # default' not in text  # equal to the default: not marked
+
+    assert main(["config", "list"]) == 0
+    listing = capsys.readouterr().out
+    assert all(name in listing for name in shipped_configs())
+
+
+def test_output_tensorboard_is_read_as_a_logger(capsys: pytest.CaptureFixture[str]) -> None:
+    """Configs and run directories written before output.loggers still load."""
+    config = from_dict({"output": {"tensorboard": True}})
+    assert config.output.loggers == ["csv", "tensorboard"]
+    assert "output.loggers" in capsys.readouterr().err
+    assert from_dict({"output": {"tensorboard": False}}).output.loggers == ["csv"]
+    config = Config()
+    apply_override(config, "output.tensorboard=true")
+    assert config.output.loggers == ["csv", "tensorboard"]
 
 
 def test_seed_job_config_matches_the_seed_script() -> None:
-    c = load_config(REPO / "configs" / "qwen3-4b-ami.toml")
+    c = load_config("qwen3-4b-ami")
     assert (c.model.name, c.data.source, c.data.max_length) == ("Qwen/Qwen3-4B", "knkarthick/AMI", 512)
     assert (c.train.batch_size, c.parallel.n_microbatches, c.train.grad_accum, c.train.epochs) == (8, 8, 2, 3)
     assert (c.train.lr, c.lora.r, c.lora.alpha, c.lora.dropout) == (2e-4, 16, 32, 0.15)
@@ -216,3 +270,15 @@ def test_output_dir_naming_a_file_and_config_files_that_cannot_be_read(tmp_path:
     (tmp_path / "latin1.toml").write_bytes('[model]\nname = "caf\xe9"\n'.encode("latin-1"))
     with pytest.raises(ConfigError, match="is not UTF-8 text"):
         load_config(tmp_path / "latin1.toml")
+
+
+def test_system_prompt_is_the_prompts_system_turn(tmp_path: Path) -> None:
+    from pipetune.export import prompt_settings
+
+    config = tiny_config(tmp_path, 'data.system_prompt="Summarize the meeting in one line."')
+    prepared = preflight(config, world_size=2)
+    settings = prompt_settings(prepared.prompts, config)
+    assert settings["system_prompt"] == "Summarize the meeting in one line."
+    assert "Summarize the meeting in one line." in settings["prefix"]
+    ids = prepared.prompts.prompt_ids("Anna: hello.")
+    assert prepared.tokenizer.decode(ids) == settings["prefix"] + "Anna: hello." + settings["suffix"]

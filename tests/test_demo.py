@@ -27,13 +27,22 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     with open(out / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0])[: len(SEED_COLUMNS)] == SEED_COLUMNS
-    assert [int(r["step"]) for r in rows] == [10, 20]
-    losses = [float(r["loss"]) for r in rows]
+    assert [int(r["step"]) for r in rows] == [0, 10, 20]  # step 0: validation before fine-tuning
+    assert float(rows[2]["val_loss"]) < float(rows[0]["val_loss"])
+    losses = [float(r["loss"]) for r in rows[1:]]
     assert losses[-1] < losses[0]
-    assert all(float(r["tokens_per_sec"]) > 0 and float(r["peak_vram_gb"]) > 0 for r in rows)
+    assert all(float(r["tokens_per_sec"]) > 0 and float(r["peak_vram_gb"]) > 0 for r in rows[1:])
 
     assert json.loads((out / "adapter" / "adapter_config.json").read_text())["peft_type"] == "LORA"
     assert len(load_file(out / "adapter" / "adapter_model.safetensors")) == 4 * 7 * 2
+
+    # the run ends with its summary, and rank 0's output is in train.log
+    assert re.search(r"done: 20 steps in [\d.]+ (s|min)", result.stdout)
+    assert f"pipetune export --run {out} --out {out / 'export'}" in result.stdout
+    log = (out / "train.log").read_text()
+    assert "step 10/20" in log and "done: 20 steps" in log and "run directory" in log
+    assert "FutureWarning" not in result.stderr  # library warnings a user cannot act on are silenced
+    assert json.loads((out / "run.json").read_text())["final_val_loss"] == float(rows[2]["val_loss"])
 
     before, after = map(float, re.search(r"([\d.]+) before, ([\d.]+) after", result.stdout).groups())
     assert after < before

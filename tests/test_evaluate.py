@@ -77,6 +77,29 @@ def test_finetuned_beats_base(demo_run: Path, capsys: pytest.CaptureFixture[str]
 
 
 @pytest.mark.slow
+def test_eval_talks_and_reuses_the_base_scores(demo_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Not on a terminal: plain progress lines on stderr. The base scores of the previous test's eval.json (same
+    model, data and generation settings) are reused, not computed again; the fine-tuned ones come out the same."""
+    first = json.loads((demo_run / "eval.json").read_text())
+    assert main(["eval", "--run", str(demo_run), "--limit", "8", "--max-new-tokens", "48", "--no-base"]) == 0
+    err = capsys.readouterr().err
+    assert "base model scores reused from" in err and "fine-tuned: 0/8" in err and "fine-tuned: 8/8" in err
+    assert "base: 0/8" not in err
+    again = json.loads((demo_run / "eval.json").read_text())
+    assert again["base"] == first["base"] and again["finetuned"] == first["finetuned"]
+    assert again["examples"] == first["examples"]
+
+    out = demo_run / "no-base.json"  # no earlier scores there: --no-base scores the fine-tuned model only
+    assert (
+        main(["eval", "--run", str(demo_run), "--limit", "2", "--max-new-tokens", "4", "--no-base", "--out", str(out)])
+        == 0
+    )
+    assert "(not scored: --no-base)" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["base"] is None and "base" not in result["examples"][0] and result["finetuned"]["loss"] > 0
+
+
+@pytest.mark.slow
 def test_eval_rejects_unknown_split(demo_run: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["eval", "--run", str(demo_run), "--split", "test", "--quiet"]) == 2
     error = capsys.readouterr().err

@@ -72,7 +72,7 @@ def test_nan_on_a_middle_stage_is_skipped_by_all_then_stops_the_run(
     )
 
     rows = _rows(run_dir)
-    assert sorted(rows) == [1, 2, 3, 4, 5]  # stopped before step 6 was logged or saved
+    assert sorted(rows) == [0, 1, 2, 3, 4, 5]  # step 0: validation; stopped before step 6 was logged or saved
     assert math.isfinite(float(rows[1]["loss"])) and math.isfinite(float(rows[3]["loss"]))
     assert math.isnan(float(rows[2]["loss"]))
     assert rows[3]["lr"] == rows[2]["lr"]  # the skipped step did not advance the schedule

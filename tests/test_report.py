@@ -1,8 +1,9 @@
-"""`pipetune report` renders charts and index.html from run directories; TensorBoard mirrors metrics rows."""
+"""`pipetune report` renders charts and index.html from run directories."""
 
 from __future__ import annotations
 
 import csv
+import html
 import json
 from pathlib import Path
 
@@ -10,11 +11,21 @@ import pytest
 
 from pipetune.cli import main
 from pipetune.config import ConfigError, save_config
-from pipetune.metrics import MetricsWriter, TensorBoardWriter
+from pipetune.metrics import MetricsWriter
 from pipetune.report import bench_peak_gb, build_report, load_runs, summary_row
 from tests.conftest import tiny_config
 
 PNG = b"\x89PNG\r\n\x1a\n"
+EVAL = {  # as pipetune eval writes it
+    "split": "validation",
+    "n_examples": 8,
+    "base": {"rouge1": 0.125, "rouge2": 0.0, "rougeLsum": 0.1, "loss": 8.9},
+    "finetuned": {"rouge1": 0.401, "rouge2": 0.2, "rougeLsum": 0.35, "loss": 2.514},
+    "examples": [
+        {"reference": f"The team chose option {i}.", "base": f"noise {i} <&>", "finetuned": f"They chose {i}."}
+        for i in range(3)
+    ],
+}
 
 
 def _row(step: int, loss: float) -> dict:
@@ -71,22 +82,30 @@ def test_report_of_two_runs(tmp_path: Path) -> None:
         {"strategy": "single", "error": "exit code 1"},
     ]
     (second / "bench.json").write_text(json.dumps(bench))
-    (second / "eval.json").write_text(json.dumps({"finetuned": {"rouge1": 0.401}}))
+    (second / "eval.json").write_text(json.dumps(EVAL))
+    (second / "run.json").write_text(json.dumps({"wall_time_s": 102.4, "steps": 3}))
+    data = {"train": {"read": 40, "kept": 37, "skipped": {"empty dialogue": 3}}, "validation": {"read": 8, "kept": 8}}
+    (second / "data.json").write_text(json.dumps({"source": "meetings.jsonl", "splits": data}))
 
     index = build_report([first, second])
     out = first / "report"  # the default: <first run>/report
     assert index == out / "index.html"
-    for chart in ("loss.png", "throughput.png", "memory.png", "bench_1.png"):
+    charts = ("loss.png", "lr.png", "grad_norm.png", "throughput.png", "memory.png", "rouge.png", "bench_1.png")
+    for chart in charts:
         assert (out / chart).read_bytes()[:8] == PNG, chart
 
     page = index.read_text()
     assert "one/sched" in page and "two/sched" in page  # same directory name: parents tell them apart
     assert "1f1b" in page and "gpipe" in page and "tiny-qwen3" in page
     assert "3.0000" in page and "3.2500" in page and "3.3000" in page  # final loss of each, final val loss
-    assert "40.1" in page  # eval ROUGE-1 of the second run
+    assert "40.1" in page and "12.5" in page and "2.514" in page  # eval: fine-tuned and base scores, loss
+    assert "1 min 42 s" in page and "<td>37</td>" in page and "3 empty dialogue" in page  # wall time, data counts
+    for example in EVAL["examples"]:  # the example summaries beside their references
+        assert all(html.escape(text) in page for text in example.values())
     assert "19,780" in page and "9.7 8.1" in page and "exit code 1" in page  # the benchmark table
-    for chart in ("loss.png", "throughput.png", "memory.png", "bench_1.png"):
+    for chart in charts:
         assert f"src='{chart}'" in page
+    assert "<div class='charts'>" in page  # in a grid
 
     one, two = load_runs([first, second])
     assert one.series("val_loss") == ([2.0, 3.0], [4.4, 3.3])
@@ -106,21 +125,3 @@ def test_report_cli_and_bad_directories(tmp_path: Path, capsys: pytest.CaptureFi
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="neither metrics.csv nor bench.json"):
         load_runs([_mkdir(tmp_path / "empty")])
-
-
-def test_tensorboard_mirrors_metrics_rows(tmp_path: Path) -> None:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    writer = TensorBoardWriter(tmp_path / "tensorboard")
-    for step, loss in ((1, 5.0), (2, 4.0)):
-        writer.write(_row(step, loss))  # no close(): each row is flushed
-    events = EventAccumulator(str(tmp_path / "tensorboard"))
-    events.Reload()
-    assert "strategy" not in events.Tags()["scalars"] and "step" not in events.Tags()["scalars"]
-    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 5.0), (2, 4.0)]
-    assert [e.value for e in events.Scalars("peak_gb_rank1")] == pytest.approx([0.7, 0.7])
-    writer.close()
-
-    disabled = TensorBoardWriter(tmp_path / "off", enabled=False)
-    disabled.write(_row(1, 1.0))
-    assert not (tmp_path / "off").exists()

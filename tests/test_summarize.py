@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipetune.cli import main
 from pipetune.config import ConfigError
@@ -100,9 +103,21 @@ def test_inputs_text_jsonl_and_stdin(tmp_path: Path, meetings) -> None:
     assert out == [{"n": 0, SUMMARY_FIELD: "a"}, {"n": 1, SUMMARY_FIELD: "b"}]
     assert read_transcripts("-", "dialogue", stdin=io.StringIO(meetings[1])).transcripts == [meetings[1]]
 
+    # unusable rows are skipped and counted, the rest summarized; the first line makes stdin JSONL
+    rows = '{"dialogue": "a"}\n{"transcript": "b"}\nnot json\n{"dialogue": ""}\n[1]\n{"dialogue": "c", "n": 1}\n'
+    mixed = read_transcripts("-", "dialogue", stdin=io.StringIO(rows))
+    assert mixed.transcripts == ["a", "c"] and [r.get("n") for r in mixed.records] == [None, 1]
+    assert [n for n, _ in mixed.skipped] == [2, 3, 4, 5]
+    assert mixed.skipped_line() == (
+        "skipped 4 of 6 rows: line 2 ('dialogue': no field), line 3 (not valid JSON), "
+        "line 4 ('dialogue': empty), line 5 (a JSON list)"
+    )
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"dialogue": "a"}\n{"transcript": "b"}\n')
-    with pytest.raises(ConfigError, match=r"line 2 has no non-empty string field 'dialogue'.*--column"):
+    bad.write_text('{"transcript": "a"}\n{"transcript": "b", "id": 2}\n')
+    with pytest.raises(ConfigError, match=r"no usable row .* --column \(fields seen: id, transcript\)"):
+        read_transcripts(str(bad), "dialogue")
+    bad.write_text('{"dialogue": " "}\n')
+    with pytest.raises(ConfigError, match=r"no usable row \(skipped 1 of 1 rows: line 1 \('dialogue': empty\)\)"):
         read_transcripts(str(bad), "dialogue")
     with pytest.raises(ConfigError, match="is empty"):
         read_transcripts("-", "dialogue", stdin=io.StringIO("\n \n"))
@@ -140,3 +155,34 @@ def test_sampling_is_seeded_and_checked(finetuned, meetings) -> None:
 def test_cli_rejects_sampling_flags_without_sample(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["summarize", "--adapter", str(run_dir / "adapter"), "--temperature", "0.5", "-"]) == 2
     assert "add --sample" in capsys.readouterr().err
+
+
+def test_export_reproduces_summarize_with_plain_transformers_and_peft(
+    run_dir: Path, finetuned, meetings, tmp_path: Path
+) -> None:
+    """The model card's code (transformers, PEFT, torch and the export directory only) builds pipetune's prompt
+    token for token and generates the same summaries; the merged model computes the same logits."""
+    out = tmp_path / "export"
+    assert main(["export", "--run", str(run_dir), "--out", str(out), "--merge"]) == 0
+    assert json.loads((out / "prompt.json").read_text()) == json.loads((run_dir / "prompt.json").read_text())
+    adapter_config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str((out / "base").resolve())
+    assert AutoTokenizer.from_pretrained(out / "adapter").chat_template is not None
+
+    code = re.search(r"## transformers \+ PEFT\n\n```python\n(.*?)```", (out / "README.md").read_text(), re.S)
+    card: dict = {}
+    exec(compile(code.group(1), str(out / "README.md"), "exec"), card)
+    model, prepared = finetuned
+    texts = [meetings[0], meetings[1][:60]]
+    budget = json.loads((out / "prompt.json").read_text())["transcript_budget"]
+    assert len(prepared.tokenizer.encode(texts[0])) > budget > len(prepared.tokenizer.encode(texts[1]))  # cut, not
+    assert [card["prompt_ids"](text) for text in texts] == [prepared.prompts.prompt_ids(text) for text in texts]
+    expected = summarize(model, prepared, texts, MAX_NEW_TOKENS)
+    assert [card["summarize"](text, MAX_NEW_TOKENS) for text in texts] == expected and any(expected)
+
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.float32).eval()
+    ids = torch.tensor([card["prompt_ids"](texts[0])])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, card["model"](input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+
+    assert main(["export", "--run", str(run_dir), "--out", str(out)]) == 2  # never writes into a used directory

@@ -1,8 +1,9 @@
-"""Command line: `pipetune demo`, `train`, `data inspect`, `bench`, `summarize`, `eval`, `report`; the launcher.
+"""Command line: `pipetune demo`, `train`, `eval`, `summarize`, `report`, `export`, `config`, `data`, `bench`.
 
 Outside torchrun, `train --nproc N` (N > 1) starts N local workers through torch's elastic
 launcher; under torchrun (WORLD_SIZE set) it just runs. Multi-node runs use torchrun's c10d
-rendezvous directly.
+rendezvous directly. torch and transformers are imported inside the commands that need them, so
+`--help`, `--version` and `config` answer at once.
 """
 
 from __future__ import annotations
@@ -10,17 +11,60 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 import uuid
-from importlib import resources
+import warnings
 from pathlib import Path
 
 from pipetune.config import Config, ConfigError, load_config, save_config
-from pipetune.parallel.process_group import under_launcher
+
+EXAMPLES = """\
+examples:
+  pipetune demo                                    tiny model, synthetic meetings, CPU, ~2 min
+  pipetune config list                             the shipped configs
+  pipetune config show --config qwen3-4b-ami       every key with its value and documentation
+  pipetune train --config qwen3-4b-ami --set train.lr=1e-4
+  pipetune eval --run runs/demo                    ROUGE and loss, base vs fine-tuned
+  pipetune report runs/demo                        charts and one HTML page
+  pipetune summarize --adapter runs/demo/adapter meeting.txt
+  pipetune export --run runs/demo --out exported   a directory for plain transformers + PEFT (and vLLM)
+
+`pipetune COMMAND --help` describes each command.
+"""
+
+
+LIBRARY_WARNINGS = [
+    # peft 0.21 calls a transformers 5 method deprecated in favour of another: nothing a user can change
+    (FutureWarning, r".*is_gradient_checkpointing"),
+]
+
+
+def silence_library_warnings() -> None:
+    """Hide the libraries' warnings that a pipetune user cannot act on (workers start through main too)."""
+    for category, message in LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("pipetune")
+    except PackageNotFoundError:  # run from a source tree that is not installed
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pipetune", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
+    silence_library_warnings()
+    parser = argparse.ArgumentParser(
+        prog="pipetune",
+        description="LoRA fine-tuning of open LLMs with pipeline and data parallelism, on torch.distributed.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"pipetune {version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     demo = commands.add_parser("demo", help="fine-tune the built-in tiny Qwen3 on synthetic meetings (CPU ok)")
     demo.add_argument(
@@ -30,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--nproc", type=int, default=2, help="pipeline stages / processes (default: 2)")
 
     train = commands.add_parser("train", help="fine-tune with the settings of a TOML config")
-    train.add_argument("--config", required=True, help="TOML config file")
+    train.add_argument("--config", required=True, help="TOML config file or shipped config name")
     train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key")
     train.add_argument("--nproc", type=int, default=None, help="local processes (default: parallel.pp x dp)")
     train.add_argument("--quiet", action="store_true", help="no progress bar or per-step lines")
@@ -48,12 +92,12 @@ def main(argv: list[str] | None = None) -> int:
     data = commands.add_parser("data", help="look at a config's data before training")
     data_commands = data.add_subparsers(dest="data_command", required=True)
     inspect = data_commands.add_parser("inspect", help="rows, skipped rows, token lengths, truncation, pad waste")
-    inspect.add_argument("--config", required=True, help="TOML config file")
+    inspect.add_argument("--config", required=True, help="TOML config file or shipped config name")
     inspect.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key")
     inspect.add_argument("--json", action="store_true", help="write the report as JSON to stdout")
 
     bench = commands.add_parser("bench", help="compare strategies on the same model, data and batch")
-    bench.add_argument("--config", required=True, help="TOML config file")
+    bench.add_argument("--config", required=True, help="TOML config file or shipped config name")
     bench.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key")
     bench.add_argument(
         "--strategies", default="pp,single", help="comma-separated: pp, ddp, fsdp, single (default: pp,single)"
@@ -100,7 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     evaluate.add_argument("--max-new-tokens", type=int, default=None, help="(default: data.max_summary_tokens)")
     evaluate.add_argument("--batch-size", type=int, default=8, help="meetings generated together (default: 8)")
     evaluate.add_argument("--out", default=None, help="eval.json path or directory (default: the run directory)")
-    evaluate.add_argument("--quiet", action="store_true", help="no progress bar")
+    evaluate.add_argument(
+        "--no-base",
+        action="store_true",
+        help="skip scoring the base model (an earlier eval.json's base scores with equal settings are reused anyway)",
+    )
+    evaluate.add_argument("--quiet", action="store_true", help="no progress lines")
     evaluate.add_argument(
         "--trust-remote-code", action="store_true", help="run the base model's own code (never taken from a config)"
     )
@@ -108,6 +157,22 @@ def main(argv: list[str] | None = None) -> int:
     report = commands.add_parser("report", help="charts and an HTML page comparing one or more runs")
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (metrics.csv, config.toml, ...)")
     report.add_argument("--out", default=None, help="output directory (default: <first run>/report)")
+
+    export = commands.add_parser(
+        "export", help="a directory that plain transformers + PEFT (and vLLM) load: base, tokenizer, adapter, card"
+    )
+    export.add_argument("--run", required=True, help="run directory (its config.toml, adapter/ and prompt.json)")
+    export.add_argument("--out", required=True, help="directory to write (must not exist or be empty)")
+    export.add_argument("--merge", action="store_true", help="also write the model with the adapter merged in")
+
+    config_parser = commands.add_parser(
+        "config", help="the resolved config with its documentation; the shipped configs"
+    )
+    config_commands = config_parser.add_subparsers(dest="config_command", required=True, metavar="SUBCOMMAND")
+    show = config_commands.add_parser("show", help="the resolved config as TOML, each key with its docstring")
+    show.add_argument("--config", default=None, help="TOML config file or shipped config name (default: defaults)")
+    show.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key")
+    config_commands.add_parser("list", help="the configs shipped with pipetune (use them by name with --config)")
 
     args = parser.parse_args(argv)
     try:
@@ -123,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_eval(args)
         if args.command == "report":
             return run_report(args.runs, args.out)
+        if args.command == "export":
+            return run_export(args.run, args.out, args.merge)
+        if args.command == "config":
+            return run_config(args)
         config = load_config(args.config, args.set)
         if args.resume:
             config.train.resume = "auto"
@@ -142,16 +211,27 @@ def main(argv: list[str] | None = None) -> int:
 
 def demo_config() -> Config:
     """The embedded default: tiny Qwen3, synthetic meetings, 2 pipeline stages."""
-    with resources.as_file(resources.files("pipetune") / "configs" / "demo.toml") as path:
-        return load_config(path)
+    return load_config("demo")
+
+
+def run_config(args: argparse.Namespace) -> int:
+    from pipetune.config_docs import annotated_toml, config_listing
+
+    if args.config_command == "list":
+        print(config_listing())
+    else:
+        print(annotated_toml(load_config(args.config, args.set)))
+    return 0
 
 
 def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max_restarts: int = 0) -> int:
     """Validate, then train here (under torchrun, or one process) or start nproc local workers."""
     from pipetune.checkpoint import find_resume_checkpoint
+    from pipetune.parallel.process_group import under_launcher
     from pipetune.preflight import check_optimizer_steps, preflight
     from pipetune.run_lock import lock_run_dir
 
+    started = time.time()
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts {max_restarts} must be >= 0")
     if under_launcher():
@@ -178,12 +258,18 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
 
         dataset = load_dataset(config.data, seed=config.train.seed)  # a data error once, here, not once per worker
         check_optimizer_steps(config, len(dataset.splits.get("train", [])), dataset.skipped_line())
-        return launch_local(config, world_size, quiet, max_restarts)
+        return launch_local(config, world_size, quiet, max_restarts, started)
 
 
-def launch_local(config: Config, nproc: int, quiet: bool = False, max_restarts: int = 0) -> int:
+def launch_local(
+    config: Config, nproc: int, quiet: bool = False, max_restarts: int = 0, started: float | None = None
+) -> int:
     """Start nproc workers on this machine through torch's elastic launcher (torchrun --standalone)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from pipetune.run_log import STARTED_ENV
+
+    started = time.time() if started is None else started
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -207,6 +293,7 @@ def launch_local(config: Config, nproc: int, quiet: bool = False, max_restarts: 
     argv = ["-m", "pipetune", "train", "--config", str(config_path)] + (["--quiet"] if quiet else [])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # the workers die with this process and leave stops to it
+    os.environ[STARTED_ENV] = f"{started:.3f}"  # the workers' wall time counts from here
     try:
         elastic_launch(launch, sys.executable)(*argv)
     except ChildFailedError as e:
@@ -252,13 +339,14 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 
 def run_demo(out: str | None, steps: int | None, nproc: int) -> int:
-    from pipetune.demo import show_results
+    from pipetune.demo import intro, show_results
 
     config = demo_config()
     config.output.dir = str(demo_dir(out))
     config.parallel.pp = nproc
     if steps is not None:
         config.train.max_steps = steps
+    print(intro(config), flush=True)
     code = run_train(config, nproc)
     if code == 0:
         show_results(config)
@@ -304,6 +392,8 @@ def run_summarize(args: argparse.Namespace) -> int:
     inputs = read_transcripts(args.input, args.column or config.data.transcript_column)
     if source.warning:
         print(f"pipetune: warning: {source.warning}", file=sys.stderr)
+    if inputs.skipped:  # the other rows are still summarized; the output has one line per usable row
+        print(f"pipetune: warning: {inputs.skipped_line()}", file=sys.stderr)
     model, prepared = load_finetuned(config, args.adapter)
     if not args.quiet:
         settings = source.config_path or "defaults"
@@ -348,14 +438,32 @@ def run_eval(args: argparse.Namespace) -> int:
     source = inference_config(adapter, None, args.config, args.trust_remote_code)
     if source.warning:
         print(f"pipetune: warning: {source.warning}", file=sys.stderr)
+    out = Path(args.out) if args.out else run_dir
+    path = out if out.suffix == ".json" else out / "eval.json"
     with TaskProgress(enabled=not args.quiet) as progress:
         result = evaluate(
-            source.config, adapter, args.split, args.limit, args.max_new_tokens, args.batch_size, progress
+            source.config,
+            adapter,
+            args.split,
+            args.limit,
+            args.max_new_tokens,
+            args.batch_size,
+            progress,
+            base="skip" if args.no_base else "score",
+            cache=path,
         )
-    out = Path(args.out) if args.out else run_dir
-    path = result.save(out if out.suffix == ".json" else out / "eval.json")
+    result.save(path)
     print(result.table())
     print(f"\nscores -> {path}")
+    return 0
+
+
+def run_export(run: str, out: str, merge: bool) -> int:
+    """Write the export directory and say how to load it."""
+    from pipetune.export import export_run
+
+    path = export_run(Path(run), Path(out), merge)
+    print(f"export -> {path}  (README.md there shows how to load it with transformers + PEFT, and with vLLM)")
     return 0
 
 

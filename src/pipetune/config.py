@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import tomllib
 from dataclasses import dataclass, field
+from importlib import resources
 from pathlib import Path
 from typing import Any
+
+from pipetune.data.prompt_text import SYSTEM_PROMPT
 
 SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 """One stage per rank."""
@@ -71,6 +75,8 @@ class DataConfig:
     """Number of synthetic validation meetings (source = "synthetic")."""
     validation_fraction: float = 0.0
     """Share of train held out as validation when the source has none (chosen by train.seed); 0 = none."""
+    system_prompt: str = SYSTEM_PROMPT
+    """System turn of every prompt, in training and inference (saved with the run in prompt.json)."""
 
 
 @dataclass
@@ -196,8 +202,10 @@ class ParallelConfig:
 class OutputConfig:
     dir: str = "runs/qwen3-4b-ami"
     """Run directory: config.toml, metrics.csv, adapter/, checkpoints/."""
-    tensorboard: bool = False
-    """Also write each metrics row as TensorBoard scalars under <dir>/tensorboard (needs the tensorboard package)."""
+    loggers: list[str] = field(default_factory=lambda: ["csv"])
+    """Where each metrics row goes: "csv" (<dir>/metrics.csv, always written: report, resume and the end-of-run
+    summary read it), "tensorboard" (<dir>/tensorboard), "mlflow" (<dir>/mlruns, or $MLFLOW_TRACKING_URI),
+    "wandb" (offline under <dir>/wandb unless $WANDB_MODE says otherwise). Each needs its pip extra."""
 
 
 @dataclass
@@ -227,21 +235,61 @@ def from_dict(raw: dict[str, Any]) -> Config:
         if not hasattr(config, section_name) or not isinstance(values, dict):
             sections = ", ".join(f.name for f in dataclasses.fields(Config))
             raise ConfigError(f"unknown config section [{section_name}]; sections are: {sections}")
-        section = getattr(config, section_name)
         for key, value in values.items():
-            _set_field(section, section_name, key, value)
+            _set_key(config, section_name, key, value)
     return config
 
 
+def _set_key(config: Config, section_name: str, key: str, value: Any) -> None:
+    if (section_name, key) == ("output", "tensorboard"):
+        _migrate_tensorboard(config, value)
+    else:
+        _set_field(getattr(config, section_name), section_name, key, value)
+
+
+def _migrate_tensorboard(config: Config, value: Any) -> None:
+    """output.tensorboard (a bool) became output.loggers: older configs and run directories still load."""
+    if value is True:
+        if "tensorboard" not in config.output.loggers:
+            config.output.loggers = [*config.output.loggers, "tensorboard"]
+        print(
+            'pipetune: note: output.tensorboard = true is read as output.loggers = ["csv", "tensorboard"]; '
+            "write that instead (output.tensorboard will go)",
+            file=sys.stderr,
+        )
+    elif value is not False:
+        raise ConfigError(f'output.tensorboard = {value!r}: use output.loggers = ["csv", "tensorboard"] instead')
+
+
+def shipped_configs() -> dict[str, Path]:
+    """The configs that ship with pipetune, by name (file name without .toml)."""
+    with resources.as_file(resources.files("pipetune") / "configs") as directory:
+        return {path.stem: path for path in sorted(Path(directory).glob("*.toml"))}
+
+
+def config_path(name: str | Path) -> Path:
+    """A TOML file's path, or the path of the shipped config of that name (`qwen3-4b-ami` or `demo.toml`)."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    shipped = shipped_configs()
+    stem = path.name.removesuffix(".toml")
+    if path.parent == Path(".") and stem in shipped:
+        return shipped[stem]
+    raise ConfigError(
+        f"config file {str(name)!r} does not exist; pass --config with a TOML file or the name of a shipped "
+        f"config: {', '.join(shipped)} (pipetune config list)"
+    )
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Read a TOML file (or start from defaults when path is None) and apply `section.key=value` overrides."""
+    """Read a TOML file or shipped config (defaults when path is None) and apply `section.key=value` overrides."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         if path.is_dir():
             raise ConfigError(f"config file {str(path)!r} is a directory; pass --config with a TOML file")
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist; pass --config with a TOML file")
+        path = config_path(path)
         try:
             raw = tomllib.loads(path.read_bytes().decode("utf-8"))
         except UnicodeDecodeError as e:
@@ -268,7 +316,7 @@ def apply_override(config: Config, item: str) -> None:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text
-    _set_field(getattr(config, section_name), section_name, key, value)
+    _set_key(config, section_name, key, value)
 
 
 def _set_field(section: Any, section_name: str, key: str, value: Any) -> None:

@@ -14,6 +14,7 @@ import json
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pipetune.config import Config, ConfigError
 from pipetune.data.batching import tokenize_split
@@ -74,10 +75,13 @@ class EvalResult:
     n_examples: int
     max_new_tokens: int
     adapter: str
-    base: ModelScores
+    base: ModelScores | None
+    """None with --no-base."""
     finetuned: ModelScores
     examples: list[dict[str, str]] = field(default_factory=list)
-    """The first few meetings: reference, base and fine-tuned summaries."""
+    """The first few meetings: reference, base (when scored) and fine-tuned summaries."""
+    base_settings: dict[str, Any] = field(default_factory=dict)
+    """What the base scores depend on; a later eval with the same settings reuses them."""
 
     def table(self) -> str:
         """Scores in percent (ROUGE) and nats per token (loss), one row per model."""
@@ -87,6 +91,9 @@ class EvalResult:
             header,
         ]
         for name, scores in (("base", self.base), ("fine-tuned", self.finetuned)):
+            if scores is None:
+                lines.append(f"{name:<12}{'(not scored: --no-base)':>46}")
+                continue
             values = "".join(f"{100 * getattr(scores, key):>12.1f}" for key in ROUGE_KEYS)
             lines.append(f"{name:<12}{values}{scores.loss:>10.3f}")
         return "\n".join(lines)
@@ -99,6 +106,32 @@ class EvalResult:
         return path
 
 
+def base_settings(config: Config, split: str, limit: int | None, max_new_tokens: int) -> dict[str, Any]:
+    """Everything the base model's scores depend on: the model, the data and prompt settings, the seed (random
+    init, synthetic data, hold-out), the split, its length and the generation cap."""
+    return {
+        "model": asdict(config.model),
+        "data": asdict(config.data),
+        "seed": config.train.seed,
+        "split": split,
+        "limit": limit,
+        "max_new_tokens": max_new_tokens,
+    }
+
+
+def cached_base(path: Path, settings: dict[str, Any]) -> tuple[ModelScores, list[str]] | None:
+    """The base scores and example summaries of an earlier eval.json made with the same settings, if any."""
+    if not path.is_file():
+        return None
+    try:
+        earlier = json.loads(path.read_text())
+        if earlier.get("base_settings") != settings or earlier.get("base") is None:
+            return None
+        return ModelScores(**earlier["base"]), [example["base"] for example in earlier.get("examples", [])]
+    except (ValueError, TypeError, KeyError):  # an older or hand-edited file: score again
+        return None
+
+
 def evaluate(
     config: Config,
     adapter_dir: str | Path,
@@ -107,11 +140,17 @@ def evaluate(
     max_new_tokens: int | None = None,
     batch_size: int = 8,
     progress: TaskProgress | None = None,
+    base: str = "score",
+    cache: Path | None = None,
 ) -> EvalResult:
-    """Generate summaries of `split` with the base and the fine-tuned model; score ROUGE and token loss of each."""
+    """Generate summaries of `split` with the base and the fine-tuned model; score ROUGE and token loss of each.
+
+    `base`: "score", or "skip" (--no-base). Base scores found in `cache` (an earlier eval.json) made with the
+    same settings are reused either way: the base model does not change between runs."""
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit {limit} must be at least 1 (or left out for the whole split)")
     max_new_tokens = max_new_tokens or config.data.max_summary_tokens
+    progress = progress or TaskProgress(enabled=False)
     dataset = load_dataset(config.data, seed=config.train.seed)
     if split not in dataset.splits or not dataset.splits[split]:
         available = ", ".join(name for name, rows in dataset.splits.items() if rows) or "none"
@@ -121,25 +160,38 @@ def evaluate(
         )
     examples = dataset.splits[split][:limit]
     scorer = rouge_scorer()  # a missing rouge-score fails here, before the model is built
+    settings = base_settings(config, split, limit, max_new_tokens)
+    reused = cached_base(cache, settings) if cache is not None else None
 
+    progress.note(f"eval: loading {config.model.name} + adapter {adapter_dir}")
     model, prepared = load_finetuned(config, adapter_dir)
     tokenized = tokenize_split(examples, prepared.prompts, prepared.pad_id)
     transcripts = [example.transcript for example in examples]
     references = [example.summary for example in examples]
-    progress = progress or TaskProgress(enabled=False)
 
     def score(name: str) -> tuple[ModelScores, list[str]]:
+        progress.note(f"eval: {name} model: token loss, then summaries of {len(examples)} {split} meetings")
         loss = mean_token_loss(model, tokenized, batch_size)
         generated = summarize(
             model, prepared, transcripts, max_new_tokens, batch_size, progress=progress.task(name, len(examples))
         )
         return ModelScores(**rouge_scores(generated, references, scorer), loss=loss), generated
 
-    with model.disable_adapter():
-        base, base_summaries = score("base")
+    base_scores, base_summaries = None, None
+    if reused is not None:
+        base_scores, base_summaries = reused
+        progress.note(f"eval: base model scores reused from {cache} (same model, data and generation settings)")
+    elif base == "score":
+        with model.disable_adapter():
+            base_scores, base_summaries = score("base")
     finetuned, tuned_summaries = score("fine-tuned")
-    shown = [
-        {"reference": references[i], "base": base_summaries[i], "finetuned": tuned_summaries[i]}
-        for i in range(min(N_EXAMPLES_SAVED, len(examples)))
-    ]
-    return EvalResult(split, len(examples), max_new_tokens, str(adapter_dir), base, finetuned, shown)
+    shown = []
+    for i in range(min(N_EXAMPLES_SAVED, len(examples))):
+        example = {"reference": references[i], "finetuned": tuned_summaries[i]}
+        if base_summaries is not None and i < len(base_summaries):
+            example["base"] = base_summaries[i]
+        shown.append(example)
+    base_record = settings if base_scores is not None else {}
+    return EvalResult(
+        split, len(examples), max_new_tokens, str(adapter_dir), base_scores, finetuned, shown, base_record
+    )

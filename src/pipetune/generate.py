@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 import sys
-import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -37,9 +36,7 @@ def load_finetuned(
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     prepared = prepare(config)
     base, _ = build_model(prepared.model, DTYPES[config.model.dtype], device, seed=config.train.seed)
-    with warnings.catch_warnings():  # peft 0.21 calls a transformers 5 method deprecated in favour of another
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
-        model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     return model, prepared
 
 
@@ -194,12 +191,24 @@ class SummaryInput:
     transcripts: list[str]
     records: list[dict[str, Any]] | None
     column: str
+    skipped: list[tuple[int, str]] = field(default_factory=list)
+    """(line number, reason) of the JSONL rows left out: not JSON, not an object, no usable transcript."""
+
+    def skipped_line(self) -> str:
+        """'skipped 2 of 5 rows: line 3 (...), line 4 (...)', or '' when none were."""
+        if not self.skipped:
+            return ""
+        shown = ", ".join(f"line {n} ({why})" for n, why in self.skipped[:5])
+        more = f", and {len(self.skipped) - 5} more" if len(self.skipped) > 5 else ""
+        total = len(self.skipped) + len(self.transcripts)
+        return f"skipped {len(self.skipped)} of {total} rows: {shown}{more}"
 
 
 def read_transcripts(source: str, column: str, stdin: TextIO | None = None) -> SummaryInput:
     """A text file (one transcript), a JSONL of records with a `column` field, or `-` for stdin (either kind).
 
-    JSONL is recognised by a .jsonl suffix, or by every non-empty line being a JSON object.
+    JSONL is recognised by a .jsonl suffix, or by a first non-empty line that is a JSON object. Its unusable
+    rows are skipped and counted; an input with no usable row is an error.
     """
     name = "stdin" if source == "-" else repr(source)
     if source == "-":
@@ -212,44 +221,42 @@ def read_transcripts(source: str, column: str, stdin: TextIO | None = None) -> S
     lines = [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
     if not lines:
         raise ConfigError(f"input {name} is empty; give a transcript (text) or JSONL records with a {column!r} field")
-    if source.endswith(".jsonl") or _all_json_objects(line for _, line in lines):
-        return SummaryInput(*_parse_jsonl(lines, column, name), column)
+    if source.endswith(".jsonl") or isinstance(_json_object(lines[0][1]), dict):
+        return _parse_jsonl(lines, column, name)
     return SummaryInput([text.strip()], None, column)
 
 
-def _all_json_objects(lines: Any) -> bool:
-    for line in lines:
-        if not line.lstrip().startswith("{"):
-            return False
-        try:
-            if not isinstance(json.loads(line), dict):
-                return False
-        except json.JSONDecodeError:
-            return False
-    return True
+def _json_object(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
 
 
-def _parse_jsonl(lines: list[tuple[int, str]], column: str, name: str) -> tuple[list[str], list[dict[str, Any]]]:
-    transcripts, records = [], []
+def _parse_jsonl(lines: list[tuple[int, str]], column: str, name: str) -> SummaryInput:
+    parsed = SummaryInput([], [], column)
+    fields: set[str] = set()
     for n, line in lines:
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(
-                f"input {name} line {n} is not valid JSON ({e.msg}); give one JSON object per line"
-            ) from None
+        record = _json_object(line)
         if not isinstance(record, dict):
-            raise ConfigError(f"input {name} line {n} is a JSON {type(record).__name__}, not an object")
+            parsed.skipped.append((n, "not valid JSON" if record is None else f"a JSON {type(record).__name__}"))
+            continue
+        fields.update(record)
         value = record.get(column)
         if not isinstance(value, str) or not value.strip():
-            keys = ", ".join(record) or "none"
-            raise ConfigError(
-                f"input {name} line {n} has no non-empty string field {column!r} (its fields: {keys}); "
-                "name the transcript field with --column"
-            )
-        transcripts.append(value)
-        records.append(record)
-    return transcripts, records
+            reason = "no field" if column not in record else "empty" if isinstance(value, str) else "not a string"
+            parsed.skipped.append((n, f"{column!r}: {reason}"))
+            continue
+        parsed.transcripts.append(value)
+        parsed.records.append(record)
+    if not parsed.transcripts:
+        fix = (
+            f"name the transcript field with --column (fields seen: {', '.join(sorted(fields))})"
+            if fields and column not in fields
+            else f"give JSON objects with a non-empty string field {column!r}, one per line"
+        )
+        raise ConfigError(f"input {name} has no usable row ({parsed.skipped_line()}); {fix}")
+    return parsed
 
 
 def format_summaries(summaries: list[str], source: SummaryInput) -> str:

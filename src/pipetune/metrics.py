@@ -1,4 +1,4 @@
-"""metrics.csv and memory figures.
+"""metrics.csv, memory figures and progress (other loggers: loggers.py).
 
 The first eight columns are the seed script's, so its plots keep working; the rest follow.
 `peak_vram_gb` is the true peak since the previous row (max_memory_allocated, reset after each
@@ -15,12 +15,14 @@ import csv
 import io
 import resource
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from pipetune.files import write_atomic
+from pipetune.run_log import log_only, terminal
 
 SEED_COLUMNS = ["strategy", "epoch", "step", "loss", "tokens_per_sec", "step_time_sec", "peak_vram_gb", "lr"]
 EXTRA_COLUMNS = ["real_tokens_per_sec", "grad_norm", "supervised_tokens", "val_loss", "val_time_sec"]
@@ -173,7 +175,7 @@ class ProgressReporter:
             return
         from rich.console import Console
 
-        console = Console()
+        console = Console(file=terminal(sys.stdout))  # the bar stays out of train.log; its rows go in as lines
         if console.is_terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -193,64 +195,32 @@ class ProgressReporter:
         if not self.enabled:
             return
         loss, speed = f"{row['loss']:.4f}", f"{row['tokens_per_sec']:,.0f}"
+        line = (
+            f"step {step}/{self.total} | loss {loss} | {speed} tok/s | {row['step_time_sec']:.2f} s/step | "
+            f"peak {row['peak_vram_gb']:.2f} GB | lr {row['lr']:.2e}"
+        )
+        if "val_loss" in row:
+            line += f" | val_loss {row['val_loss']:.4f}"
         if self._bar is not None:
             self._bar.update(self._task, completed=step, loss=loss, speed=speed)
+            log_only(line)
         else:
-            print(
-                f"step {step}/{self.total} | loss {loss} | {speed} tok/s | {row['step_time_sec']:.2f} s/step | "
-                f"peak {row['peak_vram_gb']:.2f} GB | lr {row['lr']:.2e}",
-                flush=True,
-            )
+            print(line, flush=True)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.stop()
 
 
-class TensorBoardWriter:
-    """Mirrors each metrics row into TensorBoard scalars (output.tensorboard = true); does nothing when disabled.
-
-    Every row is flushed at once, like metrics.csv, so a killed run keeps its curves and close() is optional.
-    """
-
-    def __init__(self, log_dir: Path, enabled: bool = True) -> None:
-        self._writer = None
-        if not enabled:
-            return
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            from pipetune.config import ConfigError
-
-            raise ConfigError(
-                "output.tensorboard = true needs the tensorboard package: pip install 'pipetune[plots]', "
-                "or set output.tensorboard = false"
-            ) from None
-        self._writer = SummaryWriter(log_dir=str(log_dir))
-
-    def write(self, row: dict) -> None:
-        if self._writer is None:
-            return
-        step = int(row["step"])
-        for key, value in row.items():
-            if key in ("step", "epoch") or isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
-                continue
-            self._writer.add_scalar(key, float(value), step)
-        self._writer.flush()
-
-    def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-
-
 class TaskProgress:
-    """Rich progress bars for counted work (generation, evaluation), drawn on stderr so stdout keeps the results.
+    """Progress of counted work (generation, evaluation) on stderr, so stdout keeps the results: rich bars on a
+    terminal; elsewhere (a log file, a pipe) plain lines, at a task's start and end and every `interval_s`.
 
-    Silent when disabled or when stderr is not a terminal. `task()` returns the callback that advances a bar.
+    `task()` returns the callback that advances a task; `note()` prints a line about what happens next.
     """
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, interval_s: float = 10.0) -> None:
+        self.enabled, self.interval_s = enabled, interval_s
         self._bar = None
         if not enabled:
             return
@@ -277,12 +247,40 @@ class TaskProgress:
             )
             self._bar.start()
 
+    def note(self, text: str) -> None:
+        """One line on stderr (above the bars on a terminal)."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
     def task(self, description: str, total: int) -> Callable[[int], None]:
-        """A new bar of `total` items; call the returned function with the number of items just done."""
-        if self._bar is None:
+        """A new task of `total` items; call the returned function with the number of items just done."""
+        if not self.enabled:
             return lambda n=1: None
-        bar, task_id = self._bar, self._bar.add_task(description, total=total)
-        return lambda n=1: bar.advance(task_id, n)
+        if self._bar is not None:
+            bar, task_id = self._bar, self._bar.add_task(description, total=total)
+            return lambda n=1: bar.advance(task_id, n)
+        started = time.monotonic()
+        state = {"done": 0, "printed": started}
+
+        def line() -> None:
+            elapsed = time.monotonic() - started
+            left = elapsed / state["done"] * (total - state["done"]) if 0 < state["done"] < total else 0.0
+            eta = f", about {left:.0f} s left" if left else ""
+            print(f"{description}: {state['done']}/{total} ({elapsed:.0f} s{eta})", file=sys.stderr, flush=True)
+
+        def advance(n: int = 1) -> None:
+            state["done"] += n
+            now = time.monotonic()
+            if state["done"] >= total or now - state["printed"] >= self.interval_s:
+                state["printed"] = now
+                line()
+
+        line()
+        return advance
 
     def close(self) -> None:
         if self._bar is not None:

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pipetune.config import Config, ConfigError, validate, validate_against_model
 from pipetune.data.prompt import PromptBuilder
+from pipetune.loggers import check_loggers
 from pipetune.model.shapes import ResolvedModel, one_layer_model, resolve_model
 
 
@@ -35,6 +36,7 @@ class Prepared:
 def preflight(config: Config, world_size: int) -> Prepared:
     """All checks for a training run of world_size processes, then the resolved model and tokenizer."""
     validate(config, world_size)
+    check_loggers(config.output.loggers)
     prepared = prepare(config)
     from pipetune.model.split import run_split
     from pipetune.parallel.memory import check_weights_fit
@@ -53,7 +55,9 @@ def prepare(config: Config) -> Prepared:
             f"the tokenizer has {len(tokenizer)} tokens but {config.model.name!r} embeds only "
             f"{resolved.config.vocab_size}; set model.tokenizer to the model's own tokenizer"
         )
-    prompts = PromptBuilder(tokenizer, config.data.max_length, config.data.max_summary_tokens)
+    prompts = PromptBuilder(
+        tokenizer, config.data.max_length, config.data.max_summary_tokens, config.data.system_prompt
+    )
     prompts.check_budget()
     return Prepared(resolved, tokenizer, prompts)
 

@@ -3,8 +3,15 @@
     pipetune report runs/demo
     pipetune report runs/pp2-1f1b runs/pp2-gpipe --out reports/schedules
 
-Reads what runs write: metrics.csv (loss, val_loss when present, tokens/s, peak memory per rank),
-config.toml (the highlights in the table), bench.json (a list of benchmark rows) and eval.json.
+Reads what runs write: metrics.csv (loss and validation loss from step 0, learning rate, gradient norm,
+tokens/s, peak memory per rank), config.toml (the highlights in the table), run.json (wall time), data.json
+(rows read, kept, skipped), eval.json (ROUGE and loss of base and fine-tuned model, example summaries) and
+bench.json (a list of benchmark rows). The charts sit in a grid; each run's evaluation, examples and data
+counts follow.
+
+Look at the page as a browser renders it (Debian: apt-get install chromium):
+
+    chromium --headless --no-sandbox --window-size=1400,2400 --screenshot=report.png runs/demo/report/index.html
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pipetune.config import ConfigError
+from pipetune.run_log import format_duration
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
 
@@ -37,6 +45,11 @@ class RunData:
     """config.toml as read (raw TOML: a newer run's keys do not break the report)."""
     bench: list[dict[str, Any]] = field(default_factory=list)
     evaluation: dict[str, Any] = field(default_factory=dict)
+    """eval.json: base and fine-tuned scores, example summaries."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """run.json: wall time, final losses."""
+    data: dict[str, Any] = field(default_factory=dict)
+    """data.json: rows read, kept and skipped per split."""
 
     def series(self, column: str) -> tuple[list[float], list[float]]:
         """(steps, values) of the rows where `column` holds a number."""
@@ -85,8 +98,9 @@ def _load_run(path: Path, label: str) -> RunData:
     if (path / "bench.json").is_file():
         bench = json.loads((path / "bench.json").read_text())
         run.bench = [entry for entry in bench if isinstance(entry, dict)] if isinstance(bench, list) else []
-    if (path / "eval.json").is_file():
-        run.evaluation = json.loads((path / "eval.json").read_text())
+    for name, attribute in (("eval.json", "evaluation"), ("run.json", "info"), ("data.json", "data")):
+        if (path / name).is_file():
+            setattr(run, attribute, json.loads((path / name).read_text()))
     return run
 
 
@@ -150,21 +164,53 @@ def plot_loss(runs: list[RunData], path: Path) -> Path | None:
     return path
 
 
-def plot_throughput(runs: list[RunData], path: Path) -> Path | None:
-    """tokens/s (all tokens of the static batches, pads included: the seed's column) against step."""
+def plot_series(
+    runs: list[RunData], column: str, path: Path, title: str, ylabel: str, from_zero: bool = False
+) -> Path | None:
+    """One metrics.csv column against step, a line per run; None when no run has it."""
     figure = _figure()
     axes = figure.subplots()
     drawn = False
     for color, run in zip(COLORS * 10, runs, strict=False):
-        steps, values = run.series("tokens_per_sec")
+        steps, values = run.series(column)
         if steps:
             axes.plot(steps, values, color=color, marker="o", markersize=3, label=run.label)
             drawn = True
     if not drawn:
         return None
-    axes.set(xlabel="optimizer step", ylabel="tokens/s (all ranks)", title="Throughput")
-    axes.set_ylim(bottom=0)
+    axes.set(xlabel="optimizer step", ylabel=ylabel, title=title)
+    if from_zero:
+        axes.set_ylim(bottom=0)
     axes.grid(alpha=0.3)
+    axes.legend()
+    figure.savefig(path)
+    return path
+
+
+def plot_rouge(runs: list[RunData], path: Path) -> Path | None:
+    """ROUGE-1/2/Lsum of the base and the fine-tuned model (eval.json), a pair of bars per run and measure."""
+    keys = next((_rouge_keys(run.evaluation["finetuned"]) for run in runs if run.evaluation.get("finetuned")), [])
+    bars = []
+    for run in runs:
+        for model in ("base", "finetuned"):
+            scores = run.evaluation.get(model)
+            if keys and isinstance(scores, dict) and all(_is_number(_float(scores.get(key))) for key in keys):
+                name = "base" if model == "base" else "fine-tuned"
+                bars.append((f"{run.label} {name}" if len(runs) > 1 else name, [100 * scores[k] for k in keys]))
+    if not bars:
+        return None
+    figure = _figure()
+    axes = figure.subplots()
+    width = 0.8 / len(bars)
+    for index, (color, (label, values)) in enumerate(zip(COLORS * 10, bars, strict=False)):
+        positions = [k - 0.4 + width * (index + 0.5) for k in range(len(keys))]
+        drawn = axes.bar(positions, values, width=width, color=color, label=label)
+        axes.bar_label(drawn, fmt="{:.1f}", fontsize=8)
+    axes.set_xticks(range(len(keys)), [_rouge_name(key) for key in keys])
+    axes.set_ylim(0, 1.25 * max(max(values) for _, values in bars) + 1)
+    split = next((run.evaluation.get("split") for run in runs if run.evaluation), "")
+    axes.set(ylabel="F-measure (%)", title=f"ROUGE on {split}: base vs fine-tuned")
+    axes.grid(alpha=0.3, axis="y")
     axes.legend()
     figure.savefig(path)
     return path
@@ -238,6 +284,15 @@ def _float(value: Any) -> float | None:
         return None
 
 
+def _rouge_keys(scores: dict[str, Any]) -> list[str]:
+    """The ROUGE measures of an eval.json score dict, in its order (rouge1, rouge2, rougeLsum)."""
+    return [key for key in scores if key.startswith("rouge")]
+
+
+def _rouge_name(key: str) -> str:
+    return key.replace("rouge", "ROUGE-")
+
+
 def _has(run: RunData, column: str) -> bool:
     return any(_is_number(row.get(column)) for row in run.rows)
 
@@ -256,7 +311,9 @@ def summary_row(run: RunData) -> dict[str, str]:
     batch = train.get("batch_size")
     if batch is not None and train.get("grad_accum", 1) != 1:
         batch = f"{batch} x {train['grad_accum']}"
-    tuned = run.evaluation.get("finetuned", {})
+    tuned = run.evaluation.get("finetuned") or {}
+    wall = _float(run.info.get("wall_time_s"))
+    train_rows = run.data.get("splits", {}).get("train", {})
     return {
         "run": run.label,
         "model": str(model.get("name", "")),
@@ -270,6 +327,8 @@ def summary_row(run: RunData) -> dict[str, str]:
         "median tokens/s": f"{statistics.median(speeds):,.0f}" if speeds else "",
         "peak GB (max rank)": f"{max(peaks):.2f}" if peaks else "",
         "eval ROUGE-1": f"{100 * tuned['rouge1']:.1f}" if _is_number(_float(tuned.get("rouge1"))) else "",
+        "train samples": str(train_rows.get("kept", "")),
+        "wall time": format_duration(wall) if wall is not None else "",
     }
 
 
@@ -296,12 +355,15 @@ def _cell(value: Any) -> str:
 
 
 _STYLE = """
-body { font-family: system-ui, sans-serif; margin: 2em; color: #222; }
-table { border-collapse: collapse; margin: 1em 0 2em; }
-th, td { border: 1px solid #ccc; padding: 4px 10px; text-align: right; }
+body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1600px; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; }
+th, td { border: 1px solid #ccc; padding: 4px 10px; text-align: right; vertical-align: top; }
 th:first-child, td:first-child { text-align: left; }
 th { background: #f3f3f3; }
-img { max-width: 100%; margin: 0.5em 1em 1.5em 0; border: 1px solid #eee; }
+.charts { display: grid; grid-template-columns: repeat(auto-fill, minmax(520px, 1fr)); gap: 12px; }
+.charts img { width: 100%; border: 1px solid #eee; }
+table.examples td, table.examples th { text-align: left; width: 33%; font-size: 0.9em; }
+img.bench { max-width: 100%; }
 """
 
 
@@ -311,18 +373,73 @@ def write_index(runs: list[RunData], charts: list[Path], bench_charts: dict[str,
         f"<style>{_STYLE}</style></head><body>",
         f"<h1>pipetune report: {html.escape(', '.join(run.label for run in runs))}</h1>",
         _table([summary_row(run) for run in runs]),
+        "<div class='charts'>",
+        *(f"<img src='{html.escape(chart.name)}' alt='{html.escape(chart.stem)}'>" for chart in charts),
+        "</div>",
     ]
-    parts += [f"<img src='{html.escape(chart.name)}' alt='{html.escape(chart.stem)}'>" for chart in charts]
     for run in runs:
+        parts += _evaluation_section(run, len(runs) > 1) + _data_section(run, len(runs) > 1)
         if run.bench:
             parts.append(f"<h2>Benchmark: {html.escape(run.label)}</h2>")
             parts.append(_table(run.bench))
             if run.label in bench_charts:
-                parts.append(f"<img src='{html.escape(bench_charts[run.label].name)}' alt='benchmark'>")
+                parts.append(f"<img class='bench' src='{html.escape(bench_charts[run.label].name)}' alt='benchmark'>")
     parts.append("<p>Directories: " + ", ".join(html.escape(str(run.path)) for run in runs) + "</p></body></html>")
     path = out / "index.html"
     path.write_text("\n".join(parts) + "\n")
     return path
+
+
+def _evaluation_section(run: RunData, named: bool) -> list[str]:
+    """eval.json: the scores of both models, and the example summaries beside their references."""
+    evaluation = run.evaluation
+    if not evaluation.get("finetuned"):
+        return []
+    title = f"Evaluation{': ' + run.label if named else ''}"
+    rows = []
+    for name, key in (("base", "base"), ("fine-tuned", "finetuned")):
+        scores = evaluation.get(key)
+        if isinstance(scores, dict):
+            rows.append(
+                {"model": name}
+                | {_rouge_name(k): f"{100 * scores[k]:.1f}" for k in _rouge_keys(scores)}
+                | ({"loss": f"{scores['loss']:.3f}"} if "loss" in scores else {})
+            )
+    meetings = f"{evaluation.get('n_examples', '?')} {evaluation.get('split', '')} meetings"
+    parts = [f"<h2>{html.escape(title)}</h2>", f"<p>{html.escape(meetings)}, greedy decoding.</p>", _table(rows)]
+    examples = evaluation.get("examples") or []
+    if examples:
+        columns = [("reference", "reference"), ("base", "base model"), ("finetuned", "fine-tuned model")]
+        columns = [(key, name) for key, name in columns if any(key in example for example in examples)]
+        head = "".join(f"<th>{name}</th>" for _, name in columns)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(str(example.get(key, '')))}</td>" for key, _ in columns) + "</tr>"
+            for example in examples
+        )
+        parts += ["<h3>Example summaries</h3>", f"<table class='examples'><tr>{head}</tr>{body}</table>"]
+    return parts
+
+
+def _data_section(run: RunData, named: bool) -> list[str]:
+    """data.json: rows read, kept and skipped (by reason) per split."""
+    splits = run.data.get("splits") or {}
+    if not splits:
+        return []
+    rows = []
+    for name, counts in splits.items():
+        skipped = counts.get("skipped") or {}
+        rows.append(
+            {
+                "split": name,
+                "read": counts.get("read", ""),
+                "kept": counts.get("kept", ""),
+                "skipped": ", ".join(f"{n} {why}" for why, n in skipped.items()) or "0",
+                "held out for validation": counts.get("held_out") or "",
+            }
+        )
+    source = run.data.get("source", "")
+    title = f"Data{': ' + run.label if named else ''}"
+    return [f"<h2>{html.escape(title)}</h2>", f"<p>source: {html.escape(str(source))}</p>", _table(rows)]
 
 
 def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> Path:
@@ -334,8 +451,13 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
         chart
         for chart in (
             plot_loss(runs, out / "loss.png"),
-            plot_throughput(runs, out / "throughput.png"),
+            plot_series(runs, "lr", out / "lr.png", "Learning rate", "learning rate"),
+            plot_series(runs, "grad_norm", out / "grad_norm.png", "Gradient norm (before clipping)", "global L2 norm"),
+            plot_series(
+                runs, "tokens_per_sec", out / "throughput.png", "Throughput", "tokens/s (all ranks)", from_zero=True
+            ),
             plot_memory(runs, out / "memory.png"),
+            plot_rouge(runs, out / "rouge.png"),
         )
         if chart is not None
     ]

@@ -10,6 +10,7 @@ step's global supervised-token count, which normalizes the loss (see parallel/pi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -27,11 +28,12 @@ from pipetune.checkpoint import Position, find_resume_checkpoint, latest_checkpo
 from pipetune.config import V_SCHEDULES, Config, save_config
 from pipetune.data.batching import IGNORE, bucket_lengths, bucketed_epoch_batches, epoch_batches, tokenize_split
 from pipetune.data.sources import load_dataset
+from pipetune.export import PROMPT_FILE, write_prompt_settings
+from pipetune.loggers import open_loggers
 from pipetune.metrics import (
     MetricsWriter,
     PhaseLog,
     ProgressReporter,
-    TensorBoardWriter,
     alloc_retries,
     host_peak_gb,
     peak_memory_gb,
@@ -57,6 +59,7 @@ from pipetune.parallel.process_group import (
 from pipetune.parallel.timeline import StageTimeline, gather_timeline, plot_timeline
 from pipetune.preflight import check_optimizer_steps, preflight
 from pipetune.run_lock import lock_for_worker
+from pipetune.run_log import RunLog, finish_run, run_started
 from pipetune.worker import (
     Stopped,
     disk_full_message,
@@ -72,6 +75,8 @@ class RunResult:
     run_dir: Path
     losses: list[float]
     """Logged loss of every metrics row (rank 0; empty elsewhere)."""
+    resumed_from: int | None = None
+    """The checkpoint step this run continued from; None for a fresh start."""
 
 
 class TrainingError(Exception):
@@ -88,51 +93,60 @@ class LoopStatus:
 
 def run_training(config: Config, quiet: bool = False) -> RunResult:
     """Train in this process (one rank). A TrainingError, a lost peer, a full disk or a stop signal ends it with
-    one line (none from a worker whose pipetune launcher reports the stop) and a non-zero exit code."""
+    one line (none from a worker whose pipetune launcher reports the stop) and a non-zero exit code.
+
+    Rank 0's output also goes to <run>/train.log, and a finished run ends with its summary (run_log.py)."""
+    started = run_started()
     if under_launcher():
         end_with_launcher()  # a worker never trains on after its launcher died
     previous_handlers = raise_on_stop_signals()
     env = init_distributed(config.parallel.timeout_s, config.parallel.p2p_channels)
     status = LoopStatus()
     lock = None
-    try:
+    with contextlib.ExitStack() as log:  # closed after the messages below: they go to train.log too
         try:
-            lock = lock_for_worker(config.output.dir, env.rank)
-            return train(config, env, quiet, status)
-        except TrainingError as e:  # every rank reached the same verdict: one of them says it
-            if env.is_main:
-                print(f"pipetune: error: {e}", file=sys.stderr, flush=True)
-            raise SystemExit(1) from None
-        except RuntimeError as e:
-            message = peer_failure(e, env.rank, status, config.parallel.timeout_s)
-            if message is None:
-                raise
-            print(f"pipetune: error: {message}", file=sys.stderr, flush=True)
-            raise SystemExit(1) from None
-        except OSError as e:
-            message = disk_full_message(e, env.rank)
-            if message is None:
-                raise
-            print(f"pipetune: error: {message}", file=sys.stderr, flush=True)
-            raise SystemExit(1) from None
-    except Stopped as e:  # the files being written were removed on the way here; committed ones stay
-        if env.is_main and not has_launcher():
-            where = f"the {status.phase} of step {status.step}" if status.step else f"the {status.phase}"
-            print(
-                f"pipetune: error: stopped by {e} in {where}; committed checkpoints are kept: continue with --resume",
-                file=sys.stderr,
-                flush=True,
-            )
-        if env.distributed:  # a peer blocked in a collective with this rank returns only once this process is gone
+            try:
+                lock = lock_for_worker(config.output.dir, env.rank)
+                log.enter_context(RunLog(Path(config.output.dir) / "train.log", enabled=env.is_main))
+                result = train(config, env, quiet, status)
+                if env.is_main:
+                    print(finish_run(result.run_dir, started, result.resumed_from, full=not quiet), flush=True)
+                return result
+            except TrainingError as e:  # every rank reached the same verdict: one of them says it
+                if env.is_main:
+                    print(f"pipetune: error: {e}", file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
+            except RuntimeError as e:
+                message = peer_failure(e, env.rank, status, config.parallel.timeout_s)
+                if message is None:
+                    raise
+                print(f"pipetune: error: {message}", file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
+            except OSError as e:
+                message = disk_full_message(e, env.rank)
+                if message is None:
+                    raise
+                print(f"pipetune: error: {message}", file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
+        except Stopped as e:  # the files being written were removed on the way here; committed ones stay
+            if env.is_main and not has_launcher():
+                where = f"the {status.phase} of step {status.step}" if status.step else f"the {status.phase}"
+                print(
+                    f"pipetune: error: stopped by {e} in {where}; committed checkpoints are kept: continue with "
+                    "--resume",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if env.distributed:  # a peer blocked in a collective with this rank returns only once this process is gone
+                if lock is not None:
+                    lock.release()
+                exit_skipping_teardown(128 + e.signum)
+            raise SystemExit(128 + e.signum) from None
+        finally:
             if lock is not None:
                 lock.release()
-            exit_skipping_teardown(128 + e.signum)
-        raise SystemExit(128 + e.signum) from None
-    finally:
-        if lock is not None:
-            lock.release()
-        close_distributed()
-        restore_signals(previous_handlers)
+            close_distributed()
+            restore_signals(previous_handlers)
 
 
 def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus | None = None) -> RunResult:
@@ -156,6 +170,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir / "config.toml")
+        write_prompt_settings(run_dir / PROMPT_FILE, prepared.prompts, config)  # for export and plain-HF use
     phases = PhaseLog(run_dir / "progress.jsonl", enabled=env.is_main)
     torch.manual_seed(t.seed + env.rank)  # LoRA dropout: a different stream per stage and replica
     mesh = build_mesh(env, p.pp, p.dp)
@@ -188,7 +203,9 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         val_split = tokenize_split(dataset.splits["validation"], prepared.prompts, prepared.pad_id)
         validation = (val_split.input_ids.to(device), val_split.labels.to(device))
     print0(
-        f"data: {len(train_split)} training samples, {train_split.truncated} truncated; {dataset.skipped_line()}; "
+        f"data: {len(train_split)} training samples, {train_split.truncated} cut to fit data.max_length {max_length} "
+        "(the transcript's middle elided, the summary capped at data.max_summary_tokens); "
+        f"{dataset.skipped_line()}; "
         f"{steps_per_epoch} optimizer steps/epoch, {total_steps} in all; effective batch "
         f"{t.batch_size} x grad_accum {t.grad_accum} x dp {p.dp} = {global_batch * t.grad_accum} sequences"
     )
@@ -238,8 +255,12 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     if not quiet:
         print(
             f"rank {env.rank}: stage{'s' if len(my_stages) > 1 else ''} {', '.join(map(str, my_stages))} "
-            f"read {load_stats.tensors} tensors, {load_stats.bytes / 1e9:.2f} GB; "
-            f"after load: peak host RSS {host_peak_gb():.2f} GB"
+            + (
+                "random weights (model.init = 'random'); "
+                if config.model.init == "random"
+                else f"read {load_stats.tensors} tensors, {load_stats.bytes / 1e9:.2f} GB; "
+            )
+            + f"after load: peak host RSS {host_peak_gb():.2f} GB"
             + (f", peak GPU {peak_memory_gb(device):.2f} GB" if device.type == "cuda" else ""),
             flush=True,
         )
@@ -303,10 +324,21 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     if env.is_main:  # a resumed run continues metrics.csv from its checkpoint's step
         writer = MetricsWriter(run_dir / "metrics.csv", env.world_size, position.step if resume_from else None)
     progress = ProgressReporter(total_steps, enabled=env.is_main and not quiet)
-    tensorboard = TensorBoardWriter(run_dir / "tensorboard", enabled=env.is_main and config.output.tensorboard)
+    loggers = open_loggers(config, run_dir, enabled=env.is_main)
     faults = FaultInjection.from_env(env.rank, env.world_size)
     losses: list[float] = []
     step, skipped_in_row = position.step, position.skipped_in_row
+    if validation is not None and resume_from is None:  # where the validation curve starts: the base model
+        status.phase = "validation"
+        phases.mark("validation", step=0)
+        row: dict = {"strategy": p.strategy, "epoch": 0, "step": 0}
+        started = time.perf_counter()
+        row["val_loss"] = evaluate_validation(runner, peft_model, validation, t.batch_size, loss_fn, device, p.dp)
+        row["val_time_sec"] = time.perf_counter() - started
+        if writer is not None:
+            writer.write(row)
+            loggers.write(row)
+        print0(f"step 0/{total_steps} | val_loss {row['val_loss']:.4f} (before fine-tuning)")
     window = _Window(device)
     reset_peak_memory(device)
     for epoch in range(position.epoch, t.epochs):
@@ -399,7 +431,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
                     row["val_time_sec"] = window.exclude_since(started)
                 if writer is not None:
                     writer.write(row)
-                    tensorboard.write(row)
+                    loggers.write(row)
                     losses.append(row["loss"])
                 progress.update(step, row)
             if save:
@@ -416,7 +448,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     progress.close()
     if env.rank == 0 and t.timeline_step:
         plot_saved_timeline(run_dir, config)
-    tensorboard.close()
+    loggers.close()
     if writer is not None:
         writer.close()
 
@@ -433,7 +465,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         save_adapter(state, config.lora, config.model.name, run_dir / "adapter")
         print0(f"adapter ({len(state)} tensors) -> {run_dir / 'adapter'}")
     phases.mark("done", step=step)
-    return RunResult(run_dir, losses)
+    return RunResult(run_dir, losses, position.step if resume_from is not None else None)
 
 
 def evaluate_validation(

@@ -26,9 +26,9 @@ ADAPTER = "adapter/adapter_model.safetensors"
 
 
 def _metrics(run_dir: Path) -> list[tuple[float, float]]:
-    """(loss, grad_norm) of every row."""
+    """(loss, grad_norm) of every training row (step 0 holds only the validation loss)."""
     with open(run_dir / "metrics.csv") as f:
-        return [(float(row["loss"]), float(row["grad_norm"])) for row in csv.DictReader(f)]
+        return [(float(row["loss"]), float(row["grad_norm"])) for row in csv.DictReader(f) if row["loss"]]
 
 
 def _assert_same_run(run: Path, reference: Path) -> None:

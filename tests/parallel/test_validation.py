@@ -24,10 +24,10 @@ def test_pipeline_validation_loss_matches_one_process(tmp_path: Path, pp: int) -
     with open(tmp_path / "run" / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     logged = {int(r["step"]): float(r["val_loss"]) for r in rows if r["val_loss"]}
-    assert sorted(logged) == [2, 3]  # every 2 steps, and at the end
-    assert [int(r["step"]) for r in rows if r["val_time_sec"]] == [2, 3]  # timed in its own column
+    assert sorted(logged) == [0, 2, 3]  # before the first step, every 2 steps, and at the end
+    assert [int(r["step"]) for r in rows if r["val_time_sec"]] == [0, 2, 3]  # timed in its own column
     assert all(float(r["val_time_sec"]) > 0 for r in rows if r["val_time_sec"])
-    assert logged[3] < logged[2]
+    assert logged[3] < logged[2] < logged[0]
 
     model, prepared = load_finetuned(config, tmp_path / "run" / "adapter", torch.device("cpu"))
     dataset = load_dataset(config.data, seed=config.train.seed)
@@ -35,3 +35,5 @@ def test_pipeline_validation_loss_matches_one_process(tmp_path: Path, pp: int) -
     assert len(split) == 6
     expected = mean_token_loss(model, split)
     assert logged[3] == pytest.approx(expected, rel=1e-5)
+    with model.disable_adapter():  # step 0: the adapters are still zero, so the base model's loss
+        assert logged[0] == pytest.approx(mean_token_loss(model, split), rel=1e-5)
