@@ -125,3 +125,11 @@ def test_report_cli_and_bad_directories(tmp_path: Path, capsys: pytest.CaptureFi
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="neither metrics.csv nor bench.json"):
         load_runs([_mkdir(tmp_path / "empty")])
+
+
+def test_report_reads_a_metrics_file_with_a_damaged_tail(tmp_path: Path) -> None:
+    from pipetune.report import _load_run
+
+    (tmp_path / "metrics.csv").write_bytes(b"step,loss,tokens_per_sec\n1,2.5,100\n2,2.4,1\x00\x00\xff\n3,2.")
+    run = _load_run(tmp_path, "run")
+    assert run.rows == [{"step": 1, "loss": 2.5, "tokens_per_sec": 100}]

@@ -13,7 +13,6 @@ measured on an H200).
 from __future__ import annotations
 
 import copy
-import csv
 import json
 import os
 import shutil
@@ -25,6 +24,7 @@ import time
 from pathlib import Path
 
 from pipetune.config import Config, ConfigError, save_config
+from pipetune.files import read_metrics_rows
 from pipetune.metrics import read_phases
 from pipetune.model.split import estimate_costs
 from pipetune.preflight import prepare
@@ -189,8 +189,8 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 def summarize_run(run_dir: Path, strategy: str, warmup: int, n_gpus: int, flops: float, peak_tflops: float) -> dict:
-    with open(run_dir / "metrics.csv") as f:
-        rows = [row for row in csv.DictReader(f) if int(row["step"]) > warmup]
+    # Training rows after the warm-up (a validation row before step 1 has no loss).
+    rows = [row for row in read_metrics_rows(run_dir / "metrics.csv")[0] if int(row["step"]) > warmup and row["loss"]]
     tokens = statistics.median(float(r["tokens_per_sec"]) for r in rows)
     peaks = sorted(k for k in rows[0] if k.startswith("peak_gb_rank"))
     reserved = sorted(k for k in rows[0] if k.startswith("reserved_gb_rank") and rows[0][k])

@@ -1,7 +1,9 @@
-"""Writing a file so that a reader sees the old one or the whole new one, and a failure leaves no temporary file."""
+"""Files that survive crashes: written so that a reader sees the old one or the whole new one (a failure leaves
+no temporary file), and metrics.csv read back as a crash may have left it."""
 
 from __future__ import annotations
 
+import csv
 import os
 from pathlib import Path
 
@@ -28,3 +30,25 @@ def write_atomic(path: str | Path, data: bytes | str, sync: bool = False) -> Non
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def read_metrics_rows(path: Path) -> tuple[list[dict], list[str], int]:
+    """metrics.csv's complete rows (those with a step), its columns, and how many lines were damaged (cut short,
+    NUL bytes, not UTF-8: what a full disk or a killed run leaves)."""
+    text = path.read_bytes().decode("utf-8", errors="replace").replace("\0", "")
+    lines = text.splitlines()
+    if not lines:
+        return [], [], 0
+    fieldnames = next(csv.reader(lines[:1]), [])
+    rows, damaged = [], 0
+    for line in lines[1:]:
+        try:
+            values = next(csv.reader([line]), [])
+        except csv.Error:
+            values = []
+        row = dict(zip(fieldnames, values, strict=False))
+        if len(values) != len(fieldnames) or "\ufffd" in line or not row.get("step", "").isdigit():
+            damaged += bool(line.strip())
+            continue
+        rows.append(row)
+    return rows, fieldnames, damaged

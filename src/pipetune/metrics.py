@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from pipetune.files import write_atomic
+from pipetune.files import read_metrics_rows, write_atomic
 from pipetune.run_log import log_only, terminal
 
 SEED_COLUMNS = ["strategy", "epoch", "step", "loss", "tokens_per_sec", "step_time_sec", "peak_vram_gb", "lr"]
@@ -75,7 +75,7 @@ class MetricsWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         kept: list[dict] = []
         if keep_until_step is not None and path.is_file():
-            kept, fieldnames, damaged = _read_rows(path)
+            kept, fieldnames, damaged = read_metrics_rows(path)
             kept = [row for row in kept if int(row["step"]) <= keep_until_step]
             self.columns += [c for c in fieldnames if c not in self.columns]  # e.g. another pp
             if damaged:
@@ -98,27 +98,6 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._file.close()
-
-
-def _read_rows(path: Path) -> tuple[list[dict], list[str], int]:
-    """Complete rows with a step, the header's columns, and how many lines were damaged."""
-    text = path.read_bytes().decode("utf-8", errors="replace").replace("\0", "")
-    lines = text.splitlines()
-    if not lines:
-        return [], [], 0
-    fieldnames = next(csv.reader(lines[:1]), [])
-    rows, damaged = [], 0
-    for line in lines[1:]:
-        try:
-            values = next(csv.reader([line]), [])
-        except csv.Error:
-            values = []
-        row = dict(zip(fieldnames, values, strict=False))
-        if len(values) != len(fieldnames) or "\ufffd" in line or not row.get("step", "").isdigit():
-            damaged += bool(line.strip())
-            continue
-        rows.append(row)
-    return rows, fieldnames, damaged
 
 
 def _format(value: object) -> object:

@@ -16,7 +16,6 @@ Look at the page as a browser renders it (Debian: apt-get install chromium):
 
 from __future__ import annotations
 
-import csv
 import html
 import json
 import math
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pipetune.config import ConfigError
+from pipetune.files import read_metrics_rows
 from pipetune.run_log import format_duration
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
@@ -88,11 +88,8 @@ def load_runs(run_dirs: list[str | Path]) -> list[RunData]:
 def _load_run(path: Path, label: str) -> RunData:
     run = RunData(path, label)
     if (path / "metrics.csv").is_file():
-        with open(path / "metrics.csv", newline="") as f:
-            for raw in csv.DictReader(f):
-                row = {key: _parse(value) for key, value in raw.items() if key and value not in (None, "")}
-                if _is_number(row.get("step")):  # a row cut short by a live or killed run has no usable step
-                    run.rows.append(row)
+        rows, _, _ = read_metrics_rows(path / "metrics.csv")  # a damaged tail (a live or killed run) is left out
+        run.rows = [{key: _parse(value) for key, value in raw.items() if key and value != ""} for raw in rows]
     if (path / "config.toml").is_file():
         run.config = tomllib.loads((path / "config.toml").read_text())
     if (path / "bench.json").is_file():

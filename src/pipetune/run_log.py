@@ -8,7 +8,6 @@ validation losses, what the run directory holds and the commands to run next, an
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
@@ -19,6 +18,8 @@ import traceback
 from pathlib import Path
 from types import TracebackType
 from typing import TextIO
+
+from pipetune.files import read_metrics_rows
 
 ENTRIES = {
     "adapter": "PEFT adapter: adapter_config.json + adapter_model.safetensors",
@@ -177,10 +178,7 @@ def format_duration(seconds: float) -> str:
 
 
 def _metrics_rows(path: Path) -> list[dict[str, str]]:
-    if not path.is_file():
-        return []
-    with open(path, newline="") as f:
-        return [row for row in csv.DictReader(f) if (row.get("step") or "").isdigit()]
+    return read_metrics_rows(path)[0] if path.is_file() else []
 
 
 def _last(rows: list[dict[str, str]], column: str) -> tuple[int, float] | None:
