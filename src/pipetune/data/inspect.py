@@ -131,7 +131,8 @@ def split_report(name: str, examples: list[Example], builder: PromptBuilder, buc
 def _token_counts(builder: PromptBuilder, texts: list[str]) -> list[int]:
     if not texts:
         return []
-    return [len(ids) for ids in builder.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    encoded = builder.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)  # as encode_text
+    return [len(ids) for ids in encoded["input_ids"]]
 
 
 def percentile(ordered: list[int], q: float) -> int:
