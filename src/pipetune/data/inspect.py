@@ -2,10 +2,11 @@
 
     pipetune data inspect --config configs/qwen3-4b-ami.toml [--set data.max_length=8192] [--json]
 
-Rows per split and skipped rows by reason; token lengths of transcripts and summaries under the
-model's tokenizer; how many samples the prompt builder cuts to fit `data.max_length` /
-`data.max_summary_tokens`, and by how much; and the share of every batch that is padding at the
-static length, beside what length buckets (max_length/4, /2, 3/4, 1) would leave.
+Which columns (or chat messages) rows were read from; rows per split and skipped rows by reason;
+token lengths of transcripts and summaries under the model's tokenizer; how many samples the prompt
+builder cuts to fit `data.max_length` / `data.max_summary_tokens`, and by how much; and the share of
+every batch that is padding at the static length, beside what length buckets (max_length/4, /2, 3/4,
+1) would leave.
 """
 
 from __future__ import annotations
@@ -176,6 +177,8 @@ def format_report(report: DataReport) -> str:
         "",
     ]
     rows = report.rows["splits"]
+    for how, count in report.rows.get("columns", {}).items():
+        out.append(f"read as: {how} ({count} rows)")
     out += _table(
         ["rows", "read", "kept", "skipped", "held out"],
         [[name, r["read"], r["kept"], sum(r["skipped"].values()), r["held_out"] or "-"] for name, r in rows.items()],
