@@ -179,7 +179,7 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
             exit_skipping_teardown()
         return 0
     world_size = nproc or config.parallel.pp * config.parallel.dp
-    preflight(config, world_size)  # fail here, once, before any process starts
+    prepared = preflight(config, world_size)  # fail here, once, before any process starts
     with lock_run_dir(config.output.dir):  # held until the workers are done; they run inside it
         find_resume_checkpoint(config)  # a checkpoint that cannot be resumed, or a run a fresh start would clobber
         if world_size == 1 and max_restarts == 0:
@@ -187,10 +187,11 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
 
             run_training(config, quiet)
             return 0
-        from pipetune.data.sources import load_dataset
+        from pipetune.data.cache import tokenized_data
 
-        dataset = load_dataset(config.data, seed=config.train.seed)  # a data error once, here, not once per worker
-        check_optimizer_steps(config, len(dataset.splits.get("train", [])), dataset.skipped_line())
+        # A data error once, here, not once per worker; and the workers find the data tokenized.
+        data = tokenized_data(config.data, prepared.prompts, config.train.seed)
+        check_optimizer_steps(config, len(data.splits.get("train", ())), data.skipped_line())
         return launch_local(config, world_size, quiet, max_restarts)
 
 

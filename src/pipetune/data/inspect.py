@@ -108,7 +108,7 @@ def split_report(name: str, examples: list[Example], builder: PromptBuilder, buc
     """Tokenize one split as training would (PromptBuilder.build) and measure it."""
     transcript_lengths = _token_counts(builder, [e.transcript for e in examples])
     summary_lengths = _token_counts(builder, [e.summary for e in examples])
-    samples = [builder.build(e.transcript, e.summary) for e in examples]
+    samples = builder.build_many([(e.transcript, e.summary) for e in examples])
     lengths = [len(s.input_ids) for s in samples]
     transcript_cuts = [s.transcript_tokens_cut for s in samples if s.transcript_tokens_cut]
     summary_cuts = [s.summary_tokens_cut for s in samples if s.summary_tokens_cut]
@@ -130,10 +130,7 @@ def split_report(name: str, examples: list[Example], builder: PromptBuilder, buc
 
 
 def _token_counts(builder: PromptBuilder, texts: list[str]) -> list[int]:
-    if not texts:
-        return []
-    encoded = builder.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)  # as encode_text
-    return [len(ids) for ids in encoded["input_ids"]]
+    return [len(ids) for ids in builder.encode_texts(texts)]
 
 
 def percentile(ordered: list[int], q: float) -> int:

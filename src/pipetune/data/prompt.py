@@ -106,9 +106,23 @@ class PromptBuilder:
 
     def build(self, transcript: str, summary: str) -> Sample:
         """A training sample: the prompt (as `prompt_ids`) then the summary, closed unless it was capped."""
+        return self.build_many([(transcript, summary)])[0]
+
+    def build_many(self, pairs: list[tuple[str, str]]) -> list[Sample]:
+        """`build` of many (transcript, summary) pairs, their texts encoded in one batch call."""
         self.check_budget()
-        summary_ids = self.encode_text(summary)
-        prompt, transcript_cut = self._prompt(transcript, self.transcript_room)
+        transcripts = self.encode_texts([transcript for transcript, _ in pairs])
+        summaries = self.encode_texts([summary for _, summary in pairs])
+        return [self._sample(t, s) for t, s in zip(transcripts, summaries, strict=True)]
+
+    def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """`encode_text` of many texts in one call (the tokenizer's batch path)."""
+        if not texts:
+            return []
+        return self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    def _sample(self, transcript_ids: list[int], summary_ids: list[int]) -> Sample:
+        prompt, transcript_cut = self._prompt(transcript_ids)
         if len(summary_ids) <= self.summary_room:
             supervised = summary_ids + self.end_ids
         else:  # capped mid-text: left open, so no step teaches the model to stop there
@@ -123,11 +137,11 @@ class PromptBuilder:
     def prompt_ids(self, transcript: str) -> list[int]:
         """The generation prompt: exactly the prompt part of `build` for the same transcript."""
         self.check_budget()
-        return self._prompt(transcript, self.transcript_room)[0]
+        return self._prompt(self.encode_text(transcript))[0]
 
-    def _prompt(self, transcript: str, budget: int) -> tuple[list[int], int]:
-        ids = self.encode_text(transcript)
-        n_original = len(ids)
+    def _prompt(self, ids: list[int]) -> tuple[list[int], int]:
+        """Template around the transcript ids, cut to `transcript_room` (head and tail kept): (ids, tokens cut)."""
+        budget, n_original = self.transcript_room, len(ids)
         if n_original > budget:
             if budget > len(self.elision_ids):
                 keep = budget - len(self.elision_ids)
