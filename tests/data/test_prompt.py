@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from pipetune.config import ConfigError
@@ -145,3 +147,31 @@ def test_batches_are_static_and_labels_only_on_the_summary(tokenizer, pad: str) 
         assert (split.input_ids[row, n:] == pad_id).all()
         assert int(split.real_tokens[row]) == n
     assert split.truncated == 1
+
+
+# The shape of Qwen3's template where it matters here: an assistant turn, and the generation prompt, carry an
+# empty thinking block when thinking is off.
+QWEN3_LIKE = (
+    "{% for m in messages %}{% if m.role == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m.content + '<|im_end|>\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", ["chatml", "qwen3"])
+def test_serving_prompt_is_the_trained_prompt(tokenizer, template: str) -> None:
+    """The README's serving recipe: apply_chat_template(system, user, add_generation_prompt=True,
+    enable_thinking=False) gives exactly the prompt training used (for Qwen3, with the empty thinking block)."""
+    if template == "qwen3":
+        tokenizer = copy.deepcopy(tokenizer)
+        tokenizer.chat_template = QWEN3_LIKE
+    builder = PromptBuilder(tokenizer, max_length=512, max_summary_tokens=64)
+    transcript = "Project Manager (Anna): we keep the rubber case.\nMarketing Expert (Bert): agreed."
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": transcript}]
+    served = tokenizer.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False, tokenize=False)
+    assert tokenizer.encode(served, add_special_tokens=False) == builder.prompt_ids(transcript)
+    default = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert (default == served) == (template == "chatml")  # Qwen3's default (thinking on) is not what was trained
