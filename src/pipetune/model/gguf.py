@@ -165,6 +165,7 @@ def convert(gguf: Path, out: Path) -> None:
         if not (tied and key == "lm_head.weight")
     }
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)  # safetensors writes it owner-only; the cache may be shared
     clean = model.config
     for key in ("quantization_config", "_model_name_or_path"):  # the GGUF reading, not the model
         if hasattr(clean, key):
