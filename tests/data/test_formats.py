@@ -110,5 +110,5 @@ def test_inspect_says_which_columns_it_read(tmp_path: Path) -> None:
     report = inspect_data(config)
     text = format_report(report)
     assert f"read as: {CHAT_COLUMNS} (12 rows)" in text
-    assert "1  no assistant message  (train 1)" in text
+    assert f"1  no assistant message  (train 1; first: {path}:13)" in text
     assert json.loads(report.to_json())["rows"]["columns"] == {CHAT_COLUMNS: 12}

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from pipetune.train import run_training
 from tests.conftest import run_cli, tiny_config, write_config
 from tests.parallel.test_parity import _adapter, _losses
+
+pytestmark = pytest.mark.slow  # multi-process end-to-end runs: pytest -m "not slow" leaves them out
 
 REAL = [
     'model.name="smollm2-135m"',
