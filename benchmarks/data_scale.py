@@ -7,7 +7,8 @@
 
 Each measurement is a fresh `pipetune train` process (tiny-qwen3, one process, 128 tokens, batch 8, one
 optimizer step) on a JSONL of N short synthetic meetings, run from the given source tree. Time to first
-step: from the process start until metrics.csv holds its first row. Peak RSS: the process's ru_maxrss.
+step: from the process start until metrics.csv holds its first row (and the CPU time of the whole run, which
+a busy shared machine distorts less). Peak RSS: the process's ru_maxrss.
 With the token cache each size runs twice on one cache directory: cold (it tokenizes) and warm (it finds
 the cache); the growth of peak RSS with the data is the difference between the largest and the smallest
 size, scaled to a million rows.
@@ -71,7 +72,11 @@ def measure(source: Path, src: Path, cache: Path, work: Path) -> dict:
         time.sleep(0.05)
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"run failed: {(run_dir / 'stderr.txt').read_text()[-2000:]}")
-    return {"first_step_s": round(first_step, 1), "peak_rss_gb": round(usage.ru_maxrss / 1e6, 3)}
+    return {
+        "first_step_s": round(first_step, 1),
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
+        "peak_rss_gb": round(usage.ru_maxrss / 1e6, 3),
+    }
 
 
 def main() -> None:
@@ -120,6 +125,7 @@ def main() -> None:
         "results": results,
         "peak_rss_growth_gb_per_million_rows": growth,
         "warm_speedup": round(results[largest]["cold"]["first_step_s"] / results[largest]["warm"]["first_step_s"], 1),
+        "warm_speedup_cpu": round(results[largest]["cold"]["cpu_s"] / results[largest]["warm"]["cpu_s"], 1),
     }
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
