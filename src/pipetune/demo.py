@@ -1,5 +1,5 @@
-"""What `pipetune demo` says before training (what runs, what to expect) and shows after: validation loss
-before and after, and a held-out meeting's summary beside its reference."""
+"""What `pipetune demo` says before training (what runs, what to expect) and shows after: validation loss (and,
+for a real model, ROUGE) before and after, and a held-out meeting's summary beside its reference."""
 
 from __future__ import annotations
 
@@ -11,7 +11,11 @@ import torch
 from pipetune.config import Config
 from pipetune.data.batching import tokenize_split
 from pipetune.data.sources import load_dataset
+from pipetune.evaluate import EvalResult, evaluate
 from pipetune.generate import load_finetuned, mean_token_loss, summarize
+
+EVAL_MEETINGS = 16
+"""Held-out meetings scored by the real-model demo."""
 
 
 def intro(config: Config) -> str:
@@ -24,20 +28,36 @@ def intro(config: Config) -> str:
     with torch.device("meta"):
         n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(resolved.config).parameters())
     d, t, p = config.data, config.train, config.parallel
-    head = (
-        f"pipetune demo: LoRA fine-tuning of {config.model.name}, a {n_params / 1e6:.1f}M-parameter Qwen3 with random "
-        f"weights (it starts knowing no language), on {d.synthetic_train} synthetic design meetings for {t.max_steps} "
-        f"optimizer steps, the model split into {p.pp} pipeline stages ({p.pp} processes, {p.schedule}). No download."
-    )
-    notes = [
+    layout = f"the model split into {p.pp} pipeline stages ({p.pp} processes, {p.schedule})"
+    truncation = (
         f"The transcripts are longer than data.max_length = {d.max_length} tokens, so nearly every one is cut to "
-        'fit: its head and tail are kept and its middle replaced by "[...]", as it would be for a real model.',
-        "The validation loss is measured before the first step (the base model) and as training goes; it starts "
-        "near 9 nats per summary token and falls as the adapters learn (to about 1.1 after the default 150 steps).",
-        "A model this small, from random weights, learns the meetings' phrasing but not language: its summaries "
-        "name the right kind of facts and often repeat or loop. That is expected here. A real model learns the "
-        "task: pipetune train --config qwen3-4b-ami (Qwen3-4B on AMI meetings, on GPUs).",
-    ]
+        'fit: its head and tail are kept and its middle replaced by "[...]", as it would be for a real model.'
+    )
+    if config.model.init == "random":
+        head = (
+            f"pipetune demo: LoRA fine-tuning of {config.model.name}, a {n_params / 1e6:.1f}M-parameter Qwen3 with "
+            f"random weights (it starts knowing no language), on {d.synthetic_train} synthetic design meetings for "
+            f"{t.max_steps} optimizer steps, {layout}. No download."
+        )
+        notes = [
+            truncation,
+            "The validation loss is measured before the first step (the base model) and as training goes; it starts "
+            "near 9 nats per summary token and falls as the adapters learn (to about 1.1 after the default 150 steps).",
+            "A model this small, from random weights, learns the meetings' phrasing but not language: its summaries "
+            "name the right kind of facts and often repeat or loop. That is expected here. A real model learns the "
+            "task: pipetune train --config qwen3-4b-ami (Qwen3-4B on AMI meetings, on GPUs).",
+        ]
+    else:
+        head = (
+            f"pipetune demo: LoRA fine-tuning of {config.model.name}, a pretrained {n_params / 1e6:.0f}M-parameter "
+            f"{resolved.config.model_type} model, on {d.synthetic_train} synthetic design meetings for {t.max_steps} "
+            f"optimizer steps, {layout}."
+        )
+        notes = [
+            truncation,
+            f"After training, the base and the fine-tuned model summarize {EVAL_MEETINGS} held-out meetings "
+            "(greedy decoding): ROUGE of both, and one meeting's summaries beside its reference.",
+        ]
     lines = textwrap.wrap(head, 100)
     for note in notes:
         lines += textwrap.wrap(note, 100, initial_indent="  - ", subsequent_indent="    ")
@@ -68,3 +88,22 @@ def show_results(config: Config) -> dict[str, float]:
         "itself:\n expected here; the validation loss above measures what it learned. The commands above show more.)"
     )
     return {"validation_loss_before": base, "validation_loss_after": tuned}
+
+
+def show_evaluation(config: Config, limit: int = EVAL_MEETINGS) -> EvalResult:
+    """ROUGE and loss of the base and the fine-tuned model on held-out meetings (eval.json), and one summary of each."""
+    run_dir = Path(config.output.dir)
+    result = evaluate(config, run_dir / "adapter", "validation", limit)
+    result.save(run_dir / "eval.json")
+    print()
+    print(result.table())
+    example = result.examples[0]
+    for title, text in (
+        ("reference summary", example["reference"]),
+        ("base model's summary (greedy)", example["base"]),
+        ("fine-tuned model's summary (greedy)", example["finetuned"]),
+    ):
+        print(f"\n{title}:")
+        print(textwrap.indent(textwrap.fill(text or "(empty)", 96), "  "))
+    print(f"\nrun directory: {run_dir}  (config.toml, metrics.csv, adapter/, eval.json)")
+    return result

@@ -30,16 +30,16 @@ PROMPT_FILE = "prompt.json"
 def prompt_settings(prompts: PromptBuilder, config: Config) -> dict[str, Any]:
     """What builds an inference prompt: template ids around the transcript, the transcript's budget and cut rule."""
     tokenizer = prompts.tokenizer
-    room = prompts.max_length - prompts.template_length
     return {
         "system_prompt": config.data.system_prompt,
         "max_length": prompts.max_length,
         "max_summary_tokens": prompts.max_summary_tokens,
-        "transcript_budget": room - min(prompts.max_summary_tokens, room),
+        "transcript_budget": prompts.transcript_room,
         "cut_rule": (
             "a transcript of more than transcript_budget tokens keeps its first ceil(k / 2) and last floor(k / 2) "
             "tokens with elision_ids between, k = transcript_budget - len(elision_ids) (if k < 1: its first "
-            "transcript_budget tokens); a training sample also caps its summary at max_summary_tokens"
+            "transcript_budget tokens), in training and inference alike; the transcript is encoded with "
+            "split_special_tokens=True (control-token text in it is plain text)"
         ),
         "prefix": tokenizer.decode(prompts.head_ids),
         "prefix_ids": list(prompts.head_ids),
@@ -209,7 +209,7 @@ model = PeftModel.from_pretrained(base, f"{{EXPORT}}/adapter").eval()
 
 
 def prompt_ids(transcript: str) -> list[int]:
-    ids = tokenizer.encode(transcript, add_special_tokens=False)
+    ids = tokenizer.encode(transcript, add_special_tokens=False, split_special_tokens=True)
     budget = settings["transcript_budget"]
     if len(ids) > budget:  # keep the head and the tail, elide the middle
         keep = budget - len(settings["elision_ids"])

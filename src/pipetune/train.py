@@ -3,8 +3,8 @@
     pipetune train --config configs/qwen3-4b-ami.toml --nproc 2
     torchrun --nproc-per-node 2 -m pipetune train --config configs/qwen3-4b-ami.toml
 
-Every rank builds the same batches (the data is small next to the model) and takes its dp
-replica's share; stage 0 feeds the token ids, the last stage the labels, and all ranks know each
+Every rank cuts the same batches from the memory-mapped token cache and takes its dp replica's
+share; stage 0 feeds the token ids, the last stage the labels, and all ranks know each
 step's global supervised-token count, which normalizes the loss (see parallel/pipeline.py).
 """
 
@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor
 
 from pipetune.checkpoint import Position, find_resume_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from pipetune.config import V_SCHEDULES, Config, save_config
-from pipetune.data.batching import IGNORE, bucket_lengths, bucketed_epoch_batches, epoch_batches, tokenize_split
-from pipetune.data.sources import load_dataset
+from pipetune.data.batching import bucket_lengths, bucketed_epoch_batches, epoch_batches
+from pipetune.data.cache import tokenized_data
 from pipetune.export import PROMPT_FILE, write_prompt_settings
 from pipetune.loggers import open_loggers
 from pipetune.metrics import (
@@ -177,12 +177,15 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     global_batch = t.batch_size * p.dp  # samples per schedule step over all replicas; rank takes its columns
 
     # ------------------------------------------------------------------ data
-    dataset = load_dataset(config.data, seed=t.seed)
+    # Tokenized once into a memory-mapped cache (local rank 0 builds it, the node's other ranks wait);
+    # each step's batch is cut from it on the host, so no rank holds the whole training set on its device.
+    data = tokenized_data(config.data, prepared.prompts, t.seed, wait=env.local_rank != 0)
     if env.is_main:
-        dataset.write_summary(run_dir / "data.json")
-    train_split = tokenize_split(dataset.splits["train"], prepared.prompts, prepared.pad_id)
+        data.write_summary(run_dir / "data.json")
+    train_split = data.splits["train"]
+    real_tokens = train_split.lengths  # per sample, on the CPU
     max_length = config.data.max_length
-    sample_lengths = bucket_lengths(train_split.real_tokens, config.data.buckets or [max_length])
+    sample_lengths = bucket_lengths(real_tokens, config.data.buckets or [max_length])
 
     def epoch_plan(epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This epoch's batches (sample indices) and the padded length of each: the same on every (re)start."""
@@ -191,29 +194,28 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         batches = epoch_batches(len(train_split), global_batch, t.seed, epoch)
         return batches, torch.full((len(batches),), max_length, dtype=torch.long)
 
-    steps_per_epoch = check_optimizer_steps(config, len(train_split), dataset.skipped_line(), len(epoch_plan(0)[0]))
+    steps_per_epoch = check_optimizer_steps(config, len(train_split), data.skipped_line(), len(epoch_plan(0)[0]))
     total_steps = steps_per_epoch * t.epochs if t.max_steps < 0 else min(t.max_steps, steps_per_epoch * t.epochs)
-    supervised = (train_split.labels != IGNORE).sum(dim=1)  # per sample, on the CPU: no device sync per step
-    input_ids = train_split.input_ids.to(device)
-    labels = train_split.labels.to(device)
+    supervised = train_split.supervised  # per sample, on the CPU: no device sync per step
     validation = None
-    if dataset.splits.get("validation") and p.schedule in V_SCHEDULES:
+    if len(data.splits.get("validation", ())) and p.schedule in V_SCHEDULES:
         print0(f"note: no val_loss during training: torch's {p.schedule} schedule has no forward-only mode")
-    elif dataset.splits.get("validation"):
-        val_split = tokenize_split(dataset.splits["validation"], prepared.prompts, prepared.pad_id)
+    elif len(data.splits.get("validation", ())):
+        val_split = data.splits["validation"].dense(max_length, prepared.pad_id)
         validation = (val_split.input_ids.to(device), val_split.labels.to(device))
     print0(
-        f"data: {len(train_split)} training samples, {train_split.truncated} cut to fit data.max_length {max_length} "
+        f"data: {'tokenized into' if data.built else 'token cache'} {data.path}; "
+        f"{len(train_split)} training samples, {train_split.truncated} cut to fit data.max_length {max_length} "
         "(the transcript's middle elided, the summary capped at data.max_summary_tokens); "
-        f"{dataset.skipped_line()}; "
+        f"{data.skipped_line()}; "
         f"{steps_per_epoch} optimizer steps/epoch, {total_steps} in all; effective batch "
         f"{t.batch_size} x grad_accum {t.grad_accum} x dp {p.dp} = {global_batch * t.grad_accum} sequences"
     )
     if config.data.buckets:
         padded = int(sample_lengths.sum())
         print0(
-            f"length buckets {config.data.buckets}: pad fraction {1 - int(train_split.real_tokens.sum()) / padded:.1%} "
-            f"(one length {max_length}: {1 - int(train_split.real_tokens.sum()) / (len(train_split) * max_length):.1%})"
+            f"length buckets {config.data.buckets}: pad fraction {1 - int(real_tokens.sum()) / padded:.1%} "
+            f"(one length {max_length}: {1 - int(real_tokens.sum()) / (len(train_split) * max_length):.1%})"
         )
 
     # ------------------------------------------------------------------ model: this rank's stage
@@ -346,7 +348,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
             break
         batches, lengths = epoch_plan(epoch)
         # This replica's share of every schedule step: its batch_size columns of the global batch.
-        device_batches = batches[:, mesh.dp_rank * t.batch_size : (mesh.dp_rank + 1) * t.batch_size].to(device)
+        replica_batches = batches[:, mesh.dp_rank * t.batch_size : (mesh.dp_rank + 1) * t.batch_size]
         for i in range(position.batch if epoch == position.epoch else 0, steps_per_epoch):
             if step >= total_steps:
                 break
@@ -356,13 +358,14 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
             n_supervised = int(supervised[batches[group].flatten()].sum())
             loss_fn.normalizer = max(n_supervised, 1)  # all-masked step: loss 0, never 0/0
             step_loss = torch.zeros((), device=device)
-            for j, (index, length) in enumerate(zip(device_batches[group], lengths[group].tolist(), strict=True)):
+            for j, (index, length) in enumerate(zip(replica_batches[group], lengths[group].tolist(), strict=True)):
                 timeline = timelines.get(length) if step + 1 == t.timeline_step and j == 0 else None
                 if timeline is not None:
                     timeline.start()
                 # A sharded pipeline stage may drop earlier gradients on its first step (see restore_gradients).
                 stashed = stash_gradients(params) if p.sharded and n_stages > 1 and j > 0 else None
-                out = runners[length].step(input_ids[index, :length], labels[index, :length])
+                input_ids, labels = train_split.batch(index, length, prepared.pad_id)
+                out = runners[length].step(input_ids.to(device), labels.to(device))
                 if stashed is not None:
                     restore_gradients(params, stashed)
                 if out is not None:
@@ -406,7 +409,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
                 step_loss,
                 grad_norm,
                 global_batch * int(lengths[group].sum()),
-                int(train_split.real_tokens[batches[group].flatten()].sum()),
+                int(real_tokens[batches[group].flatten()].sum()),
                 n_supervised,
                 skipped=bool(bad_stages),
             )

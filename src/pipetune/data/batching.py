@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from pipetune.data.prompt import PromptBuilder
+from pipetune.data.prompt import PromptBuilder, Sample
 from pipetune.data.sources import Example
 
 IGNORE = -100
@@ -32,22 +33,69 @@ class TokenizedSplit:
         return self.input_ids.shape[0]
 
 
+@dataclass
+class SampleStore:
+    """Tokenized samples, unpadded: every sample's ids one after another in one flat array (memory-mapped when
+    read from the token cache), each sample's start, and its prompt length. Batches are cut from it by index."""
+
+    tokens: np.ndarray
+    """[total tokens] int32: the samples' ids, concatenated."""
+    offsets: np.ndarray
+    """[n + 1] int64: sample i is tokens[offsets[i]:offsets[i + 1]]."""
+    n_prompt: np.ndarray
+    """[n] int32: the unsupervised prompt's length of each sample."""
+    truncated: int = 0
+    """Samples whose transcript or summary was cut to fit."""
+
+    @classmethod
+    def from_samples(cls, samples: list[Sample]) -> SampleStore:
+        lengths = np.array([len(s.input_ids) for s in samples], dtype=np.int64)
+        return cls(
+            np.array([t for s in samples for t in s.input_ids], dtype=np.int32),
+            np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            np.array([s.n_prompt for s in samples], dtype=np.int32),
+            sum(bool(s.transcript_tokens_cut or s.summary_tokens_cut) for s in samples),
+        )
+
+    def __len__(self) -> int:
+        return len(self.n_prompt)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[n] int64 tokens per sample (real, non-pad)."""
+        return torch.from_numpy(np.diff(self.offsets))
+
+    @property
+    def supervised(self) -> torch.Tensor:
+        """[n] int64 supervised tokens per sample: the summary and, when it was not capped, the closing token."""
+        return self.lengths - torch.from_numpy(self.n_prompt.astype(np.int64))
+
+    def batch(self, indices: torch.Tensor | list[int], length: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([b, length] input ids right-padded with pad_id, [b, length] labels) of the samples at `indices`.
+
+        Labels are shifted (position t holds the target of position t + 1) and IGNORE on the prompt and the pads:
+        they come from each sample's prompt length, never from the pad id (which may equal the closing token).
+        """
+        indices = indices.tolist() if isinstance(indices, torch.Tensor) else list(indices)
+        input_ids = torch.full((len(indices), length), pad_id, dtype=torch.long)
+        labels = torch.full((len(indices), length), IGNORE, dtype=torch.long)
+        for row, i in enumerate(indices):
+            ids = torch.from_numpy(self.tokens[self.offsets[i] : self.offsets[i + 1]].astype(np.int64))
+            n, prompt = ids.numel(), int(self.n_prompt[i])
+            input_ids[row, :n] = ids
+            labels[row, prompt - 1 : n - 1] = ids[prompt:]
+        return input_ids, labels
+
+    def dense(self, length: int, pad_id: int) -> TokenizedSplit:
+        """Every sample padded to `length`, in one pair of tensors (small splits: validation, evaluation)."""
+        input_ids, labels = self.batch(range(len(self)), length, pad_id)
+        return TokenizedSplit(input_ids, labels, self.lengths.clone(), self.truncated)
+
+
 def tokenize_split(examples: list[Example], builder: PromptBuilder, pad_id: int) -> TokenizedSplit:
-    length = builder.max_length
-    input_ids = torch.full((len(examples), length), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), length), IGNORE, dtype=torch.long)
-    real = torch.zeros(len(examples), dtype=torch.long)
-    truncated = 0
-    for i, example in enumerate(examples):
-        sample = builder.build(example.transcript, example.summary)
-        ids = torch.tensor(sample.input_ids, dtype=torch.long)
-        n = ids.numel()
-        input_ids[i, :n] = ids
-        # position t predicts token t+1: supervised targets are ids[n_prompt:], seen from positions n_prompt-1 ...
-        labels[i, sample.n_prompt - 1 : n - 1] = ids[sample.n_prompt :]
-        real[i] = n
-        truncated += bool(sample.transcript_tokens_cut or sample.summary_tokens_cut)
-    return TokenizedSplit(input_ids, labels, real, truncated)
+    """Examples tokenized as in training and padded to max_length."""
+    samples = builder.build_many([(e.transcript, e.summary) for e in examples])
+    return SampleStore.from_samples(samples).dense(builder.max_length, pad_id)
 
 
 def epoch_batches(n_samples: int, batch_size: int, seed: int, epoch: int) -> torch.Tensor:

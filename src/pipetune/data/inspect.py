@@ -2,10 +2,11 @@
 
     pipetune data inspect --config configs/qwen3-4b-ami.toml [--set data.max_length=8192] [--json]
 
-Rows per split and skipped rows by reason; token lengths of transcripts and summaries under the
-model's tokenizer; how many samples the prompt builder cuts to fit `data.max_length` /
-`data.max_summary_tokens`, and by how much; and the share of every batch that is padding at the
-static length, beside what length buckets (max_length/4, /2, 3/4, 1) would leave.
+Which columns (or chat messages) rows were read from; rows per split and skipped rows by reason;
+token lengths of transcripts and summaries under the model's tokenizer; how many samples the prompt
+builder cuts to fit `data.max_length` / `data.max_summary_tokens`, and by how much; and the share of
+every batch that is padding at the static length, beside what length buckets (max_length/4, /2, 3/4,
+1) would leave.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def split_report(name: str, examples: list[Example], builder: PromptBuilder, buc
     """Tokenize one split as training would (PromptBuilder.build) and measure it."""
     transcript_lengths = _token_counts(builder, [e.transcript for e in examples])
     summary_lengths = _token_counts(builder, [e.summary for e in examples])
-    samples = [builder.build(e.transcript, e.summary) for e in examples]
+    samples = builder.build_many([(e.transcript, e.summary) for e in examples])
     lengths = [len(s.input_ids) for s in samples]
     transcript_cuts = [s.transcript_tokens_cut for s in samples if s.transcript_tokens_cut]
     summary_cuts = [s.summary_tokens_cut for s in samples if s.summary_tokens_cut]
@@ -129,9 +130,7 @@ def split_report(name: str, examples: list[Example], builder: PromptBuilder, buc
 
 
 def _token_counts(builder: PromptBuilder, texts: list[str]) -> list[int]:
-    if not texts:
-        return []
-    return [len(ids) for ids in builder.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    return [len(ids) for ids in builder.encode_texts(texts)]
 
 
 def percentile(ordered: list[int], q: float) -> int:
@@ -175,6 +174,8 @@ def format_report(report: DataReport) -> str:
         "",
     ]
     rows = report.rows["splits"]
+    for how, count in report.rows.get("columns", {}).items():
+        out.append(f"read as: {how} ({count} rows)")
     out += _table(
         ["rows", "read", "kept", "skipped", "held out"],
         [[name, r["read"], r["kept"], sum(r["skipped"].values()), r["held_out"] or "-"] for name, r in rows.items()],

@@ -1,10 +1,14 @@
 """Prompt building, shared by every data source, training and generation.
 
 A sample is the chat template rendered around three parts: the system prompt, the transcript
-(user turn) and the summary (assistant turn). The template's own tokens are never cut. When the
-sample exceeds `max_length`, the summary is capped at `max_summary_tokens` and the transcript
-keeps its head and tail with an elision marker between. Loss falls only on the summary tokens
-and the token that closes the assistant turn.
+(user turn) and the summary (assistant turn). The template's own tokens are never cut. Training and
+generation cut a transcript by one rule: it may take what `max_length` leaves after the template and
+a full `max_summary_tokens` summary, keeping its head and tail with an elision marker between, so a
+prompt at inference is token for token the prompt the model was trained on. Loss falls only on the
+summary tokens and the token that closes the assistant turn. A summary longer than
+`max_summary_tokens` is capped and left open: no closing token, so the model never learns to stop
+mid-sentence. Transcript and summary are data: a control token's text inside them (a literal
+"<|im_end|>") is encoded as plain text, never as the control token.
 """
 
 from __future__ import annotations
@@ -66,12 +70,27 @@ class PromptBuilder:
         self.elision_ids = self._encode(ELISION)
 
     def _encode(self, text: str) -> list[int]:
+        """Template text: its control tokens (<|im_start|>, ...) are the real ones."""
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def encode_text(self, text: str) -> list[int]:
+        """Data (a transcript, a summary): control-token text in it is split into ordinary tokens."""
+        return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True) if text else []
 
     @property
     def template_length(self) -> int:
         """Tokens of the template alone (system prompt, headers, closing token)."""
         return len(self.head_ids) + len(self.middle_ids) + len(self.end_ids)
+
+    @property
+    def summary_room(self) -> int:
+        """Tokens kept for the summary: max_summary_tokens, or what max_length leaves after the template."""
+        return min(self.max_summary_tokens, self.max_length - self.template_length)
+
+    @property
+    def transcript_room(self) -> int:
+        """Tokens a transcript may take, in training and generation alike."""
+        return self.max_length - self.template_length - self.summary_room
 
     @property
     def min_max_length(self) -> int:
@@ -86,29 +105,43 @@ class PromptBuilder:
             )
 
     def build(self, transcript: str, summary: str) -> Sample:
-        """A training sample: prompt ids then summary ids and the closing token."""
+        """A training sample: the prompt (as `prompt_ids`) then the summary, closed unless it was capped."""
+        return self.build_many([(transcript, summary)])[0]
+
+    def build_many(self, pairs: list[tuple[str, str]]) -> list[Sample]:
+        """`build` of many (transcript, summary) pairs, their texts encoded in one batch call."""
         self.check_budget()
-        summary_ids = self._encode(summary)
-        room = self.max_length - self.template_length
-        cap = min(self.max_summary_tokens, room)
-        kept_summary = summary_ids[:cap]
-        prompt, transcript_cut = self._prompt(transcript, room - len(kept_summary))
+        transcripts = self.encode_texts([transcript for transcript, _ in pairs])
+        summaries = self.encode_texts([summary for _, summary in pairs])
+        return [self._sample(t, s) for t, s in zip(transcripts, summaries, strict=True)]
+
+    def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """`encode_text` of many texts in one call (the tokenizer's batch path)."""
+        if not texts:
+            return []
+        return self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+    def _sample(self, transcript_ids: list[int], summary_ids: list[int]) -> Sample:
+        prompt, transcript_cut = self._prompt(transcript_ids)
+        if len(summary_ids) <= self.summary_room:
+            supervised = summary_ids + self.end_ids
+        else:  # capped mid-text: left open, so no step teaches the model to stop there
+            supervised = summary_ids[: self.summary_room]
         return Sample(
-            input_ids=prompt + kept_summary + self.end_ids,
+            input_ids=prompt + supervised,
             n_prompt=len(prompt),
             transcript_tokens_cut=transcript_cut,
-            summary_tokens_cut=len(summary_ids) - len(kept_summary),
+            summary_tokens_cut=max(0, len(summary_ids) - self.summary_room),
         )
 
     def prompt_ids(self, transcript: str) -> list[int]:
-        """The generation prompt, cut as in training with room left for a full-length summary."""
+        """The generation prompt: exactly the prompt part of `build` for the same transcript."""
         self.check_budget()
-        room = self.max_length - self.template_length
-        return self._prompt(transcript, room - min(self.max_summary_tokens, room))[0]
+        return self._prompt(self.encode_text(transcript))[0]
 
-    def _prompt(self, transcript: str, budget: int) -> tuple[list[int], int]:
-        ids = self._encode(transcript)
-        n_original = len(ids)
+    def _prompt(self, ids: list[int]) -> tuple[list[int], int]:
+        """Template around the transcript ids, cut to `transcript_room` (head and tail kept): (ids, tokens cut)."""
+        budget, n_original = self.transcript_room, len(ids)
         if n_original > budget:
             if budget > len(self.elision_ids):
                 keep = budget - len(self.elision_ids)

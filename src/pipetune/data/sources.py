@@ -1,4 +1,10 @@
-"""Where meetings come from: the synthetic corpus, local files or directories, or a hub dataset.
+"""Where meetings come from: the synthetic corpus, local files or directories, a dataset saved with
+`datasets`' save_to_disk, or a hub dataset (read from the local HF cache when offline).
+
+A row is either a record with the transcript and summary columns (`data.transcript_column`,
+`data.summary_column`) or, when it has no transcript column but a `messages` list (the chat format
+TRL and axolotl read), a conversation: the last assistant message is the summary, the user message
+before it the transcript (system messages are left out: the prompt's own system prompt is used).
 
 Every source goes through the same cleaning: a row with a missing, empty or non-string
 transcript or summary, text that is not valid Unicode (a lone surrogate), an unparsable JSONL line
@@ -82,6 +88,8 @@ class Dataset:
     splits: dict[str, list[Example]]
     stats: dict[str, SplitStats] = field(default_factory=dict)
     source: str = ""
+    columns: Counter = field(default_factory=Counter)
+    """Kept rows by where their transcript and summary came from (`columns_read`), all splits together."""
 
     @property
     def skipped(self) -> Counter:
@@ -109,7 +117,12 @@ class Dataset:
                 "skipped_at": stats.skipped_at,
                 "shortened": stats.shortened,
             }
-        return {"source": self.source, "splits": splits, "skipped": dict(sorted(self.skipped.items()))}
+        return {
+            "source": self.source,
+            "columns": dict(sorted(self.columns.items())),
+            "splits": splits,
+            "skipped": dict(sorted(self.skipped.items())),
+        }
 
     def write_summary(self, path: str | Path) -> None:
         """`summary()` as JSON, through a temporary file and a rename."""
@@ -129,6 +142,7 @@ def load_dataset(data: DataConfig, seed: int = 0) -> Dataset:
         dataset = Dataset(
             {name: list(rows) for name, rows in splits.items()},
             {name: SplitStats(read=len(rows)) for name, rows in splits.items()},
+            columns=Counter({"synthetic meetings": sum(len(rows) for rows in splits.values())}),
         )
     else:
         dataset = clean_rows(_raw_splits(data.source), data)
@@ -141,6 +155,8 @@ def load_dataset(data: DataConfig, seed: int = 0) -> Dataset:
 
 def _raw_splits(source: str) -> dict[str, Iterable[tuple[str, Any]]]:
     path = Path(source).expanduser()
+    if path.is_dir() and saved_dataset(path):
+        return _saved_dataset_rows(path)
     if path.is_dir():
         return {split: _read_files(files) for split, files in split_files(path).items()}
     if path.is_file():
@@ -195,6 +211,9 @@ def clean_rows(raw: dict[str, Iterable[tuple[str, Any]]], data: DataConfig) -> D
         kept = []
         for where, row in rows:
             stats.read += 1
+            chat = is_chat_row(row, data)
+            if chat:  # its texts under the configured column names, or _Unusable with the reason
+                row = chat_columns(row, data)
             reason = _problem(row, data)
             if reason:
                 stats.skipped[reason] += 1
@@ -208,6 +227,7 @@ def clean_rows(raw: dict[str, Iterable[tuple[str, Any]]], data: DataConfig) -> D
                 transcript = transcript[: limit // 2] + "\n" + transcript[-(limit // 2) :]  # the prompt cuts the middle
                 summary = summary[:limit]  # a summary keeps its head
             kept.append(Example(transcript, summary))
+            dataset.columns[CHAT_COLUMNS if chat else columns_read(data)] += 1
         dataset.splits[split] = kept
         dataset.stats[split] = stats
     return dataset
@@ -243,8 +263,8 @@ def _check_train_usable(dataset: Dataset, data: DataConfig) -> None:
     raise ConfigError(
         f"data.source = {data.source!r}: none of the {stats.read} train rows is usable ({reasons or 'no rows'}); "
         f"the transcript and summary are read from the columns data.transcript_column = "
-        f"{data.transcript_column!r} and data.summary_column = {data.summary_column!r}: set them to the file's "
-        "column names, or fix the file"
+        f"{data.transcript_column!r} and data.summary_column = {data.summary_column!r} (or, for chat rows, from a "
+        f"{MESSAGES!r} list of role/content messages): set them to the file's column names, or fix the file"
     )
 
 
@@ -350,10 +370,88 @@ def _parquet_rows(path: Path) -> list[Any]:
         raise ConfigError(f"data.source file {str(path)!r} is not readable Parquet ({type(e).__name__}: {e})") from None
 
 
+# --------------------------------------------------------------------------- chat rows
+
+MESSAGES = "messages"
+"""The column of chat rows: a list of {"role": ..., "content": ...} messages."""
+CHAT_COLUMNS = f"{MESSAGES}: last user message -> transcript, last assistant message -> summary"
+
+
+def columns_read(data: DataConfig) -> str:
+    """How a column row's fields are read, as `data inspect` shows it."""
+    return f"{data.transcript_column} -> transcript, {data.summary_column} -> summary"
+
+
+def is_chat_row(row: Any, data: DataConfig) -> bool:
+    """A record without the transcript column but with a `messages` field is read as a conversation."""
+    return isinstance(row, dict) and data.transcript_column not in row and MESSAGES in row
+
+
+def chat_columns(row: dict, data: DataConfig) -> dict[str, str] | _Unusable:
+    """The last user message before the last assistant message, and that assistant message, as a column row."""
+    messages = row[MESSAGES]
+    if not isinstance(messages, list):
+        return _Unusable(f"{MESSAGES} not a list")
+    if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        return _Unusable("message without a role")
+    answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if not answers:
+        return _Unusable("no assistant message")
+    questions = [m for m in messages[: answers[-1]] if m["role"] == "user"]
+    if not questions:
+        return _Unusable("no user message before the last assistant message")
+    texts = {}
+    for column, role, message in (
+        (data.transcript_column, "user", questions[-1]),
+        (data.summary_column, "assistant", messages[answers[-1]]),
+    ):
+        content = message.get("content")
+        if not isinstance(content, str):
+            return _Unusable(f"non-string {role} message")
+        if not content.strip():
+            return _Unusable(f"empty {role} message")
+        texts[column] = content
+    return texts
+
+
+# --------------------------------------------------------------------------- datasets saved with save_to_disk
+
+
+def saved_dataset(path: Path) -> bool:
+    """A directory written by `Dataset.save_to_disk` (state.json) or `DatasetDict.save_to_disk` (dataset_dict.json)."""
+    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
+
+
+def _saved_dataset_rows(path: Path) -> dict[str, Iterable[Any]]:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(
+            f"data.source = {str(path)!r} is a dataset saved with save_to_disk, which needs the `datasets` "
+            "package (pip install 'pipetune[data]'); or export it to JSONL"
+        ) from None
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as e:  # damaged or partial files: datasets raises many kinds
+        raise ConfigError(
+            f"data.source = {str(path)!r} looks like a dataset saved with save_to_disk but cannot be read "
+            f"({type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})"
+        ) from None
+    if isinstance(loaded, datasets.Dataset):  # one split: train
+        return {"train": _located_rows(f"{path} row", loaded)}
+    return {split: _located_rows(f"{path} {split} row", loaded[split]) for split in loaded}
+
+
 # --------------------------------------------------------------------------- hub
 
 
 def _hub_rows(name: str) -> dict[str, Iterable[Any]]:
+    loaded = hub_dataset(name)
+    return {split: _located_rows(f"{name} {split} row", loaded[split]) for split in loaded}
+
+
+def hub_dataset(name: str) -> Any:
+    """`datasets.load_dataset(name)` (from the local HF cache when offline), or a ConfigError with the way out."""
     offline = (
         f"Export it to a local file where the hub is reachable (e.g. datasets.load_dataset({name!r})['train']"
         ".to_json('ami/train.jsonl'), likewise validation and test) and set data.source to that file or "
@@ -374,7 +472,7 @@ def _hub_rows(name: str) -> dict[str, Iterable[Any]]:
             f"data.source = {name!r} is neither a local file nor directory, and could not be loaded from the hub "
             f"({type(e).__name__}{': ' + detail if detail else ''}). {offline}"
         ) from None
-    return {split: _located_rows(f"{name} {split} row", loaded[split]) for split in loaded}
+    return loaded
 
 
 def _located_rows(prefix: str, rows: Iterable[Any]) -> Iterable[tuple[str, Any]]:

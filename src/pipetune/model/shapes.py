@@ -14,6 +14,7 @@ from pathlib import Path
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from pipetune.config import ConfigError, ModelConfig
+from pipetune.model.gguf import converted_checkpoint, gguf_source
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 """Decoder-only families with the model.embed_tokens / layers / norm / rotary_emb + lm_head layout."""
@@ -198,8 +199,11 @@ def resolve_model(model: ModelConfig) -> ResolvedModel:
             )
         return ResolvedModel(model.name, _check_family(builtin_config(model.name), model.name), None)
 
+    gguf = gguf_source(model.name)
     local = Path(model.name).expanduser()
-    if local.is_dir():
+    if gguf is not None:  # converted once into a cached checkpoint directory, then read like any other
+        source_dir = converted_checkpoint(gguf)
+    elif local.is_dir():
         source_dir = local
     elif local.exists() or model.name.startswith((".", "/", "~")):
         raise ConfigError(f"model.name = {model.name!r} is not a directory with a config.json")
