@@ -75,6 +75,9 @@ class StageModule(nn.Module):
         self.head_in_loss = False
         """The last stage returns normed hidden states; the loss applies lm_head (train.fused_loss)."""
         self.own_boundary_memory = False
+        self.sequence_shards = 1
+        """Ranks the hidden states' sequence positions are split over (tensor parallelism's sequence parallelism):
+        this rank's share of them is hidden.shape[1] (parallel/tp.py sets it)."""
         """Hand the pipeline its sent tensors (this stage's output, the gradient of its input) in memory of their
         own, not in the CUDA graphs' pool (set with `compile_layers(cuda_graphs=True)`)."""
 
@@ -135,7 +138,7 @@ class StageModule(nn.Module):
         hidden = self.embed(x) if self.is_first else x
         if self.own_boundary_memory and not self.is_first:
             hidden = _GradInOwnMemory.apply(hidden)
-        batch, seq = hidden.shape[:2]
+        batch, seq = hidden.shape[0], hidden.shape[1] * self.sequence_shards
         position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0).expand(batch, -1)
         position_embeddings = self.rotary(hidden, position_ids)
         kwargs = dict(
