@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--config", required=True, help="TOML config file or shipped config name")
     bench.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key")
     bench.add_argument(
-        "--strategies", default="pp,single", help="comma-separated: pp, ddp, fsdp, single (default: pp,single)"
+        "--strategies", default="pp,single", help="comma-separated: pp, tp, ddp, fsdp, single (default: pp,single)"
     )
     bench.add_argument("--steps", type=int, default=20, help="timed optimizer steps per strategy (default: 20)")
     bench.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included (default: 5)")

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from peft.tuners.lora import Linear as LoraLinear
 from torch import nn
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
@@ -64,6 +65,7 @@ def apply_tp(modules: list[StageModule], tp_mesh: DeviceMesh, sequence_parallel:
             parallelize_module(
                 module.embed, tp_mesh, _local(RowwiseParallel(input_layouts=Replicate(), output_layouts=between))
             )
+            module.embed.register_forward_hook(_wait_for_output)
         if module.norm is not None and sequence_parallel:
             # Normed on the split, then gathered: lm_head (or the fused loss) takes whole sequences.
             parallelize_module(module.norm, tp_mesh, _local(SequenceParallel()))
@@ -116,6 +118,12 @@ def layer_plan(layer: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = 
                 width, rank, ranks = part.base_layer.in_features, tp_mesh.get_local_rank(), tp_mesh.size()
                 part.lora_dropout[adapter] = SplitInputDropout(dropout.p, width, rank, ranks)
     return plan
+
+
+def _wait_for_output(_module: nn.Module, _args: tuple, output: torch.Tensor) -> torch.Tensor:
+    """The embedding's output as a plain tensor: its all-reduce is issued asynchronously and the result is an
+    AsyncCollectiveTensor, a type of its own, for which the first compiled layer would compile a second graph."""
+    return output.wait() if isinstance(output, AsyncCollectiveTensor) else output
 
 
 def _local(style: ParallelStyle) -> ParallelStyle:
