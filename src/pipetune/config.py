@@ -92,8 +92,8 @@ class LoraConfig:
     )
     """Names of the linear layers that get adapters."""
     fast_path: bool = False
-    """Run adapters in the base dtype with the scaling folded into B (fewer, cheaper kernels than PEFT's
-    float32 path; same math). The adapters' master weights and optimizer state stay float32."""
+    """Run adapters in the base dtype, the scaling applied to the rank-r intermediate (fewer, cheaper kernels than
+    PEFT's float32 path; same math). The adapters' master weights and optimizer state stay float32."""
 
 
 @dataclass

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from pipetune.bench import strategy_config
-from pipetune.config import ConfigError, validate
+from pipetune.config import Config, ConfigError, apply_override, validate
 from pipetune.data.batching import tokenize_split
 from pipetune.data.sources import load_dataset
 from pipetune.generate import load_finetuned, mean_token_loss
 from pipetune.parallel.tp import SplitInputDropout
-from pipetune.preflight import prepare
+from pipetune.preflight import preflight, prepare
 from tests.conftest import tiny_config
 from tests.parallel.test_data_parallel import EFFECTIVE_16
 from tests.parallel.test_fsdp import _metrics, _train
@@ -131,6 +131,18 @@ def test_tp_must_divide_the_attention_heads(tmp_path: Path) -> None:
         prepare(tiny_config(tmp_path, "parallel.tp=4"))
     with pytest.raises(ConfigError, match=r"use a tp that divides both \(2\)"):
         prepare(tiny_config(tmp_path, "parallel.tp=3"))
+
+
+def test_tp_splits_the_weights_each_rank_must_hold() -> None:
+    config = Config()
+    for item in ('model.name="qwen2.5-72b"', 'model.init="random"', "train.memory_gb=141", "train.batch_size=8"):
+        apply_override(config, item)
+    for item in ('parallel.strategy="tp"', "parallel.pp=1", "parallel.tp=2", "parallel.n_microbatches=8"):
+        apply_override(config, item)
+    preflight(config, 2)  # 73 GB a rank: fits
+    apply_override(config, "train.memory_gb=80")
+    with pytest.raises(ConfigError, match=r"hold 73 GB .* \(parallel.pp = 1, split over parallel.tp = 2\)"):
+        preflight(config, 2)
 
 
 def test_bench_runs_tp_on_the_same_ranks_at_the_same_batch(tmp_path: Path) -> None:

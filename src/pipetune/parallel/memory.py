@@ -212,7 +212,7 @@ def check_weights_fit(config: Config, model_config: PretrainedConfig, ranges: Se
     p = config.parallel
     layer, embedding, head = parameter_counts(model_config)
     element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
-    shards = p.dp if p.sharded else 1
+    shards = (p.dp if p.sharded else 1) * p.tp  # tensor parallelism splits (nearly) every weight tp ways
     for rank in range(p.pp):
         stages = stage_ids(p.schedule, rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
         count = sum(len(ranges[s]) for s in stages) * layer
@@ -220,13 +220,14 @@ def check_weights_fit(config: Config, model_config: PretrainedConfig, ranges: Se
         count += head if len(ranges) - 1 in stages else 0
         weights = count * element / shards
         if weights > 0.9 * budget:
-            sharded = f", sharded over parallel.dp = {p.dp}" if shards > 1 else ""
+            sharded = f", sharded over parallel.dp = {p.dp}" if p.sharded else ""
+            sharded += f", split over parallel.tp = {p.tp}" if p.tp > 1 else ""
             raise ConfigError(
                 f"{config.model.name!r}: the stage(s) of pipeline rank {rank} hold {weights / GB:.0f} GB of frozen "
                 f"{config.model.dtype} weights (parallel.pp = {p.pp}{sharded}), more than 90% of the "
                 f"{budget / GB:.0f} GB of memory per rank, before any activation. Raise parallel.pp (more GPUs, "
-                "fewer layers each), or shard replicas with parallel.dp_shard = true (strategy 'fsdp' for pp = 1) "
-                "over more GPUs"
+                "fewer layers each) or parallel.tp (each layer split over more GPUs), or shard replicas with "
+                "parallel.dp_shard = true (strategy 'fsdp' for pp = 1) over more GPUs"
             )
 
 
