@@ -301,7 +301,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         checkpointed = any(module.checkpoint_layers for module in modules)
         layers_here = sum(len(module.layers) for module in modules)
         cuda_graphs, note = choose_cuda_graphs(
-            costs, layers_here, checkpointed, p.n_microbatches, config.microbatch_size, max_length
+            costs, layers_here, checkpointed, p.n_microbatches, config.microbatch_size, max_length, p.tp
         )
         if note:
             print(f"rank {env.rank}: note: {note}", flush=True)
