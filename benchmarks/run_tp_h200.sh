@@ -32,6 +32,8 @@ bench() {  # name, timeout, config, args...: the bench's own --timeout ends a st
 }
 B4=configs/bench-qwen3-4b.toml; B72=configs/bench-qwen2.5-72b.toml
 TP="--strategies tp"  # from a pp=2 config: one replica split over both ranks, the config's microbatches
+# Variants set the tp layout in the config itself (the pp config must validate as it is, e.g. 1F1B's microbatches).
+TP2="--set parallel.strategy=\"tp\" --set parallel.pp=1 --set parallel.tp=2"
 # Two whole-model replicas at the same effective batch of 16: 2 sequences each, 4 accumulation steps.
 REPLICAS="--set parallel.pp=1 --set parallel.dp=2 --set train.batch_size=2 --set train.grad_accum=4 \
   --set parallel.n_microbatches=1 --set parallel.strategy=\"fsdp\""
@@ -40,8 +42,8 @@ if [ "$PART" = A ]; then
   bench 4b-tp 200 $B4 $TP $STEPS $SHAPE
   bench 4b-ddp 150 $B4 --strategies ddp $STEPS $SHAPE
 elif [ "$PART" = B ]; then
-  bench 4b-tp-mb16 130 $B4 $TP $STEPS $SHAPE --set parallel.n_microbatches=1
-  bench 4b-tp-sp 150 $B4 $TP $STEPS $SHAPE --set parallel.sequence_parallel=true
+  bench 4b-tp-mb16 130 $B4 $TP $STEPS $SHAPE $TP2 --set parallel.n_microbatches=1
+  bench 4b-tp-sp 150 $B4 $TP $STEPS $SHAPE $TP2 --set parallel.sequence_parallel=true
   bench 4b-tp-plain-loss 150 $B4 $TP $STEPS $SHAPE --set train.fused_loss=false
   bench 4b-tp-no-graphs 120 $B4 $TP $STEPS $SHAPE --set train.cuda_graphs=false
 elif [ "$PART" = C ]; then
@@ -49,7 +51,7 @@ elif [ "$PART" = C ]; then
   bench 72b-tp 200 $B72 $TP $STEPS $SHAPE
   bench 72b-fsdp 170 $B72 --strategies fsdp $STEPS $SHAPE $REPLICAS
 elif [ "$PART" = D ]; then
-  bench 72b-tp-sp 200 $B72 $TP $STEPS $SHAPE --set parallel.sequence_parallel=true
+  bench 72b-tp-sp 200 $B72 $TP $STEPS $SHAPE $TP2 --set parallel.sequence_parallel=true
   bench 72b-tp-mb4 200 $B72 $TP $STEPS $SHAPE --set parallel.n_microbatches=4
 fi
 python3 - "$W" "$OUT" "$PART" <<'PY'
