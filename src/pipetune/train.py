@@ -291,7 +291,14 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     runner = runners[max_length]  # validation runs at full length
     if t.activation_checkpointing == "auto":  # planned for the longest shape, with the schedule's microbatches
         plan = auto_checkpointing(
-            modules, getattr(runner, "schedule", None), my_stages, mesh.pp_rank, config, prepared.model, device
+            modules,
+            getattr(runner, "schedule", None),
+            my_stages,
+            mesh.pp_rank,
+            config,
+            prepared.model,
+            device,
+            mesh.tp_mesh,
         )
         for module, count in zip(modules, plan.layers, strict=True):
             module.checkpoint_layers = count

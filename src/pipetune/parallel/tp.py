@@ -157,7 +157,8 @@ class SplitInputDropout(nn.Module):
             return x
         mask = F.dropout(x.new_ones(*x.shape[:-1], self.width), self.p)  # ones x (bernoulli / (1 - p))
         start = self.rank * -(-self.width // self.ranks)
-        return x * mask[..., start : start + x.shape[-1]]
+        # A copy of this rank's columns: backward keeps the mask, and a view would keep the whole one.
+        return x * mask[..., start : start + x.shape[-1]].contiguous()
 
     def extra_repr(self) -> str:
         return f"p={self.p}, width={self.width}, rank={self.rank} of {self.ranks}"
