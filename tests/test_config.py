@@ -124,7 +124,11 @@ def test_seed_job_config_matches_the_seed_script() -> None:
             2,
             r"batch_size = 6 is not divisible by parallel.n_microbatches = 4",
         ),
-        (["parallel.pp=2"], 3, r"world size 3 does not match parallel.pp x parallel.dp = 2 x 1"),
+        (
+            ["parallel.pp=2", "parallel.tp=2"],
+            2,
+            r"world size 2 does not match parallel.pp x parallel.dp x parallel.tp = 2 x 1 x 2; start 4 processes",
+        ),
         (['parallel.schedule="pipedream"'], 2, r"parallel.schedule = 'pipedream' is unknown"),
         (['model.dtype="int4"'], 2, r"model.dtype = 'int4' is unknown"),
         (["parallel.layers_per_stage=[4]"], 2, r"has 1 entries for 2 stages"),

@@ -29,30 +29,38 @@ from pipetune.metrics import read_phases
 from pipetune.model.split import estimate_costs
 from pipetune.preflight import prepare
 
-STRATEGIES = ("pp", "ddp", "fsdp", "single")
+STRATEGIES = ("pp", "tp", "ddp", "fsdp", "single")
 
 
 def strategy_config(config: Config, strategy: str, steps: int, warmup: int, out_dir: Path) -> Config:
-    """The config's run as `strategy`, at the same effective batch: "ddp" spreads each schedule step's batch
-    over as many whole-model replicas as the config has ranks (one forward per replica), "fsdp" likewise with
-    the replicas sharded; "single" runs it in one process, microbatch by microbatch."""
+    """The config's run as `strategy`, on as many ranks and at the same effective batch: "ddp" spreads each
+    schedule step's batch over one whole-model replica per rank (one forward per replica), "fsdp" likewise with
+    the replicas sharded; "tp" splits each replica over tp ranks (the config's tp, else its pipeline's pp ranks,
+    else all ranks), keeping its microbatch size; "single" runs it in one process, microbatch by microbatch."""
     variant = copy.deepcopy(config)
     p, t = variant.parallel, variant.train
-    if strategy in ("ddp", "fsdp"):
-        replicas = p.pp * p.dp
-        if (t.batch_size * p.dp) % replicas:
-            raise ConfigError(
-                f"--strategies {strategy}: batch {t.batch_size * p.dp} does not split over {replicas} replicas"
-            )
+    ranks, global_batch = p.world_size, t.batch_size * p.dp
+    if strategy in ("ddp", "fsdp", "tp"):
+        tp = (p.tp if p.tp > 1 else p.pp if p.pp > 1 else ranks) if strategy == "tp" else 1
+        replicas = ranks // tp
+        if strategy == "tp" and tp < 2:
+            raise ConfigError("--strategies tp splits replicas over ranks: the config needs parallel.pp x dp x tp >= 2")
+        if global_batch % replicas:
+            raise ConfigError(f"--strategies {strategy}: batch {global_batch} does not split over {replicas} replicas")
         if strategy == "fsdp" and replicas < 2:
             raise ConfigError("--strategies fsdp shards over replicas: the config needs parallel.pp x dp >= 2 ranks")
-        t.batch_size = t.batch_size * p.dp // replicas
-        p.pp, p.dp, p.n_microbatches, p.schedule, p.stages_per_rank = 1, replicas, 1, "1f1b", 1
+        t.batch_size = global_batch // replicas
+        n_microbatches = 1
+        if strategy == "tp" and t.batch_size % config.microbatch_size == 0:
+            n_microbatches = t.batch_size // config.microbatch_size
+        p.pp, p.dp, p.tp, p.n_microbatches, p.schedule, p.stages_per_rank = 1, replicas, tp, n_microbatches, "1f1b", 1
         p.dp_shard = False  # "fsdp" implies it, "ddp" refuses it
     elif strategy == "single":
-        t.batch_size *= p.dp
-        p.pp, p.dp, p.n_microbatches, p.schedule, p.stages_per_rank = 1, 1, p.n_microbatches * p.dp, "1f1b", 1
+        t.batch_size = global_batch
+        p.pp, p.dp, p.tp, p.n_microbatches, p.schedule, p.stages_per_rank = 1, 1, 1, p.n_microbatches * p.dp, "1f1b", 1
         p.dp_shard = False
+    if strategy != "pp":
+        p.layers_per_stage, p.sequence_parallel = [], p.sequence_parallel and p.tp > 1
     p.strategy = strategy
     variant.train.max_steps = warmup + steps
     variant.train.epochs = 10_000  # max_steps ends the run
@@ -87,7 +95,7 @@ def run_bench(
         clear_previous_run(Path(variant.output.dir))
         path = out_dir / f"{strategy}.toml"
         save_config(variant, path)
-        n_gpus = variant.parallel.pp * variant.parallel.dp
+        n_gpus = variant.parallel.world_size
         print(f"bench: {strategy} ({n_gpus} process{'es' if n_gpus > 1 else ''}), {warmup} + {steps} steps", flush=True)
         run = run_strategy(path, Path(variant.output.dir), out_dir / f"{strategy}.log", strategy, warmup, timeout_s)
         if "error" in run:

@@ -11,8 +11,8 @@ Every file is covered by a hash: the marker holds those of the JSON files, which
 safetensors files. A directory without COMMITTED is never loaded. Optimizer state is keyed by full-model parameter
 name, not by position, so a checkpoint written with pp=2 loads under pp=4: every rank reads all
 parts and takes the names it holds. Tensors are saved whole, also those FSDP shards over dp
-(parallel.dp_shard), and each rank cuts its own shard on load, so sharded and plain replicas resume
-each other's checkpoints. Nothing here goes through pickle.
+(parallel.dp_shard) or tensor parallelism splits over tp, and each rank cuts its own shard on load, so
+sharded and plain layouts resume each other's checkpoints. Nothing here goes through pickle.
 """
 
 from __future__ import annotations
@@ -210,6 +210,7 @@ def commit_metadata(config: Config, step: int, world_size: int) -> dict[str, Any
         "world_size": world_size,
         "pp": config.parallel.pp,
         "dp": config.parallel.dp,
+        "tp": config.parallel.tp,
         "model": config.model.name,
         "lora": {
             "r": config.lora.r,

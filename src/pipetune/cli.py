@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     train = commands.add_parser("train", help="fine-tune with the settings of a TOML config")
     train.add_argument("--config", required=True, help="TOML config file or shipped config name")
     train.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key")
-    train.add_argument("--nproc", type=int, default=None, help="local processes (default: parallel.pp x dp)")
+    train.add_argument("--nproc", type=int, default=None, help="local processes (default: parallel.pp x dp x tp)")
     train.add_argument("--quiet", action="store_true", help="no progress bar or per-step lines")
     train.add_argument(
         "--resume", action="store_true", help="continue from the newest committed checkpoint in output.dir"
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--config", required=True, help="TOML config file or shipped config name")
     bench.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key")
     bench.add_argument(
-        "--strategies", default="pp,single", help="comma-separated: pp, ddp, fsdp, single (default: pp,single)"
+        "--strategies", default="pp,single", help="comma-separated: pp, tp, ddp, fsdp, single (default: pp,single)"
     )
     bench.add_argument("--steps", type=int, default=20, help="timed optimizer steps per strategy (default: 20)")
     bench.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included (default: 5)")
@@ -258,7 +258,7 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
 
             exit_skipping_teardown()
         return 0
-    world_size = nproc or config.parallel.pp * config.parallel.dp
+    world_size = nproc or config.parallel.world_size
     prepared = preflight(config, world_size)  # fail here, once, before any process starts
     with lock_run_dir(config.output.dir):  # held until the workers are done; they run inside it
         find_resume_checkpoint(config)  # a checkpoint that cannot be resumed, or a run a fresh start would clobber
@@ -345,7 +345,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.set)
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
-    preflight(config, config.parallel.pp * config.parallel.dp)  # one clear error before any run starts
+    preflight(config, config.parallel.world_size)  # one clear error before any run starts
     if args.timeout < 0:
         raise ConfigError(f"--timeout {args.timeout} must be >= 0 seconds (0: no limit)")
     results = run_bench(config, strategies, args.steps, args.warmup, Path(args.out), args.peak_tflops, args.timeout)

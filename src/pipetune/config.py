@@ -27,7 +27,7 @@ SCHEDULES = SINGLE_STAGE_SCHEDULES + LOOPED_SCHEDULES + V_SCHEDULES
 ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
 """Schedules that split backward into input- and weight-gradient parts."""
 DTYPES = ("float32", "bfloat16", "float16")
-STRATEGIES = ("pp", "ddp", "fsdp", "single")
+STRATEGIES = ("pp", "ddp", "fsdp", "tp", "single")
 RESUME_MODES = ("never", "auto")
 MAX_LENGTH = 2**20
 """The longest sample pipetune accepts (tokens); far beyond what any model here can attend to."""
@@ -92,8 +92,8 @@ class LoraConfig:
     )
     """Names of the linear layers that get adapters."""
     fast_path: bool = False
-    """Run adapters in the base dtype with the scaling folded into B (fewer, cheaper kernels than PEFT's
-    float32 path; same math). The adapters' master weights and optimizer state stay float32."""
+    """Run adapters in the base dtype, the scaling applied to the rank-r intermediate (fewer, cheaper kernels than
+    PEFT's float32 path; same math). The adapters' master weights and optimizer state stay float32."""
 
 
 @dataclass
@@ -160,13 +160,23 @@ class TrainConfig:
 @dataclass
 class ParallelConfig:
     strategy: str = "pp"
-    """"pp": pp pipeline stages x dp replicas; "ddp": data parallel only (pp = 1, dp replicas, LoRA gradients
-    all-reduced); "fsdp": like ddp with the model sharded over the replicas (implies dp_shard); "single": one
-    process (pp = dp = 1). The same trainer, data, loss and outputs for all."""
+    """"pp": pp pipeline stages x dp replicas (x tp tensor shards); "ddp": data parallel only (pp = 1, dp replicas,
+    LoRA gradients all-reduced); "fsdp": like ddp with the model sharded over the replicas (implies dp_shard);
+    "tp": tensor parallel (pp = 1, tp >= 2, x dp replicas); "single": one process (pp = dp = tp = 1). The same
+    trainer, data, loss and outputs for all."""
     pp: int = 2
     """Pipeline stages (one per rank); 1 runs the same loop in one process."""
     dp: int = 1
     """Data-parallel replicas of the pipeline."""
+    tp: int = 1
+    """Tensor-parallel ranks per stage: each decoder layer's attention heads and MLP columns (and the embedding's
+    and lm_head's vocabulary) split over tp neighbouring ranks, with torch's DTensor plans (parallel/tp.py); LoRA
+    adapters split with their base layers. World size = pp x dp x tp. Must divide the attention and key-value
+    head counts."""
+    sequence_parallel: bool = False
+    """With tp >= 2, split the hidden states between attention and MLP blocks by sequence position over the tp
+    ranks (norms, residuals and pipeline transfers at 1/tp of the memory; all-gather + reduce-scatter instead of
+    all-reduce). data.max_length and data.buckets must be multiples of tp."""
     dp_shard: bool = False
     """Shard each stage over its dp replicas with FSDP2: the frozen base weights are stored 1/dp per replica and
     gathered layer by layer, the LoRA gradients reduce-scattered instead of all-reduced. Needs dp >= 2."""
@@ -191,6 +201,11 @@ class ParallelConfig:
     def n_stages(self) -> int:
         """Pipeline stages in all: pp ranks x stages_per_rank."""
         return self.pp * self.stages_per_rank
+
+    @property
+    def world_size(self) -> int:
+        """Processes in all: pp x dp x tp."""
+        return self.pp * self.dp * self.tp
 
     @property
     def sharded(self) -> bool:
@@ -399,6 +414,7 @@ def validate(config: Config, world_size: int) -> None:
     for name, value in [
         ("parallel.pp", p.pp),
         ("parallel.dp", p.dp),
+        ("parallel.tp", p.tp),
         ("parallel.n_microbatches", p.n_microbatches),
         ("parallel.stages_per_rank", p.stages_per_rank),
         ("train.batch_size", t.batch_size),
@@ -466,10 +482,11 @@ def validate(config: Config, world_size: int) -> None:
         )
     if p.strategy == "single":
         _check(
-            p.pp == 1 and p.dp == 1,
-            f"parallel.strategy = 'single' runs one process: set parallel.pp = 1 and parallel.dp = 1 "
-            f"(got {p.pp} x {p.dp})",
+            p.pp == 1 and p.dp == 1 and p.tp == 1,
+            f"parallel.strategy = 'single' runs one process: set parallel.pp = 1, parallel.dp = 1 and parallel.tp = 1 "
+            f"(got {p.pp} x {p.dp} x {p.tp})",
         )
+    _check_tensor_parallel(p, d)
     _check(
         t.max_steps == -1 or t.max_steps >= 1,
         f"train.max_steps = {t.max_steps} must be -1 (no cap) or at least 1",
@@ -522,9 +539,9 @@ def validate(config: Config, world_size: int) -> None:
         f"use a batch_size that is a multiple of {p.n_microbatches}",
     )
     _check(
-        world_size == p.pp * p.dp,
-        f"world size {world_size} does not match parallel.pp x parallel.dp = {p.pp} x {p.dp}; "
-        f"start {p.pp * p.dp} processes (--nproc {p.pp * p.dp}) or change parallel.pp",
+        world_size == p.world_size,
+        f"world size {world_size} does not match parallel.pp x parallel.dp x parallel.tp = {p.pp} x {p.dp} x {p.tp}; "
+        f"start {p.world_size} processes (--nproc {p.world_size}) or change parallel.pp, dp or tp",
     )
     if p.layers_per_stage:
         _check(
@@ -543,9 +560,17 @@ def validate(config: Config, world_size: int) -> None:
         )
 
 
-def validate_against_model(config: Config, n_layers: int, module_names: set[str]) -> None:
-    """Checks that need the model's shape: layer counts and LoRA target names."""
+def validate_against_model(
+    config: Config, n_layers: int, module_names: set[str], heads: int = 1, kv_heads: int = 1
+) -> None:
+    """Checks that need the model's shape: layer counts, LoRA target names, attention heads for parallel.tp."""
     p = config.parallel
+    _check(
+        heads % p.tp == 0 and kv_heads % p.tp == 0,
+        f"parallel.tp = {p.tp} does not divide the {heads} attention heads and {kv_heads} key-value heads of "
+        f"{config.model.name!r}: each tensor-parallel rank runs whole heads; use a tp that divides both "
+        f"({', '.join(str(n) for n in range(2, kv_heads + 1) if heads % n == 0 and kv_heads % n == 0) or 'none > 1'})",
+    )
     n_stages = p.n_stages
     stages = f"parallel.pp = {p.pp}" + (
         f" x stages_per_rank = {p.stages_per_rank} = {n_stages} stages" if p.stages_per_rank > 1 else ""
@@ -625,6 +650,35 @@ def _check_output_dir(value: str) -> None:
                 f"output.dir = {value!r}: {str(existing)!r} is a file, not a directory; choose another output.dir",
             )
             return
+
+
+def _check_tensor_parallel(p: ParallelConfig, d: DataConfig) -> None:
+    """The "tp" strategy's shape, and what tensor parallelism does not combine with."""
+    if p.strategy == "tp":
+        _check(
+            p.pp == 1 and p.tp >= 2,
+            f"parallel.strategy = 'tp' splits whole-model replicas over tensor-parallel ranks: set parallel.pp = 1 "
+            f"and parallel.tp >= 2 (got pp = {p.pp}, tp = {p.tp}), or keep the pipeline with parallel.strategy = 'pp' "
+            "and parallel.tp",
+        )
+    if p.sequence_parallel:
+        _check(
+            p.tp >= 2,
+            f"parallel.sequence_parallel = true splits sequences over tensor-parallel ranks, but parallel.tp = {p.tp}: "
+            "set parallel.tp >= 2 or parallel.sequence_parallel = false",
+        )
+        uneven = [n for n in d.buckets or [d.max_length] if n % p.tp]
+        _check(
+            not uneven,
+            f"parallel.sequence_parallel = true splits each sequence over parallel.tp = {p.tp} ranks, but the padded "
+            f"length{'s' if len(uneven) > 1 else ''} {', '.join(map(str, uneven))} (data.max_length / data.buckets) "
+            f"{'are' if len(uneven) > 1 else 'is'} not a multiple of {p.tp}; use multiples of {p.tp}",
+        )
+    _check(
+        p.tp == 1 or p.strategy != "ddp",
+        f"parallel.tp = {p.tp} with parallel.strategy = 'ddp', which replicates whole models: for replicas split over "
+        "tensor-parallel ranks use parallel.strategy = 'tp' with parallel.dp replicas, or set parallel.tp = 1",
+    )
 
 
 def _check(ok: bool, message: str) -> None:

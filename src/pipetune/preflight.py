@@ -48,7 +48,10 @@ def preflight(config: Config, world_size: int) -> Prepared:
 def prepare(config: Config) -> Prepared:
     """Resolve the model, load its tokenizer and build the prompt builder (also used for inference)."""
     resolved = resolve_model(config.model)
-    validate_against_model(config, resolved.config.num_hidden_layers, linear_layer_names(resolved))
+    shape = resolved.config
+    heads = shape.num_attention_heads
+    kv_heads = getattr(shape, "num_key_value_heads", None) or heads
+    validate_against_model(config, shape.num_hidden_layers, linear_layer_names(resolved), heads, kv_heads)
     tokenizer = load_tokenizer(config, resolved)
     if len(tokenizer) > resolved.config.vocab_size:
         raise ConfigError(

@@ -47,7 +47,7 @@ from pipetune.model.split import run_split, stage_costs
 from pipetune.model.stage import StageModule
 from pipetune.parallel.fsdp import restore_gradients, shard_stages, stash_gradients
 from pipetune.parallel.memory import auto_checkpointing
-from pipetune.parallel.mesh import all_reduce_gradients, build_mesh
+from pipetune.parallel.mesh import all_reduce_gradients, build_mesh, local
 from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, stage_ids, validation_loss
 from pipetune.parallel.process_group import (
     DistEnv,
@@ -57,6 +57,7 @@ from pipetune.parallel.process_group import (
     under_launcher,
 )
 from pipetune.parallel.timeline import StageTimeline, gather_timeline, plot_timeline
+from pipetune.parallel.tp import apply_tp, sum_partial_gradients
 from pipetune.preflight import check_optimizer_steps, preflight
 from pipetune.run_lock import lock_for_worker
 from pipetune.run_log import RunLog, finish_run, run_started
@@ -172,8 +173,9 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         save_config(config, run_dir / "config.toml")
         write_prompt_settings(run_dir / PROMPT_FILE, prepared.prompts, config)  # for export and plain-HF use
     phases = PhaseLog(run_dir / "progress.jsonl", enabled=env.is_main)
-    torch.manual_seed(t.seed + env.rank)  # LoRA dropout: a different stream per stage and replica
-    mesh = build_mesh(env, p.pp, p.dp)
+    mesh = build_mesh(env, p.pp, p.dp, p.tp)
+    # LoRA dropout: a different stream per stage and replica, one per tp group (parallel/tp.py: equal masks).
+    torch.manual_seed(t.seed + mesh.replica_rank)
     global_batch = t.batch_size * p.dp  # samples per schedule step over all replicas; rank takes its columns
 
     # ------------------------------------------------------------------ data
@@ -238,7 +240,11 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         use_fast_path(peft_model)
     peft_model.train()
     modules = [StageModule(peft_model, list(ranges[s]), first=s == 0, last=s == n_stages - 1) for s in my_stages]
-    if p.sharded:  # replaces the parameters with DTensor shards: before the optimizer and pipeline stages
+    # Split (tp) and sharded (FSDP) on the meta device: parameters become DTensor shards, before the optimizer
+    # and pipeline stages, and each rank then allocates only its shards.
+    if mesh.tp_mesh is not None:
+        apply_tp(modules, mesh.tp_mesh, p.sequence_parallel)
+    if p.sharded:
         shard_stages(modules, mesh.dp_mesh, pipelined=n_stages > 1)
     load_stats = materialize(peft_model, prepared.model, device, t.seed, roots=modules)
     for module in modules:
@@ -287,7 +293,14 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     runner = runners[max_length]  # validation runs at full length
     if t.activation_checkpointing == "auto":  # planned for the longest shape, with the schedule's microbatches
         plan = auto_checkpointing(
-            modules, getattr(runner, "schedule", None), my_stages, mesh.pp_rank, config, prepared.model, device
+            modules,
+            getattr(runner, "schedule", None),
+            my_stages,
+            mesh.pp_rank,
+            config,
+            prepared.model,
+            device,
+            mesh.tp_mesh,
         )
         for module, count in zip(modules, plan.layers, strict=True):
             module.checkpoint_layers = count
@@ -297,7 +310,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         checkpointed = any(module.checkpoint_layers for module in modules)
         layers_here = sum(len(module.layers) for module in modules)
         cuda_graphs, note = choose_cuda_graphs(
-            costs, layers_here, checkpointed, p.n_microbatches, config.microbatch_size, max_length
+            costs, layers_here, checkpointed, p.n_microbatches, config.microbatch_size, max_length, p.tp
         )
         if note:
             print(f"rank {env.rank}: note: {note}", flush=True)
@@ -372,12 +385,14 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
                     step_loss += out
                 if timeline is not None:
                     save_timeline(timeline, env, run_dir, config)
+            if mesh.tp_mesh is not None:
+                sum_partial_gradients(params)
             if not p.sharded:  # FSDP reduce-scattered them during backward
                 status.phase = "gradient all-reduce over dp"
                 all_reduce_gradients(params, mesh)
             faults.before_grad_norm(step + 1, params)
             status.phase = "gradient-norm all-reduce"
-            grad_norm, bad_stages = clip_global_grad_norm(params, t.max_grad_norm, device, step_loss, p.dp)
+            grad_norm, bad_stages = clip_global_grad_norm(params, t.max_grad_norm, device, step_loss, p.dp * p.tp)
             lr = optimizer.param_groups[0]["lr"]
             if bad_stages:  # every rank got the same flags from the all-reduce: all skip together
                 optimizer.zero_grad(set_to_none=not cuda_graphs)
@@ -422,14 +437,14 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
             )
             if step % t.log_every == 0 or save or evaluate:  # a row at every checkpoint: resumed runs log the same
                 status.phase = "metrics all-gather"
-                row = window.flush(env, runner.is_last)
+                row = window.flush(env, runner.is_last and mesh.tp_rank == 0)  # one loss per replica
                 row.update(strategy=p.strategy, epoch=epoch, step=step, lr=lr)
                 if evaluate:  # timed in its own column, and kept out of the next row's step time and tokens/s
                     status.phase = "validation"
                     phases.mark("validation", step=step)
                     started = time.perf_counter()
                     row["val_loss"] = evaluate_validation(
-                        runner, peft_model, validation, t.batch_size, loss_fn, device, p.dp
+                        runner, peft_model, validation, t.batch_size, loss_fn, device, p.dp * p.tp
                     )
                     row["val_time_sec"] = window.exclude_since(started)
                 if writer is not None:
@@ -482,7 +497,7 @@ def evaluate_validation(
 ) -> float:
     """Validation loss, computed on the last stage and shared with every rank (one all-reduce).
 
-    Each of the `replicas` pipelines computes it over the whole split; only last stages hold a value."""
+    Each of the `replicas` (dp x tp) ranks holding the last stage computes it over the whole split."""
     loss = validation_loss(runner, module, *validation, batch_size, loss_fn)
     value = loss if loss is not None else torch.zeros((), device=device)
     if dist.is_initialized():
@@ -529,37 +544,46 @@ def clip_global_grad_norm(
     max_norm: float,
     device: torch.device,
     loss: torch.Tensor | None = None,
-    replicas: int = 1,
+    stage_ranks: int = 1,
 ) -> tuple[torch.Tensor, list[int]]:
     """The L2 norm of all stages' gradients together, and the ranks that saw a non-finite loss or gradient norm.
 
-    One all-reduce over the world carries the squared norms and one flag per rank. After the dp all-reduce
-    the `replicas` copies of each stage hold the same plain gradients, so the sum counts each that often;
-    FSDP's sharded (DTensor) gradients are disjoint over the replicas and count once. Clips by the norm
-    when all are finite, scaling each rank's own tensors (shards included).
+    One all-reduce over the world carries the squared norms and one flag per rank. Each of a stage's
+    `stage_ranks` (dp x tp) ranks adds its gradients' squares divided by the number of ranks holding the same
+    values: all of them for a plain (replicated) gradient, fewer for a DTensor split over some of them (by tp:
+    the dp replicas; by FSDP over dp: one), so every value counts once. Clips by the norm when all are finite,
+    scaling each rank's own tensors (shards included).
     """
     grads = [param.grad for param in params if param.grad is not None]
-    shards = [grad.to_local() for grad in grads if isinstance(grad, DTensor)]
-    plain = [grad for grad in grads if not isinstance(grad, DTensor)]
-    zero = torch.zeros((), device=device)
-    sharded_norm = torch.nn.utils.get_total_norm(shards, 2.0) if shards else zero
-    plain_norm = torch.nn.utils.get_total_norm(plain, 2.0) if plain else zero
+    by_copies: dict[int, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_copies.setdefault(stage_ranks // shard_count(grad), []).append(local(grad))
+    squared = torch.zeros((), device=device)
+    for copies, tensors in sorted(by_copies.items()):
+        squared = squared + torch.nn.utils.get_total_norm(tensors, 2.0).float().pow(2) / copies
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    finite = torch.isfinite(sharded_norm) & torch.isfinite(plain_norm)
+    finite = torch.isfinite(squared)
     if loss is not None:
         finite &= torch.isfinite(loss)
-    packed = torch.zeros(2 + world, device=device)
-    packed[0] = sharded_norm.float().pow(2)
-    packed[1] = plain_norm.float().pow(2)
-    packed[2 + rank] = (~finite).float()
+    packed = torch.zeros(1 + world, device=device)
+    packed[0] = squared
+    packed[1 + rank] = (~finite).float()
     if dist.is_initialized():
         dist.all_reduce(packed)
-    flags = packed[2:].cpu()  # the one host sync of a step: skipping must be decided on the host
+    flags = packed[1:].cpu()  # the one host sync of a step: skipping must be decided on the host
     bad_ranks = [r for r in range(world) if flags[r] > 0]
-    total = (packed[0] + packed[1] / replicas).sqrt()
+    total = packed[0].sqrt()
     if max_norm > 0 and not bad_ranks and grads:
-        torch._foreach_mul_(shards + plain, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        torch._foreach_mul_([local(grad) for grad in grads], torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total, bad_ranks
+
+
+def shard_count(tensor: torch.Tensor) -> int:
+    """Into how many disjoint parts a DTensor is split over its mesh (1 for a plain tensor)."""
+    if not isinstance(tensor, DTensor):
+        return 1
+    # Not `is_shard()`: FSDP over tensor-parallel shards places them as a _StridedShard, which is not a Shard.
+    return math.prod(tensor.device_mesh.size(i) for i, p in enumerate(tensor.placements) if not p.is_replicate())
 
 
 def keep_rng_out_of_no_grad_forwards(module: torch.nn.Module, device: torch.device) -> None:

@@ -25,8 +25,8 @@ def _train(tmp: Path, name: str, *overrides: str, nproc: int) -> Path:
     return tmp / name
 
 
-# pp=2 x dp=2 runs in tests/parallel/test_multinode.py (4 processes as two torchrun nodes, same check) and,
-# sharded, in tests/parallel/test_fsdp.py.
+# pp=2 x dp=2 runs (sharded) in tests/parallel/test_fsdp.py, dp=2 x tp=2 in tests/parallel/test_multinode.py (4
+# processes as two torchrun nodes, same check).
 @pytest.mark.slow
 def test_data_parallel_replicas_match_single_process(single: Path, tmp_path: Path) -> None:
     run = _train(

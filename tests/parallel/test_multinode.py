@@ -1,5 +1,6 @@
 """Two "nodes" x 2 processes on loopback through torchrun's c10d rendezvous (two launcher invocations sharing
-one endpoint), running pp=2 x dp=2: the same result as the single process at the same effective batch."""
+one endpoint), running dp=2 replicas x tp=2 (each node one replica, its tensor-parallel ranks on one node, as on
+real machines): the same result as the single process at the same effective batch."""
 
 from __future__ import annotations
 
@@ -10,11 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.conftest import REPO, tiny_config, write_config
 from tests.parallel.test_data_parallel import EFFECTIVE_16
-from tests.parallel.test_parity import _adapter, _losses, _max_relative
+from tests.parallel.test_tensor_parallel import TP2, assert_matches_single
 
 pytestmark = pytest.mark.slow  # multi-process end-to-end runs: pytest -m "not slow" leaves them out
 
@@ -26,7 +26,7 @@ def _free_port() -> int:
 
 
 def test_two_nodes_on_loopback_match_single_process(tmp_path: Path, single: Path) -> None:
-    config = tiny_config(tmp_path / "run", *EFFECTIVE_16, "parallel.pp=2", "parallel.dp=2", "train.batch_size=4")
+    config = tiny_config(tmp_path / "run", *EFFECTIVE_16, *TP2, "parallel.dp=2", "train.batch_size=4")
     path = write_config(config, tmp_path / "c.toml")
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
@@ -66,6 +66,4 @@ def test_two_nodes_on_loopback_match_single_process(tmp_path: Path, single: Path
     outputs = [node.communicate(timeout=600)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)
 
-    run = tmp_path / "run"
-    torch.testing.assert_close(torch.tensor(_losses(run)), torch.tensor(_losses(single)), rtol=1e-5, atol=0)
-    assert _max_relative(_adapter(run), _adapter(single)) < 1e-5
+    assert_matches_single(tmp_path / "run", single)

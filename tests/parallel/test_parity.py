@@ -23,27 +23,49 @@ def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "adapter" / "adapter_model.safetensors")
 
 
+ADAPTER_RTOL = 1e-4
+"""Adapters of a tensor-parallel run against one process's, relative L2 per tensor: tp sums row-wise products in
+parts, and Adam's first steps amplify those last bits on near-zero gradients (tests/parallel/test_tensor_parallel.py
+says what was measured)."""
+
+
 def _max_relative(adapter: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
     """The largest relative L2 difference of an adapter's tensors from the reference's (same names)."""
     assert sorted(adapter) == sorted(reference)
     return max(float((adapter[k] - v).norm() / v.norm()) for k, v in reference.items())
 
 
-def _train(tmp: Path, name: str, pp: int, schedule: str) -> Path:
+def _train(tmp: Path, name: str, *overrides: str) -> Path:
     run_dir = tmp / name
-    config = tiny_config(run_dir, f"parallel.pp={pp}", f'parallel.schedule="{schedule}"')
+    config = tiny_config(run_dir, *overrides)
     run_cli("train", "--config", str(write_config(config, tmp / f"{name}.toml")), "--quiet")
     return run_dir
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _train(tmp_path_factory.mktemp("reference"), "single", pp=1, schedule="1f1b")
+    return _train(tmp_path_factory.mktemp("reference"), "single", "parallel.pp=1")
 
 
-@pytest.mark.parametrize("pp, schedule", [(2, "gpipe"), (2, "1f1b"), (4, "1f1b")])  # 4 x gpipe adds nothing new
-def test_pipeline_matches_single_process(reference: Path, tmp_path: Path, pp: int, schedule: str) -> None:
-    run_dir = _train(tmp_path, f"pp{pp}-{schedule}", pp=pp, schedule=schedule)
+# 4 stages of 1F1B run in tests/test_resume.py (resumed from 2 stages, against their continuation); 4 x gpipe
+# adds nothing new. pp=2 x tp=2 with tensor parallelism's own switches on: sequence parallelism, the
+# vocabulary-parallel fused loss, the fast LoRA path on split adapters (its adapter tolerance: ADAPTER_RTOL).
+@pytest.mark.parametrize(
+    "overrides, adapter_rtol",
+    [
+        pytest.param(['parallel.schedule="gpipe"'], 1e-5, id="pp2-gpipe"),
+        pytest.param(['parallel.schedule="1f1b"'], 1e-5, id="pp2-1f1b"),
+        pytest.param(
+            ["parallel.tp=2", "parallel.sequence_parallel=true", "train.fused_loss=true", "lora.fast_path=true"],
+            ADAPTER_RTOL,
+            id="pp2-tp2",
+        ),
+    ],
+)
+def test_pipeline_matches_single_process(
+    reference: Path, tmp_path: Path, overrides: list[str], adapter_rtol: float
+) -> None:
+    run_dir = _train(tmp_path, "run", "parallel.pp=2", *overrides)
 
     expected, got = _losses(reference), _losses(run_dir)
     assert len(expected) == len(got) == 3
@@ -55,7 +77,7 @@ def test_pipeline_matches_single_process(reference: Path, tmp_path: Path, pp: in
         # Relative error of each tensor as a whole: Adam turns near-zero gradient noise into
         # element-wise differences of ~1e-6 absolute, far below the tensor's norm.
         relative = float((adapter[name] - tensor).norm() / tensor.norm())
-        assert relative < 1e-5, f"{name}: relative difference {relative:.2e}"
+        assert relative < adapter_rtol, f"{name}: relative difference {relative:.2e}"
     # The adapters really trained: lora_B started at zero.
     assert any(t.abs().max() > 0 for name, t in adapter.items() if "lora_B" in name)
 

@@ -89,7 +89,7 @@ def inspect_data(config: Config, n_buckets: int = 4) -> DataReport:
     """Validate the config, load its tokenizer (no process starts) and data, and measure every split."""
     from pipetune.preflight import prepare
 
-    validate(config, config.parallel.pp * config.parallel.dp)
+    validate(config, config.parallel.world_size)
     prepared = prepare(config)
     dataset = load_dataset(config.data, seed=config.train.seed)
     buckets = bucket_boundaries(config.data.max_length, n_buckets)

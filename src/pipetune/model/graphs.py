@@ -28,29 +28,38 @@ def graph_recording_seconds(layers_on_rank: int, n_microbatches: int) -> float:
     return layers_on_rank * n_microbatches * 2 * SECONDS_PER_GRAPH_RECORDING
 
 
-def cuda_graphs_pay_off(costs: StageCosts, microbatch: int, seq_len: int) -> tuple[bool, str]:
+def cuda_graphs_pay_off(costs: StageCosts, microbatch: int, seq_len: int, split: int = 1) -> tuple[bool, str]:
     """Whether replaying layers as CUDA graphs can speed a run up, and why not when it cannot.
 
     Graphs remove launch cost, which only matters while the host needs longer to launch a layer than the
     GPU needs to run it: once the GPU's time is the longer, the host runs ahead and the GPU never waits. A
     layer's forward costs half its training FLOPs (forward + input-gradient backward), timed at GPU_FLOPS:
-    a lower bound, so graphs stay on wherever they might help."""
-    seconds = costs.layer / 2 * microbatch * seq_len / GPU_FLOPS
+    a lower bound, so graphs stay on wherever they might help. `split`: ranks a layer's work is split over
+    (parallel.tp), each running its share."""
+    seconds = costs.layer / 2 * microbatch * seq_len / GPU_FLOPS / split
     if seconds < HOST_SECONDS_PER_LAYER_CALL:
         return True, ""
     return False, (
-        f"a layer's forward at microbatch {microbatch} x {seq_len} tokens takes at least {seconds * 1e3:.1f} ms on "
+        f"a layer's forward at microbatch {microbatch} x {seq_len} tokens"
+        + (f", split over {split} ranks," if split > 1 else "")
+        + f" takes at least {seconds * 1e3:.1f} ms on "
         f"the GPU, longer than the ~{HOST_SECONDS_PER_LAYER_CALL * 1e3:.2f} ms the host needs to launch it, so "
         "replaying it as a CUDA graph cannot make the run faster; it runs compiled without graphs"
     )
 
 
 def choose_cuda_graphs(
-    costs: StageCosts, layers_on_rank: int, checkpointed: bool, n_microbatches: int, microbatch: int, seq_len: int
+    costs: StageCosts,
+    layers_on_rank: int,
+    checkpointed: bool,
+    n_microbatches: int,
+    microbatch: int,
+    seq_len: int,
+    split: int = 1,
 ) -> tuple[bool, str]:
     """Whether this rank replays its compiled layers as CUDA graphs (train.cuda_graphs asked for them), and a
-    note for the user: why not, or what recording them will cost when that is over a minute."""
-    pays, why = cuda_graphs_pay_off(costs, microbatch, seq_len)
+    note for the user: why not, or what recording them will cost when that is over a minute. `split`: parallel.tp."""
+    pays, why = cuda_graphs_pay_off(costs, microbatch, seq_len, split)
     if not pays:
         return False, f"train.cuda_graphs off for this run: {why}"
     if checkpointed:  # a recomputed layer would replay its graph inside another's backward

@@ -93,8 +93,9 @@ def use_fast_path(peft_model: peft.PeftModel) -> int:
 
     PEFT keeps float32 adapters and casts each activation to float32 for them, then back: with a
     bfloat16 base that is an extra read and write of every adapted activation, and float32 matmuls.
-    The fast path casts the (tiny) adapter weights to the activation dtype instead and folds the
-    scaling into B. Gradients still flow into the float32 adapter weights.
+    The fast path casts the (tiny) adapter weights to the activation dtype instead and applies the
+    scaling to the rank-r intermediate. Gradients still flow into the float32 adapter weights. The
+    adapter linears stay modules, so hooks on them (tensor parallelism's plans) run as before.
     """
     from peft.tuners.lora import Linear as LoraLinear
 
@@ -102,6 +103,8 @@ def use_fast_path(peft_model: peft.PeftModel) -> int:
     for module in peft_model.modules():
         if isinstance(module, LoraLinear):
             module.forward = types.MethodType(_fast_lora_forward, module)
+            for adapter in (*module.lora_A.values(), *module.lora_B.values()):
+                adapter.forward = types.MethodType(_linear_in_input_dtype, adapter)
             switched += 1
     return switched
 
@@ -111,6 +114,11 @@ def _fast_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if self.disable_adapters or self.merged or len(self.active_adapters) != 1:
         return type(self).forward(self, x, *args, **kwargs)
     name = self.active_adapters[0]
-    down = torch.nn.functional.linear(self.lora_dropout[name](x), self.lora_A[name].weight.to(x.dtype))
-    up = (self.lora_B[name].weight * self.scaling[name]).to(x.dtype)
-    return self.base_layer(x, *args, **kwargs) + torch.nn.functional.linear(down, up)
+    down = self.lora_A[name](self.lora_dropout[name](x)) * self.scaling[name]
+    return self.base_layer(x, *args, **kwargs) + self.lora_B[name](down)
+
+
+def _linear_in_input_dtype(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """An adapter linear computing in its input's dtype; on PEFT's own path (float32 inputs) a plain linear."""
+    bias = None if self.bias is None else self.bias.to(x.dtype)
+    return torch.nn.functional.linear(x, self.weight.to(x.dtype), bias)

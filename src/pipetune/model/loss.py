@@ -10,8 +10,12 @@ Same operations and dtypes as `cross_entropy(lm_head(h).float())`, so the same m
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from pipetune.data.batching import IGNORE
 
@@ -26,12 +30,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         labels: torch.Tensor,
         chunk: int,
         with_grad: bool,
+        vocab: VocabShard | None,
     ) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])
         # Only supervised rows reach the head: the prompt's tokens have no loss and get no gradient.
         # Reading their count is the one host sync of the loss.
         keep = (labels.reshape(-1) != IGNORE).nonzero().squeeze(1)
         rows, targets = flat.index_select(0, keep), labels.reshape(-1).index_select(0, keep)
+        if vocab is not None:  # this rank's columns: targets outside them pick nothing here
+            targets = targets - vocab.start
+            owned = ((targets >= 0) & (targets < weight.shape[0])).unsqueeze(1)
+            targets = targets.clamp(0, weight.shape[0] - 1)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad = torch.empty_like(rows) if with_grad else None
         for start in range(0, rows.shape[0], chunk):
@@ -39,12 +48,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = F.linear(rows[part], weight, bias).float()
             picked = targets[part].unsqueeze(1)
             lse = torch.logsumexp(logits, dim=-1)
-            total += (lse - logits.gather(1, picked).squeeze(1)).sum()
+            target_logits = logits.gather(1, picked).squeeze(1)
+            if vocab is not None:
+                lse, target_logits = vocab.combine(lse, target_logits * owned[part].squeeze(1))
+            total += (lse - target_logits).sum()
             if with_grad:  # d(sum of losses)/d logits = softmax - onehot
                 probs = logits.sub_(lse.unsqueeze(1)).exp_()
-                probs.scatter_add_(1, picked, -torch.ones_like(picked, dtype=probs.dtype))
+                onehot = torch.ones_like(picked, dtype=probs.dtype) if vocab is None else owned[part].to(probs.dtype)
+                probs.scatter_add_(1, picked, -onehot)
                 grad[part] = probs.to(weight.dtype) @ weight
         if with_grad:
+            if vocab is not None:  # each rank holds its columns' share of the hidden states' gradient
+                dist.all_reduce(grad, group=vocab.group)
             ctx.save_for_backward(torch.zeros_like(flat).index_copy_(0, keep, grad))
         ctx.shape = hidden.shape
         return total
@@ -52,14 +67,39 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (grad,) = ctx.saved_tensors
-        return (grad * grad_output).view(ctx.shape), None, None, None, None, None
+        return (grad * grad_output).view(ctx.shape), None, None, None, None, None, None
+
+
+@dataclass
+class VocabShard:
+    """The vocabulary columns of lm_head this rank holds (tensor parallelism) and how to combine with the others'."""
+
+    start: int
+    group: dist.ProcessGroup
+
+    def combine(self, lse: torch.Tensor, target_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Whole-vocabulary log-sum-exp and target logits from every rank's (one all-gather)."""
+        local = torch.stack([lse, target_logits])
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, local, group=self.group)
+        stacked = torch.stack(parts)
+        return torch.logsumexp(stacked[:, 0], dim=0), stacked[:, 1].sum(dim=0)
 
 
 def linear_cross_entropy(
     hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, chunk: int = 2048
 ) -> torch.Tensor:
-    """Sum over supervised tokens of cross_entropy(head(hidden).float(), labels); `head` must be frozen."""
+    """Sum over supervised tokens of cross_entropy(head(hidden).float(), labels); `head` must be frozen.
+
+    A head split by vocabulary columns over tensor-parallel ranks (a DTensor weight, parallel/tp.py) computes
+    its shard's logits only; the ranks combine their log-sum-exps and target logits per chunk, and sum their
+    shares of the hidden states' gradient (vocabulary-parallel cross-entropy)."""
     if head.weight.requires_grad:
         raise ValueError("linear_cross_entropy computes no lm_head gradient: freeze the head (requires_grad=False)")
     with_grad = torch.is_grad_enabled() and hidden.requires_grad
-    return _LinearCrossEntropy.apply(hidden, head.weight, head.bias, labels, chunk, with_grad)
+    weight, bias, vocab = head.weight, head.bias, None
+    if isinstance(weight, DTensor):
+        mesh = weight.device_mesh
+        vocab = VocabShard(mesh.get_local_rank() * -(-weight.shape[0] // mesh.size()), mesh.get_group())
+        weight, bias = weight.to_local(), bias.to_local() if bias is not None else None
+    return _LinearCrossEntropy.apply(hidden, weight, bias, labels, chunk, with_grad, vocab)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
@@ -36,6 +37,12 @@ class _GradInOwnMemory(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad.clone()
+
+
+@torch.no_grad()
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (tensor parallelism), a plain tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class StageModule(nn.Module):
@@ -75,6 +82,9 @@ class StageModule(nn.Module):
         self.head_in_loss = False
         """The last stage returns normed hidden states; the loss applies lm_head (train.fused_loss)."""
         self.own_boundary_memory = False
+        self.sequence_shards = 1
+        """Ranks the hidden states' sequence positions are split over (tensor parallelism's sequence parallelism):
+        this rank's share of them is hidden.shape[1] (parallel/tp.py sets it)."""
         """Hand the pipeline its sent tensors (this stage's output, the gradient of its input) in memory of their
         own, not in the CUDA graphs' pool (set with `compile_layers(cuda_graphs=True)`)."""
 
@@ -91,18 +101,20 @@ class StageModule(nn.Module):
     def layer_memory(self, batch: int, seq: int) -> tuple[int, int]:
         """Bytes one decoder layer keeps for backward per microbatch of [batch, seq] (measured by running one
         forward of the first layer, eagerly, leaving the random streams as they were) and bytes of its input,
-        which is all a checkpointed layer keeps."""
+        which is all a checkpointed layer keeps. A layer split over tensor-parallel ranks (parallel/tp.py) counts this
+        rank's part (all ranks measure together)."""
         layer = self.layers[0]
         frozen = next(p for p in layer.parameters() if not p.requires_grad)
         device, dtype = frozen.device, frozen.dtype
-        hidden = torch.zeros(batch, seq, self.rotary.config.hidden_size, dtype=dtype, device=device)
+        positions = seq // self.sequence_shards  # this rank's share of them with sequence parallelism
+        hidden = torch.zeros(batch, positions, self.rotary.config.hidden_size, dtype=dtype, device=device)
         hidden.requires_grad_(True)  # as a received activation: gradients flow to the previous stage
         saved: dict[int, int] = {}
         # A linear layer saves its weight for the input gradient: memory the weights hold anyway, not activations.
-        weights = {param.untyped_storage().data_ptr() for param in layer.parameters()}
+        weights = {_local(param).untyped_storage().data_ptr() for param in layer.parameters()}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = tensor.untyped_storage()
+            storage = _local(tensor).untyped_storage()
             if storage.data_ptr() not in weights:
                 saved[storage.data_ptr()] = storage.nbytes()
             return tensor
@@ -135,7 +147,7 @@ class StageModule(nn.Module):
         hidden = self.embed(x) if self.is_first else x
         if self.own_boundary_memory and not self.is_first:
             hidden = _GradInOwnMemory.apply(hidden)
-        batch, seq = hidden.shape[:2]
+        batch, seq = hidden.shape[0], hidden.shape[1] * self.sequence_shards
         position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0).expand(batch, -1)
         position_embeddings = self.rotary(hidden, position_ids)
         kwargs = dict(

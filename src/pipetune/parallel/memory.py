@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
@@ -135,12 +136,14 @@ def auto_checkpointing(
     config: Config,
     resolved: ResolvedModel,
     device: torch.device,
+    tp_mesh: DeviceMesh | None = None,
 ) -> CheckpointPlan:
     """Plan this rank's checkpointed layers for `config`'s microbatch shape and the device's memory (or
-    train.memory_gb); measures one layer's activations on a throwaway copy of it (random weights)."""
+    train.memory_gb); measures one layer's activations on a throwaway copy of it (random weights), split over
+    `tp_mesh` as the run's layers are (every rank of it measures)."""
     t, p = config.train, config.parallel
     microbatch, seq = config.microbatch_size, config.data.max_length
-    layer_bytes, input_bytes = measure_layer_memory(config, resolved, device, microbatch, seq)
+    layer_bytes, input_bytes = measure_layer_memory(config, resolved, device, microbatch, seq, tp_mesh)
     if t.memory_gb > 0:
         budget = t.memory_gb * GB
     elif device.type == "cuda":
@@ -161,10 +164,16 @@ def auto_checkpointing(
 
 
 def measure_layer_memory(
-    config: Config, resolved: ResolvedModel, device: torch.device, batch: int, seq: int
+    config: Config,
+    resolved: ResolvedModel,
+    device: torch.device,
+    batch: int,
+    seq: int,
+    tp_mesh: DeviceMesh | None = None,
 ) -> tuple[int, int]:
     """(activation bytes one decoder layer keeps for backward, bytes of its input) for a microbatch of
-    [batch, seq], with the run's dtype, adapters and LoRA path, on a fresh random copy of one layer."""
+    [batch, seq], with the run's dtype, adapters and LoRA path, on a fresh random copy of one layer (this rank's
+    part of it when split over `tp_mesh`)."""
     from pipetune.model.load import DTYPES, build_meta, materialize
     from pipetune.model.lora import apply_lora, use_fast_path
 
@@ -179,10 +188,15 @@ def measure_layer_memory(
         )
         if config.lora.fast_path:
             use_fast_path(model)
+        stage = StageModule(model)
+        if tp_mesh is not None:
+            from pipetune.parallel.tp import apply_tp
+
+            apply_tp([stage], tp_mesh, config.parallel.sequence_parallel)
         materialize(model, shape_only, device)
         model.train()
-        measured = StageModule(model).layer_memory(batch, seq)
-    del model
+        measured = stage.layer_memory(batch, seq)
+    del model, stage
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return measured
@@ -212,7 +226,7 @@ def check_weights_fit(config: Config, model_config: PretrainedConfig, ranges: Se
     p = config.parallel
     layer, embedding, head = parameter_counts(model_config)
     element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
-    shards = p.dp if p.sharded else 1
+    shards = (p.dp if p.sharded else 1) * p.tp  # tensor parallelism splits (nearly) every weight tp ways
     for rank in range(p.pp):
         stages = stage_ids(p.schedule, rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
         count = sum(len(ranges[s]) for s in stages) * layer
@@ -220,13 +234,14 @@ def check_weights_fit(config: Config, model_config: PretrainedConfig, ranges: Se
         count += head if len(ranges) - 1 in stages else 0
         weights = count * element / shards
         if weights > 0.9 * budget:
-            sharded = f", sharded over parallel.dp = {p.dp}" if shards > 1 else ""
+            sharded = f", sharded over parallel.dp = {p.dp}" if p.sharded else ""
+            sharded += f", split over parallel.tp = {p.tp}" if p.tp > 1 else ""
             raise ConfigError(
                 f"{config.model.name!r}: the stage(s) of pipeline rank {rank} hold {weights / GB:.0f} GB of frozen "
                 f"{config.model.dtype} weights (parallel.pp = {p.pp}{sharded}), more than 90% of the "
                 f"{budget / GB:.0f} GB of memory per rank, before any activation. Raise parallel.pp (more GPUs, "
-                "fewer layers each), or shard replicas with parallel.dp_shard = true (strategy 'fsdp' for pp = 1) "
-                "over more GPUs"
+                "fewer layers each) or parallel.tp (each layer split over more GPUs), or shard replicas with "
+                "parallel.dp_shard = true (strategy 'fsdp' for pp = 1) over more GPUs"
             )
 
 

@@ -1,7 +1,8 @@
-"""The 2-D process layout: pp pipeline stages (outer) x dp data-parallel replicas (inner), on a DeviceMesh.
+"""The 3-D process layout: pp pipeline stages (outer) x dp data-parallel replicas x tp tensor shards (inner).
 
-Rank = pp_rank * dp + dp_rank: the dp replicas of one stage are neighbours (on one node when the
-node has dp GPUs or more), the stages of one pipeline replica are dp ranks apart.
+Rank = (pp_rank * dp + dp_rank) * tp + tp_rank: the tp ranks of one stage replica are neighbours (one node,
+where the all-reduces of every layer stay on the fastest links), then the dp replicas of one stage, and the
+stages of one pipeline replica are dp x tp ranks apart.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
 
 from pipetune.parallel.process_group import DistEnv
 
@@ -25,31 +27,59 @@ class Mesh:
     """The ranks of this rank's pipeline replica (None: the whole world, or no process group)."""
     dp_mesh: DeviceMesh | None
     """The replicas of this rank's stage as a 1-D DeviceMesh, what FSDP shards over (None when dp = 1)."""
+    tp: int = 1
+    tp_rank: int = 0
+    tp_mesh: DeviceMesh | None = None
+    """The tensor-parallel shards of this rank's stage replica as a 1-D DeviceMesh (None when tp = 1)."""
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         """The replicas of this rank's stage as a process group (None when dp = 1)."""
         return self.dp_mesh.get_group() if self.dp_mesh is not None else None
 
+    @property
+    def replica_rank(self) -> int:
+        """This rank's place in the pp x dp grid: the ranks of one tp group share it (and their random stream)."""
+        return self.pp_rank * self.dp + self.dp_rank
 
-def build_mesh(env: DistEnv, pp: int, dp: int) -> Mesh:
+
+def build_mesh(env: DistEnv, pp: int, dp: int, tp: int = 1) -> Mesh:
     if not env.distributed:
-        return Mesh(pp, dp, 0, 0, None, None)
-    if dp == 1:  # a plain pipeline: the world is the pipeline, no sub-groups needed
+        return Mesh(pp, dp, 0, 0, None, None, tp)
+    if dp == 1 and tp == 1:  # a plain pipeline: the world is the pipeline, no sub-groups needed
         return Mesh(pp, dp, env.rank, 0, None, None)
-    mesh = init_device_mesh(env.device.type, (pp, dp), mesh_dim_names=("pp", "dp"))
-    return Mesh(pp, dp, mesh.get_local_rank("pp"), mesh.get_local_rank("dp"), mesh.get_group("pp"), mesh["dp"])
+    mesh = init_device_mesh(env.device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    return Mesh(
+        pp,
+        dp,
+        mesh.get_local_rank("pp"),
+        mesh.get_local_rank("dp"),
+        mesh.get_group("pp"),
+        mesh["dp"] if dp > 1 else None,
+        tp,
+        mesh.get_local_rank("tp"),
+        mesh["tp"] if tp > 1 else None,
+    )
 
 
 def all_reduce_gradients(params: list[torch.Tensor], mesh: Mesh) -> None:
     """Sum the LoRA gradients over the dp replicas, in one flat buffer (the loss is already normalized by
-    the step's global supervised-token count, so the sum is the gradient of the global mean)."""
+    the step's global supervised-token count, so the sum is the gradient of the global mean).
+
+    Tensor-parallel gradients (DTensors over the tp mesh) are reduced as the local shards they are."""
     if mesh.dp_group is None:
         return
-    grads = [param.grad for param in params if param.grad is not None]
+    grads = [local(param.grad) for param in params if param.grad is not None]
     flat = torch.cat([grad.flatten() for grad in grads])
     dist.all_reduce(flat, group=mesh.dp_group)
     offset = 0
     for grad in grads:
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
         offset += grad.numel()
+
+
+@torch.no_grad()
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (the same memory: outside autograd `to_local` returns it), a plain tensor as
+    it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor

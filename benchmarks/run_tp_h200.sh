@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Tensor parallelism against the pipeline and data parallelism on 2x H200, in parts that each fit one 10-minute
+# device call. Random weights, seq 512, LoRA r16 on 7 projections, every speed switch of the bench configs on,
+# effective batch 16; each row prints tokens/s, MFU and peak memory per rank (bench.json: peak_gb_per_rank).
+#   A: Qwen3-4B: pp=2 (1F1B, 4 microbatches of 4), tp=2 (one replica, the same microbatches), ddp (2 x 8).
+#   B: Qwen3-4B, tp=2 variants: 1 microbatch of 16; sequence parallelism; the plain loss (logits all-gathered
+#      over the tp ranks) instead of the vocabulary-parallel fused loss; compiled without CUDA graphs.
+#   C: the Qwen2.5-72B shape (145 GB of bf16 weights): pp=2 (1F1B, 8 microbatches of 2), tp=2 (one replica, the
+#      same microbatches), fsdp (2 replicas x 2 sequences x 4 accumulation steps, as benchmarks/run_big_h200.sh).
+#   D: the 72B shape, tp=2 variants: sequence parallelism; 4 microbatches of 4.
+# Usage (device machine, repo root):
+#   OUT=dir bash benchmarks/run_tp_h200.sh A|B|C|D
+# CPU dry run of the same commands with a tiny model (no GPU): TINY=1 OUT=dir bash benchmarks/run_tp_h200.sh A|B|C|D
+source benchmarks/h200_common.sh
+PART=${1:-A}; W=/tmp/tp$PART; rm -rf $W; mkdir -p $W
+START=$(date +%s); BUDGET=${BUDGET:-570}
+left() { echo $((BUDGET - $(date +%s) + START)); }
+if [ "${TINY:-0}" = 1 ]; then  # the same commands on the CPU: tiny model, 1 + 1 steps
+  SHAPE="--set model.name=tiny-qwen3 --set model.dtype=float32 --set train.compile=false --set train.cuda_graphs=false \
+    --set train.activation_checkpointing=false --set data.synthetic_train=64"
+  STEPS="--steps 1 --warmup 1"
+else
+  SHAPE=""; STEPS="--steps 8 --warmup 4"
+fi
+bench() {  # name, timeout, config, args...: the bench's own --timeout ends a strategy that stalls
+  local name=$1 limit=$2 config=$3; shift 3
+  if [ "$(left)" -lt "$limit" ]; then limit=$(left); fi
+  if [ "$limit" -lt 60 ]; then echo "== $name: skipped, $(left) s left"; return; fi
+  echo "== $name ($(date +%T), limit $limit s): $*"
+  python3 -m pipetune bench --config $config --out $W/$name --timeout $((limit - 15)) "$@" 2>&1 | \
+    grep -v -i warn | tee $W/$name.out | grep -E "^bench: .*(ready|step 1/|timed step 1 |done|timed out|exit code)|│|┃|error"
+}
+B4=configs/bench-qwen3-4b.toml; B72=configs/bench-qwen2.5-72b.toml
+TP="--strategies tp"  # from a pp=2 config: one replica split over both ranks, the config's microbatches
+# Variants set the tp layout in the config itself (the pp config must validate as it is, e.g. 1F1B's microbatches).
+TP2="--set parallel.strategy=\"tp\" --set parallel.pp=1 --set parallel.tp=2"
+# Two whole-model replicas at the same effective batch of 16: 2 sequences each, 4 accumulation steps.
+REPLICAS="--set parallel.pp=1 --set parallel.dp=2 --set train.batch_size=2 --set train.grad_accum=4 \
+  --set parallel.n_microbatches=1 --set parallel.strategy=\"fsdp\""
+if [ "$PART" = A ]; then
+  bench 4b-pp 150 $B4 --strategies pp $STEPS $SHAPE
+  bench 4b-tp 200 $B4 $TP $STEPS $SHAPE
+  bench 4b-ddp 150 $B4 --strategies ddp $STEPS $SHAPE
+elif [ "$PART" = B ]; then
+  bench 4b-tp-mb16 130 $B4 $TP $STEPS $SHAPE $TP2 --set parallel.n_microbatches=1
+  bench 4b-tp-sp 150 $B4 $TP $STEPS $SHAPE $TP2 --set parallel.sequence_parallel=true
+  bench 4b-tp-plain-loss 150 $B4 $TP $STEPS $SHAPE --set train.fused_loss=false
+  bench 4b-tp-no-graphs 120 $B4 $TP $STEPS $SHAPE --set train.cuda_graphs=false
+elif [ "$PART" = C ]; then
+  bench 72b-pp 170 $B72 --strategies pp $STEPS $SHAPE
+  bench 72b-tp 200 $B72 $TP $STEPS $SHAPE
+  bench 72b-fsdp 170 $B72 --strategies fsdp $STEPS $SHAPE $REPLICAS
+elif [ "$PART" = D ]; then
+  bench 72b-tp-sp 200 $B72 $TP $STEPS $SHAPE $TP2 --set parallel.sequence_parallel=true
+  bench 72b-tp-mb4 200 $B72 $TP $STEPS $SHAPE --set parallel.n_microbatches=4
+fi
+python3 - "$W" "$OUT" "$PART" <<'PY'
+import json, pathlib, sys, tarfile
+w, out, part = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3]
+merged = {b.parent.name: json.loads(b.read_text()) for b in sorted(w.glob("*/bench.json"))}
+(out / f"bench_tp_{part}.json").write_text(json.dumps(merged, indent=1))
+print(f"{'run':<18} {'tokens/s':>9} {'MFU':>6}  peak GB per rank")
+for name, rows in merged.items():
+    for r in rows:
+        if "error" in r:
+            print(f"{name:<18} {r['error']}")
+        else:
+            peaks = " / ".join(f"{g:.1f}" for g in r["peak_gb_per_rank"])
+            print(f"{name:<18} {r['tokens_per_sec']:>9,.0f} {r['mfu']:>6.1%}  {peaks}")
+with tarfile.open(out / f"runs_tp_{part}.tar.gz", "w:gz") as tar:
+    for f in sorted(w.rglob("*")):
+        if f.is_file() and (f.suffix in (".png", ".csv", ".log", ".toml", ".out", ".jsonl") or f.name == "timeline.json"):
+            tar.add(f, arcname=str(f.relative_to(w)))
+PY
+echo "part $PART done in $(( $(date +%s) - START )) s"

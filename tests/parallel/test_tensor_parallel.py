@@ -1,0 +1,164 @@
+"""Tensor parallelism (parallel.tp) against the single process at the same effective batch, and its settings.
+
+tp splits every row-wise product (o_proj, down_proj, row-wise adapters) into tp partial sums, so float32
+results differ from one process's in the last bits: losses and gradient norms agree to ~1e-7, gradients to
+~2e-6 relative (measured on this model). Adam's first steps divide each gradient element by its own magnitude,
+which makes an element whose gradient is near zero sensitive to those bits: in the tp runs here one element of
+11,008 (layer 1's up_proj lora_B) ends 1e-5 away (lr 1e-3), all others within 1e-7, a relative difference of
+5.5e-5 for that tensor; hence ADAPTER_RTOL = 1e-4. pp x tp runs in tests/parallel/test_parity.py, dp x tp (as two
+torchrun nodes) in tests/parallel/test_multinode.py.
+"""
+
+from __future__ import annotations
+
+import csv
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipetune.bench import strategy_config
+from pipetune.config import Config, ConfigError, apply_override, validate
+from pipetune.data.batching import tokenize_split
+from pipetune.data.sources import load_dataset
+from pipetune.generate import load_finetuned, mean_token_loss
+from pipetune.parallel.tp import SplitInputDropout
+from pipetune.preflight import preflight, prepare
+from tests.conftest import tiny_config
+from tests.parallel.test_data_parallel import EFFECTIVE_16
+from tests.parallel.test_fsdp import _metrics, _train
+from tests.parallel.test_parity import ADAPTER_RTOL, _adapter, _max_relative
+
+TP2 = ['parallel.strategy="tp"', "parallel.pp=1", "parallel.tp=2", "train.batch_size=8"]
+
+
+def assert_matches_single(run: Path, single: Path) -> None:
+    """Loss and gradient norm of every step to 1e-5, adapters to ADAPTER_RTOL."""
+    expected, got = _metrics(single), _metrics(run)
+    assert len(got) == len(expected) == 3
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
+    worst = _max_relative(_adapter(run), _adapter(single))
+    assert worst < ADAPTER_RTOL, worst
+
+
+@pytest.mark.slow
+def test_tensor_parallel_matches_single_process_and_resumes_in_one_process(single: Path, tmp_path: Path) -> None:
+    # Validation every 2 steps over 6 meetings: the last validation batch of 8 is mostly ignored rows.
+    overrides = [*TP2, "train.save_every=2", "train.eval_every=2", "data.synthetic_validation=6"]
+    _train(tmp_path, "tp2", *overrides, nproc=2)
+    run = tmp_path / "tp2"
+    assert_matches_single(run, single)
+
+    # The adapter gathered from the tp shards, loaded by PEFT in one process, gives the logits the split model
+    # gave: its validation loss is the one the run logged.
+    with open(run / "metrics.csv") as f:
+        logged = {int(r["step"]): float(r["val_loss"]) for r in csv.DictReader(f) if r["val_loss"]}
+    assert sorted(logged) == [0, 2, 3]  # before the first step, every 2 steps, and at the end
+    config = tiny_config(run, *EFFECTIVE_16, *overrides)
+    model, prepared = load_finetuned(config, run / "adapter", torch.device("cpu"))
+    dataset = load_dataset(config.data, seed=config.train.seed)
+    split = tokenize_split(dataset.splits["validation"], prepared.prompts, prepared.pad_id)
+    assert len(split) == 6
+    assert logged[3] == pytest.approx(mean_token_loss(model, split), rel=1e-5)
+
+    # Its step-2 checkpoint (adapters and AdamW moments saved whole) resumes in one process: step 3 as tp ran it,
+    # up to the last bits of the split sums.
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copy(run / "metrics.csv", resumed / "metrics.csv")
+    shutil.copytree(run / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")
+    one_process = ['parallel.strategy="single"', "parallel.pp=1", "train.batch_size=8"]
+    printed = _train(tmp_path, "resumed", *one_process, nproc=1, resume=True)
+    assert f"resumed from {resumed / 'checkpoints' / 'step-2'} at step 2" in printed
+    torch.testing.assert_close(torch.tensor(_metrics(resumed)), torch.tensor(_metrics(run)), rtol=1e-6, atol=0)
+    assert _max_relative(_adapter(resumed), _adapter(run)) < 1e-5
+
+
+@pytest.mark.parametrize("width, ranks", [(12, 2), (10, 4)])  # 10 over 4: torch.chunk's 3, 3, 3, 1 columns
+def test_split_input_dropout_draws_the_mask_of_the_whole_input(width: int, ranks: int) -> None:
+    """Each rank of a tp group (same random stream) keeps its columns of the mask one process draws."""
+    x = torch.randn(3, 5, width)
+    torch.manual_seed(0)
+    expected = torch.nn.Dropout(0.3)(x)
+    parts = []
+    for rank, columns in enumerate(x.chunk(ranks, dim=-1)):
+        torch.manual_seed(0)
+        parts.append(SplitInputDropout(0.3, width, rank, ranks)(columns))
+    assert torch.equal(torch.cat(parts, dim=-1), expected)
+    assert (expected == 0).any() and (expected != 0).any()
+    assert torch.equal(SplitInputDropout(0.3, width, 0, ranks).eval()(x), x)
+
+
+@pytest.mark.parametrize(
+    "overrides, world_size, message",
+    [
+        (
+            ['parallel.strategy="tp"', "parallel.pp=2", "parallel.tp=2"],
+            4,
+            r"parallel.strategy = 'tp' splits whole-model replicas over tensor-parallel ranks: set parallel.pp = 1 "
+            r"and parallel.tp >= 2 \(got pp = 2, tp = 2\)",
+        ),
+        (
+            ['parallel.strategy="ddp"', "parallel.pp=1", "parallel.dp=2", "parallel.tp=2"],
+            4,
+            r"parallel.tp = 2 with parallel.strategy = 'ddp', which replicates whole models: .* use "
+            r"parallel.strategy = 'tp' with parallel.dp replicas, or set parallel.tp = 1",
+        ),
+        (
+            ["parallel.sequence_parallel=true"],
+            2,
+            r"parallel.sequence_parallel = true splits sequences over tensor-parallel ranks, but parallel.tp = 1",
+        ),
+        (
+            ["parallel.tp=4", "parallel.sequence_parallel=true", "data.max_length=126"],
+            8,
+            r"the padded length 126 \(data.max_length / data.buckets\) is not a multiple of 4; use multiples of 4",
+        ),
+        (["parallel.tp=2"], 2, r"world size 2 does not match parallel.pp x parallel.dp x parallel.tp = 2 x 1 x 2"),
+    ],
+)
+def test_tensor_parallel_settings_are_validated(
+    tmp_path: Path, overrides: list[str], world_size: int, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate(tiny_config(tmp_path, *overrides), world_size)
+
+
+def test_tp_must_divide_the_attention_heads(tmp_path: Path) -> None:
+    # tiny-qwen3 has 4 attention heads and 2 key-value heads.
+    prepare(tiny_config(tmp_path, "parallel.tp=2"))
+    with pytest.raises(ConfigError, match=r"parallel.tp = 4 does not divide the 4 attention heads and 2 key-value "):
+        prepare(tiny_config(tmp_path, "parallel.tp=4"))
+    with pytest.raises(ConfigError, match=r"use a tp that divides both \(2\)"):
+        prepare(tiny_config(tmp_path, "parallel.tp=3"))
+
+
+def test_tp_splits_the_weights_each_rank_must_hold() -> None:
+    config = Config()
+    for item in ('model.name="qwen2.5-72b"', 'model.init="random"', "train.memory_gb=141", "train.batch_size=8"):
+        apply_override(config, item)
+    for item in ('parallel.strategy="tp"', "parallel.pp=1", "parallel.tp=2", "parallel.n_microbatches=8"):
+        apply_override(config, item)
+    preflight(config, 2)  # 73 GB a rank: fits
+    apply_override(config, "train.memory_gb=80")
+    with pytest.raises(ConfigError, match=r"hold 73 GB .* \(parallel.pp = 1, split over parallel.tp = 2\)"):
+        preflight(config, 2)
+
+
+def test_bench_runs_tp_on_the_same_ranks_at_the_same_batch(tmp_path: Path) -> None:
+    # pp=2: one schedule step of 4 samples in microbatches of 1 becomes one replica split over both ranks; with
+    # pp=2 x dp=2, two such replicas.
+    config = tiny_config(tmp_path, "parallel.layers_per_stage=[1, 3]")
+    variant = strategy_config(config, "tp", steps=2, warmup=1, out_dir=tmp_path)
+    p = variant.parallel
+    assert (p.strategy, p.pp, p.dp, p.tp, variant.train.batch_size, p.n_microbatches) == ("tp", 1, 1, 2, 4, 4)
+    validate(variant, 2)
+    variant = strategy_config(tiny_config(tmp_path, "parallel.dp=2"), "tp", steps=2, warmup=1, out_dir=tmp_path)
+    p = variant.parallel
+    assert (p.pp, p.dp, p.tp, variant.train.batch_size, p.n_microbatches) == (1, 2, 2, 4, 4)
+    validate(variant, 4)
+    # A pp x tp config's other strategies use all its ranks.
+    pp_tp = tiny_config(tmp_path, "parallel.tp=2")
+    assert strategy_config(pp_tp, "ddp", steps=2, warmup=1, out_dir=tmp_path).parallel.dp == 4
+    validate(strategy_config(pp_tp, "single", steps=2, warmup=1, out_dir=tmp_path), 1)
