@@ -38,9 +38,11 @@ def preflight(config: Config, world_size: int) -> Prepared:
     validate(config, world_size)
     check_loggers(config.output.loggers)
     prepared = prepare(config)
+    from pipetune.model.quantize import check_quantize
     from pipetune.model.split import run_split
     from pipetune.parallel.memory import check_weights_fit
 
+    check_quantize(config, prepared.model.config)
     check_weights_fit(config, prepared.model.config, run_split(config, prepared.model.config)[1])
     return prepared
 

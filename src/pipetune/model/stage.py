@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass as is_subclass
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
@@ -99,9 +100,12 @@ class StageModule(nn.Module):
         hidden.requires_grad_(True)  # as a received activation: gradients flow to the previous stage
         saved: dict[int, int] = {}
         # A linear layer saves its weight for the input gradient: memory the weights hold anyway, not activations.
-        weights = {param.untyped_storage().data_ptr() for param in layer.parameters()}
+        # So does a quantized one (model.quantize), a tensor subclass with no storage of its own.
+        weights = {param.untyped_storage().data_ptr() for param in layer.parameters() if not is_subclass(param)}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
+            if is_subclass(tensor):
+                return tensor
             storage = tensor.untyped_storage()
             if storage.data_ptr() not in weights:
                 saved[storage.data_ptr()] = storage.nbytes()
