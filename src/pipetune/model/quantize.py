@@ -114,7 +114,8 @@ def _rows(param: torch.Tensor) -> slice:
 
 def _write_nf4(param: torch.Tensor, whole: torch.Tensor) -> None:
     _, to_nf4 = torchao_nf4()
-    local = param.to_local() if isinstance(param, DTensor) else param
+    # The shard itself: to_local() returns a view, and a view of an NF4Tensor is a new object.
+    local = param._local_tensor if isinstance(param, DTensor) else param
     quantized = to_nf4(whole.to(local.dtype).contiguous(), local.block_size, local.scaler_block_size)
     rows = _rows(param)
     if rows != slice(None):  # torchao splits an NF4Tensor into equal row blocks (as FSDP2 shards it)
