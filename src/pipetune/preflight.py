@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from pipetune.config import Config, ConfigError, validate, validate_against_model
 from pipetune.data.prompt import PromptBuilder
 from pipetune.loggers import check_loggers
+from pipetune.model.quantize import check_quantize
 from pipetune.model.shapes import ResolvedModel, one_layer_model, resolve_model
 
 
@@ -38,11 +39,9 @@ def preflight(config: Config, world_size: int) -> Prepared:
     validate(config, world_size)
     check_loggers(config.output.loggers)
     prepared = prepare(config)
-    from pipetune.model.quantize import check_quantize
     from pipetune.model.split import run_split
     from pipetune.parallel.memory import check_weights_fit
 
-    check_quantize(config, prepared.model.config)
     check_weights_fit(config, prepared.model.config, run_split(config, prepared.model.config)[1])
     return prepared
 
@@ -51,6 +50,7 @@ def prepare(config: Config) -> Prepared:
     """Resolve the model, load its tokenizer and build the prompt builder (also used for inference)."""
     resolved = resolve_model(config.model)
     validate_against_model(config, resolved.config.num_hidden_layers, linear_layer_names(resolved))
+    check_quantize(config, resolved.config)  # before any weight is read
     tokenizer = load_tokenizer(config, resolved)
     if len(tokenizer) > resolved.config.vocab_size:
         raise ConfigError(

@@ -12,9 +12,9 @@ With LoRA the base never changes, so its big matrices can be stored small:
   weight serves both directions.
 
 Embeddings, norms, lm_head and the LoRA adapters stay in model.dtype / float32. Weights become quantized
-placeholders on the meta device (`quantize_linears`, after LoRA is applied: PEFT casts new adapters to
-their base layer's dtype) and get values when the model is materialized (model/load.py): each weight is
-quantized whole as it is read, and a sharded one keeps its rows, so every layout holds the same values.
+placeholders on the meta device (`quantize_linears`) and get values when the model is materialized
+(model/load.py): each weight is quantized whole as it is read, and a sharded one keeps its rows, so every
+layout holds the same values.
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ def quantize_linears(model: nn.Module, method: str) -> int:
             linear.weight = nn.Parameter(placeholder, requires_grad=False)
         elif method == "fp8":
             linear.weight = nn.Parameter(torch.empty_like(weight, dtype=FP8), requires_grad=False)
+            linear.compute_dtype = weight.dtype  # PEFT sizes adapters by it (bitsandbytes' convention), not by FP8
             linear.register_buffer("weight_scale", torch.empty(weight.shape[0], 1, dtype=torch.float32, device="meta"))
             linear.forward = types.MethodType(_fp8_linear_forward, linear)
         else:
