@@ -155,7 +155,10 @@ class _Float8Linear(torch.autograd.Function):
         ctx.save_for_backward(weight, scale)
         flat = x.reshape(-1, x.shape[-1])
         x8, x_scale = fp8_quantize(flat)  # dynamic: each row's absolute maximum
-        out = torch._scaled_mm(x8, weight.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=x.dtype)
+        # Fast (less often promoted) accumulation in the forward only, as torchao's float8 recipes do.
+        out = torch._scaled_mm(
+            x8, weight.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=x.dtype, use_fast_accum=True
+        )
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
