@@ -5,7 +5,8 @@
 #      (2 replicas x 2 sequences x 4 accumulation steps); both effective batch 16, as A.
 #   C (2 GPUs): Qwen3-4B pp with every switch on (configs/bench-qwen3-4b.toml): bf16, fp8, nf4, 100 optimizer steps
 #      each: tokens/s and the loss curves of the three in one PNG with the largest relative gap.
-#   D (2 GPUs): Qwen3-32B pp 1F1B 8 x 2 with every switch on: bf16 and fp8.
+#   D (2 GPUs): Qwen3-32B pp 1F1B 8 x 2 with every switch on but CUDA graphs: bf16 and fp8.
+# MFU is bench's: model FLOPs over bf16's 790 TFLOP/s, for every method (FP8 runs can pass what bf16 could reach).
 # Needs torchao (nf4) on the device: carry its wheel in .whl/ (pip download --no-deps -d .whl torchao==0.18.0:
 # torchao-0.18.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl, built for torch >= 2.11, no
 # dependencies); it is installed from there when missing.
@@ -22,7 +23,9 @@ if [ "${TINY:-0}" = 1 ]; then  # the same commands on the CPU: tiny model, float
   SHAPE="--set model.name=tiny-qwen3 --set model.dtype=\"float32\" --set train.compile=false --set train.cuda_graphs=false"
   SHAPE32=$SHAPE; STEPS="--steps 1 --warmup 1"; CURVE="--steps 1 --warmup 1"; METHODS="none nf4"
 else
-  SHAPE=""; SHAPE32="--set model.name=qwen3-32b --set parallel.n_microbatches=8 --set data.synthetic_validation=0"
+  # 32B without CUDA graphs: recording them takes minutes at 8 microbatches (benchmarks/2026-11-30-big-h200.md).
+  SHAPE=""; SHAPE32="--set model.name=qwen3-32b --set parallel.n_microbatches=8 --set data.synthetic_validation=0 \
+    --set train.cuda_graphs=false"
   STEPS="--steps 4 --warmup 2"; CURVE="--steps 96 --warmup 4"; METHODS="none fp8 nf4"
 fi
 bench() {  # name, timeout, config, args...: the bench's own --timeout ends a strategy that stalls
