@@ -41,6 +41,7 @@ def single_nf4(tmp_path_factory: pytest.TempPathFactory) -> Config:
     return config
 
 
+@pytest.mark.slow  # a multi-process end-to-end run
 def test_nf4_pipeline_matches_nf4_single_process(single_nf4: Config, tmp_path: Path) -> None:
     # V schedule: 2 ranks x 2 stages of one layer, backward split into input and weight parts.
     config = tiny_config(tmp_path / "zbv", *NF4, 'parallel.schedule="zbv"', "parallel.stages_per_rank=2")
