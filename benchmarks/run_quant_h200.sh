@@ -6,13 +6,15 @@
 #   C (2 GPUs): Qwen3-4B pp with every switch on (configs/bench-qwen3-4b.toml): bf16, fp8, nf4, 100 optimizer steps
 #      each: tokens/s and the loss curves of the three in one PNG with the largest relative gap.
 #   D (2 GPUs): Qwen3-32B pp 1F1B 8 x 2 with every switch on but CUDA graphs: bf16 and fp8.
+#   E (1 GPU): the demo's quality side by side (benchmarks/quant_quality.py): bf16, fp8 and nf4, all bfloat16,
+#      validation loss after 150 steps (and ROUGE if rouge-score is installed).
 # MFU is bench's: model FLOPs over bf16's 790 TFLOP/s, for every method (FP8 runs can pass what bf16 could reach).
 # Needs torchao (nf4) on the device: carry its wheel in .whl/ (pip download --no-deps -d .whl torchao==0.18.0:
 # torchao-0.18.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl, built for torch >= 2.11, no
 # dependencies); it is installed from there when missing.
-# Usage (device machine, repo root): OUT=dir bash benchmarks/run_quant_h200.sh A|B|C|D
+# Usage (device machine, repo root): OUT=dir bash benchmarks/run_quant_h200.sh A|B|C|D|E
 # CPU dry run of the same commands with the tiny model (no GPU; fp8 is refused on a CPU, so its runs are
-# left out): TINY=1 OUT=dir bash benchmarks/run_quant_h200.sh A|B|C|D
+# left out): TINY=1 OUT=dir bash benchmarks/run_quant_h200.sh A|B|C|D|E
 source benchmarks/h200_common.sh
 PART=${1:-A}; W=/tmp/quant$PART; rm -rf $W; mkdir -p $W
 START=$(date +%s); BUDGET=${BUDGET:-570}
@@ -52,6 +54,11 @@ elif [ "$PART" = C ]; then
   python3 benchmarks/plot_loss_curves.py $OUT/loss_curves_4b.png $curves | tee $OUT/loss_curves_4b.txt
 elif [ "$PART" = D ]; then
   for q in ${METHODS/nf4/}; do bench 32b-pp-$q 270 $B4 --strategies pp $STEPS $SHAPE32 $(quant $q); done
+elif [ "$PART" = E ]; then
+  [ "${TINY:-0}" = 1 ] && QSTEPS="--steps 2" || QSTEPS=""
+  timeout $(left) python3 benchmarks/quant_quality.py $W/quality $QSTEPS --methods ${METHODS// /,} \
+    --set 'model.dtype="bfloat16"' 2>&1 | grep -v -i warn | tee $OUT/quality.txt | tail -5
+  cp $W/quality/quality.json $OUT/ 2>/dev/null
 fi
 python3 - "$W" "$OUT" "$PART" <<'PY'
 import json, pathlib, sys, tarfile
