@@ -59,7 +59,7 @@ def main() -> None:
     reference = next(iter(results.values()))
     print(f"{'method':<8}" + "".join(f"{m:>11}" for m in metrics) + "  relative to " + next(iter(results)))
     for method, values in results.items():
-        gaps = " ".join(f"{(values[m] - reference[m]) / reference[m]:+.1%}" for m in metrics)
+        gaps = " ".join(f"{(values[m] - reference[m]) / reference[m]:+.1%}" if reference[m] else "-" for m in metrics)
         print(f"{method:<8}" + "".join(f"{values[m]:>11.4f}" for m in metrics) + f"  {gaps}")
     (args.out / "quality.json").write_text(json.dumps({"steps": args.steps, "results": results}, indent=1))
 
