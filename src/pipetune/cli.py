@@ -9,6 +9,7 @@ rendezvous directly. torch and transformers are imported inside the commands tha
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -37,12 +38,20 @@ LIBRARY_WARNINGS = [
     # peft 0.21 calls a transformers 5 method deprecated in favour of another: nothing a user can change
     (FutureWarning, r".*is_gradient_checkpointing"),
 ]
+LIBRARY_LOGGERS = [
+    # torchao (model.quantize; PEFT imports it whenever it is installed) logs at import when its optional CUDA
+    # kernels do not match the local torch build, and torch >= 2.13 about torchao's pytree registrations.
+    "torchao",
+    "torch.utils._pytree",
+]
 
 
 def silence_library_warnings() -> None:
     """Hide the libraries' warnings that a pipetune user cannot act on (workers start through main too)."""
     for category, message in LIBRARY_WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category)
+    for name in LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def version() -> str:

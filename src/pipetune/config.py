@@ -27,6 +27,7 @@ SCHEDULES = SINGLE_STAGE_SCHEDULES + LOOPED_SCHEDULES + V_SCHEDULES
 ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
 """Schedules that split backward into input- and weight-gradient parts."""
 DTYPES = ("float32", "bfloat16", "float16")
+QUANTIZE = ("none", "nf4", "fp8")
 STRATEGIES = ("pp", "ddp", "fsdp", "tp", "single")
 RESUME_MODES = ("never", "auto")
 MAX_LENGTH = 2**20
@@ -51,6 +52,11 @@ class ModelConfig:
     """Tokenizer to use; empty = the model's own, or the built-in demo tokenizer for built-in shapes."""
     trust_remote_code: bool = False
     """Allow model code from the hub. Off: only architectures transformers ships are built."""
+    quantize: str = "none"
+    """Store the frozen decoder layers' linear weights quantized (model/quantize.py): "nf4" (QLoRA: 4-bit
+    NormalFloat, ~0.52 bytes a weight, dequantized for each matmul; needs torchao), "fp8" (float8 with a scale
+    per row, FP8 matmuls forward and backward; a GPU with FP8, model.dtype = "bfloat16") or "none". Embeddings,
+    norms, lm_head and the adapters keep their dtype; the adapter is saved as plain PEFT either way."""
 
 
 @dataclass
@@ -399,6 +405,18 @@ def validate(config: Config, world_size: int) -> None:
     """Check the values that need no model: raise ConfigError naming the value and the fix."""
     m, t, p, d = config.model, config.train, config.parallel, config.data
     _check(m.dtype in DTYPES, f"model.dtype = {m.dtype!r} is unknown; use one of {', '.join(DTYPES)}")
+    _check(m.quantize in QUANTIZE, f"model.quantize = {m.quantize!r} is unknown; use one of {', '.join(QUANTIZE)}")
+    _check(
+        m.quantize != "fp8" or m.dtype == "bfloat16",
+        f'model.quantize = "fp8" runs FP8 matmuls that write bfloat16, but model.dtype = {m.dtype!r}: '
+        'set model.dtype = "bfloat16", or use model.quantize = "nf4"',
+    )
+    _check(
+        m.quantize == "none" or p.tp == 1,
+        f"model.quantize = {m.quantize!r} with parallel.tp = {p.tp}: quantized weights are not split over "
+        "tensor-parallel ranks; set parallel.tp = 1 (pp, ddp or fsdp carry a quantized base) or "
+        "model.quantize = 'none'",
+    )
     _check(
         m.init in ("pretrained", "random"),
         f"model.init = {m.init!r} is unknown; use 'pretrained' or 'random'",

@@ -32,10 +32,12 @@ SUMMARY_FIELD = "generated_summary"
 def load_finetuned(
     config: Config, adapter_dir: str | Path, device: torch.device | None = None
 ) -> tuple[PeftModel, Prepared]:
-    """The full base model of `config` with the adapter loaded by PEFT, in eval mode."""
+    """The full base model of `config` (quantized as model.quantize says, as in training) with the adapter loaded
+    by PEFT, in eval mode."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     prepared = prepare(config)
-    base, _ = build_model(prepared.model, DTYPES[config.model.dtype], device, seed=config.train.seed)
+    dtype = DTYPES[config.model.dtype]
+    base, _ = build_model(prepared.model, dtype, device, seed=config.train.seed, quantize=config.model.quantize)
     model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     return model, prepared
 

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from pipetune.config import Config, ConfigError, validate, validate_against_model
 from pipetune.data.prompt import PromptBuilder
 from pipetune.loggers import check_loggers
+from pipetune.model.quantize import check_quantize
 from pipetune.model.shapes import ResolvedModel, one_layer_model, resolve_model
 
 
@@ -52,6 +53,7 @@ def prepare(config: Config) -> Prepared:
     heads = shape.num_attention_heads
     kv_heads = getattr(shape, "num_key_value_heads", None) or heads
     validate_against_model(config, shape.num_hidden_layers, linear_layer_names(resolved), heads, kv_heads)
+    check_quantize(config, resolved.config)  # before any weight is read
     tokenizer = load_tokenizer(config, resolved)
     if len(tokenizer) > resolved.config.vocab_size:
         raise ConfigError(

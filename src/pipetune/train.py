@@ -43,6 +43,7 @@ from pipetune.metrics import (
 from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory
 from pipetune.model.load import DTYPES, build_meta, materialize
 from pipetune.model.lora import adapter_state, apply_lora, save_adapter, use_fast_path
+from pipetune.model.quantize import quantize_linears
 from pipetune.model.split import run_split, stage_costs
 from pipetune.model.stage import StageModule
 from pipetune.parallel.fsdp import restore_gradients, shard_stages, stash_gradients
@@ -236,6 +237,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         last=n_stages - 1 in my_stages,
     )
     peft_model = apply_lora(model, config.lora, config.model.name, t.seed)
+    quantize_linears(peft_model, config.model.quantize)  # placeholders, quantized as materialize fills them
     if config.lora.fast_path:
         use_fast_path(peft_model)
     peft_model.train()

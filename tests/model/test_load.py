@@ -204,6 +204,9 @@ def test_a_layout_whose_weights_cannot_fit_is_refused_with_the_fix(tmp_path: Pat
         apply_override(config, item)
     with pytest.raises(ConfigError, match=r"rank 0 hold 145 GB of frozen bfloat16 weights .* Raise parallel.pp"):
         preflight(config, 1)
+    apply_override(config, 'model.quantize="nf4"')
+    preflight(config, 1)  # ~41 GB: NF4 decoder layers (0.52 bytes a weight), bfloat16 embedding and lm_head
+    apply_override(config, 'model.quantize="none"')
     apply_override(config, 'parallel.strategy="pp"')
     apply_override(config, "parallel.pp=2")
     preflight(config, 2)  # 73 GB a rank: fits

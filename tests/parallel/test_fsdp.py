@@ -120,6 +120,7 @@ def _sharded_build(rank: int, checkpoint: str, init_file: str, out_dir: str) -> 
     from pipetune.config import LoraConfig, ModelConfig
     from pipetune.model.load import build_meta, materialize
     from pipetune.model.lora import apply_lora, full_tensor
+    from pipetune.model.quantize import quantize_linears
     from pipetune.model.shapes import resolve_model
     from pipetune.model.stage import StageModule
     from pipetune.parallel.fsdp import shard_stages
@@ -135,6 +136,18 @@ def _sharded_build(rank: int, checkpoint: str, init_file: str, out_dir: str) -> 
         whole = {name: full_tensor(param).clone() for name, param in model.named_parameters()}
         if rank == 0:
             torch.save({"local": local, "whole": whole}, f"{out_dir}/{Path(source).name}.pt")
+    # model.quantize: each rank keeps its rows of the whole matrix's quantization; FSDP gathers them per layer.
+    resolved = resolve_model(ModelConfig(name="tiny-qwen3", init="random"))
+    for method, dtype in (("nf4", torch.float32), ("fp8", torch.bfloat16)):
+        model = apply_lora(build_meta(resolved, dtype, range(4)), LoraConfig(), "tiny-qwen3", seed=7)
+        quantize_linears(model, method)
+        modules = [StageModule(model).eval()]
+        shard_stages(modules, init_device_mesh("cpu", (2,)), pipelined=False)
+        materialize(model, resolved, torch.device("cpu"), seed=7, roots=modules)
+        with torch.no_grad():
+            logits = modules[0](torch.arange(64).view(2, 32))
+        if rank == 0:
+            torch.save(logits, f"{out_dir}/{method}-logits.pt")
     dist.destroy_process_group()
 
 
@@ -146,6 +159,7 @@ def test_a_sharded_build_holds_the_unsharded_values(tmp_path: Path) -> None:
     from pipetune.model.load import build_model
     from pipetune.model.lora import apply_lora
     from pipetune.model.shapes import resolve_model
+    from pipetune.model.stage import StageModule
     from tests.model.test_load import TINY, write_checkpoint
 
     checkpoint = write_checkpoint(tmp_path / "ckpt", Qwen3Config(**{**TINY, "tie_word_embeddings": False}))
@@ -163,3 +177,12 @@ def test_a_sharded_build_holds_the_unsharded_values(tmp_path: Path) -> None:
             # rank 0 holds the first half of the rows (FSDP2 shards dim 0 as torch.chunk does)
             rows = -(-value.shape[0] // 2)
             torch.testing.assert_close(saved["local"][name], value.detach()[:rows], rtol=0, atol=0, msg=name)
+    tiny = resolve_model(ModelConfig(name="tiny-qwen3", init="random"))
+    ids = torch.arange(64).view(2, 32)
+    for method, dtype in (("nf4", torch.float32), ("fp8", torch.bfloat16)):
+        whole, _ = build_model(tiny, dtype, torch.device("cpu"), seed=7, quantize=method)
+        with torch.no_grad():
+            expected = StageModule(apply_lora(whole, LoraConfig(), "tiny-qwen3", seed=7)).eval()(ids)
+        # The same quantized weights, gathered: the same function (float32 NF4: up to summation order).
+        sharded = torch.load(tmp_path / f"{method}-logits.pt", weights_only=True)
+        torch.testing.assert_close(sharded, expected, rtol=1e-5, atol=1e-5, msg=method)

@@ -45,12 +45,17 @@ def build_model(
     first: bool = True,
     last: bool = True,
     seed: int = 0,
+    quantize: str = "none",
 ) -> tuple[PreTrainedModel, LoadStats]:
     """The causal LM restricted to `layers` (None: all, as a plain HF model usable for generate()), on `device`.
 
-    `first` keeps the token embedding, `last` keeps the final norm and lm_head.
+    `first` keeps the token embedding, `last` keeps the final norm and lm_head; `quantize` stores the decoder
+    layers' linear weights in NF4 or FP8 (model/quantize.py).
     """
+    from pipetune.model.quantize import quantize_linears
+
     model = build_meta(resolved, dtype, layers, first, last)
+    quantize_linears(model, quantize)
     return model, materialize(model, resolved, device, seed)
 
 
@@ -102,6 +107,7 @@ def materialize(
         rotary.get_buffer(name).copy_(buffer)
 
     from pipetune.model.lora import initial_adapter_value
+    from pipetune.model.quantize import weight_writers
 
     tie = bool(getattr(resolved.config, "tie_word_embeddings", False)) and base.lm_head is not None
     tied = {"lm_head.weight": "model.embed_tokens.weight"} if tie else {}
@@ -111,11 +117,12 @@ def materialize(
             fill(param, lambda shape, device, name=name: initial_adapter_value(name, shape, seed, device))
             continue
         weights.setdefault(base_name(name), []).append(param)
+    quantized = weight_writers(model)  # model.quantize: these are quantized as they are written
     if resolved.weights_dir is None:
-        _random_init(weights, resolved.config.initializer_range, seed, tied)
+        _random_init(weights, resolved.config.initializer_range, seed, tied, quantized)
         stats = LoadStats()
     else:
-        stats = _load_safetensors(weights, resolved.weights_dir, tied)
+        stats = _load_safetensors(weights, resolved.weights_dir, tied, quantized)
     if base.config.tie_word_embeddings and base.lm_head is not None:
         base.tie_weights()  # the whole model: lm_head is the embedding again
     return stats
@@ -140,10 +147,21 @@ def local_slices(param: torch.Tensor) -> tuple[slice, ...] | None:
     return tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
 
 
-def fill(param: torch.Tensor, make_whole: Callable[[torch.Size, torch.device], torch.Tensor]) -> None:
+Writers = dict[int, Callable[[torch.Tensor], None]]
+"""model/quantize.py's `weight_writers`: for a quantized weight (by id), what stores a whole tensor of its values."""
+
+
+def fill(
+    param: torch.Tensor,
+    make_whole: Callable[[torch.Size, torch.device], torch.Tensor],
+    quantized: Writers | None = None,
+) -> None:
     """Set a parameter to `make_whole(shape, device)`, keeping only this rank's slice of a sharded one."""
     local = param.to_local() if isinstance(param, DTensor) else param
     whole = make_whole(param.shape, local.device)
+    if quantized and id(param) in quantized:
+        quantized[id(param)](whole)
+        return
     slices = local_slices(param)
     local.copy_(whole if slices is None else whole[slices])
 
@@ -163,7 +181,9 @@ def _param_seed(seed: int, name: str) -> int:
     return zlib.crc32(f"{seed}:{name}".encode())
 
 
-def _random_init(weights: dict[str, list[torch.Tensor]], std: float, seed: int, tied: dict[str, str]) -> None:
+def _random_init(
+    weights: dict[str, list[torch.Tensor]], std: float, seed: int, tied: dict[str, str], quantized: Writers
+) -> None:
     """Normal(0, std) matrices, unit norm weights and zero biases, each drawn from a generator seeded by its name."""
 
     def normal(shape: torch.Size, device: torch.device, source: str) -> torch.Tensor:
@@ -178,11 +198,16 @@ def _random_init(weights: dict[str, list[torch.Tensor]], std: float, seed: int, 
             elif source.endswith(".bias"):
                 fill(param, lambda shape, device: torch.zeros(shape, device=device))
             else:
-                fill(param, lambda shape, device, source=source: normal(shape, device, source))
+                fill(param, lambda shape, device, source=source: normal(shape, device, source), quantized)
 
 
-def _load_safetensors(weights: dict[str, list[torch.Tensor]], weights_dir: Path, tied: dict[str, str]) -> LoadStats:
-    """Copy this model's tensors, and only those (only its slice of a sharded one), from the checkpoint."""
+def _load_safetensors(
+    weights: dict[str, list[torch.Tensor]], weights_dir: Path, tied: dict[str, str], quantized: Writers
+) -> LoadStats:
+    """Copy this model's tensors, and only those (only its slice of a sharded one), from the checkpoint.
+
+    A quantized weight is read whole, also when sharded: it is quantized whole, so every layout holds the same
+    values."""
     file_of = checkpoint_index(weights_dir)
     wanted: dict[str, list[torch.Tensor]] = {}
     for name, params in weights.items():
@@ -210,14 +235,18 @@ def _load_safetensors(weights: dict[str, list[torch.Tensor]], weights_dir: Path,
                             f"checkpoint tensor {source!r} has shape {tuple(view.get_shape())}, "
                             f"the model expects {tuple(param.shape)}: config.json and weights disagree"
                         )
-                    if slices is not None:
+                    if id(param) in quantized:
+                        part = f.get_tensor(source).to(_local(param).device)
+                        quantized[id(param)](part)
+                    elif slices is not None:
                         part = view[slices]
+                        _local(param).copy_(part)
                     elif whole is None:
                         part = whole = f.get_tensor(source)
+                        _local(param).copy_(part)
                     else:
                         _local(param).copy_(whole)  # a second parameter from the same tensor: no second read
                         continue
-                    _local(param).copy_(part)
                     stats.tensors += 1
                     stats.bytes += part.numel() * part.element_size()
     return stats

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass as is_subclass
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
@@ -111,10 +112,16 @@ class StageModule(nn.Module):
         hidden.requires_grad_(True)  # as a received activation: gradients flow to the previous stage
         saved: dict[int, int] = {}
         # A linear layer saves its weight for the input gradient: memory the weights hold anyway, not activations.
-        weights = {_local(param).untyped_storage().data_ptr() for param in layer.parameters()}
+        # So does a quantized one (model.quantize), a tensor subclass with no storage of its own.
+        weights = {
+            _local(param).untyped_storage().data_ptr() for param in layer.parameters() if not is_subclass(_local(param))
+        }
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            storage = _local(tensor).untyped_storage()
+            tensor = _local(tensor)
+            if is_subclass(tensor):
+                return tensor
+            storage = tensor.untyped_storage()
             if storage.data_ptr() not in weights:
                 saved[storage.data_ptr()] = storage.nbytes()
             return tensor

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
 from pipetune.config import Config, ConfigError
+from pipetune.model.quantize import linear_shapes, stored_bytes
 from pipetune.model.shapes import ResolvedModel, one_layer_model
 from pipetune.model.stage import StageModule
 from pipetune.parallel.pipeline import stage_ids
@@ -176,6 +177,7 @@ def measure_layer_memory(
     part of it when split over `tp_mesh`)."""
     from pipetune.model.load import DTYPES, build_meta, materialize
     from pipetune.model.lora import apply_lora, use_fast_path
+    from pipetune.model.quantize import quantize_linears
 
     shape_only = dataclasses.replace(resolved, weights_dir=None)  # values do not matter: no checkpoint read
     # PEFT draws its own adapter initialisation from the global generator: the run's streams stay untouched.
@@ -188,6 +190,7 @@ def measure_layer_memory(
         )
         if config.lora.fast_path:
             use_fast_path(model)
+        quantize_linears(model, config.model.quantize)
         stage = StageModule(model)
         if tp_mesh is not None:
             from pipetune.parallel.tp import apply_tp
@@ -223,25 +226,31 @@ def check_weights_fit(config: Config, model_config: PretrainedConfig, ranges: Se
         budget = float(torch.cuda.get_device_properties(0).total_memory)
     else:
         return
-    p = config.parallel
+    p, quantize = config.parallel, config.model.quantize
     layer, embedding, head = parameter_counts(model_config)
     element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
+    linears = linear_shapes(model_config)
+    quantized = sum(rows * columns for _, rows, columns in linears)
+    layer_bytes = (layer - quantized) * element + sum(stored_bytes(r, c, quantize, element) for _, r, c in linears)
     shards = (p.dp if p.sharded else 1) * p.tp  # tensor parallelism splits (nearly) every weight tp ways
     for rank in range(p.pp):
         stages = stage_ids(p.schedule, rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
-        count = sum(len(ranges[s]) for s in stages) * layer
-        count += embedding if 0 in stages else 0
-        count += head if len(ranges) - 1 in stages else 0
-        weights = count * element / shards
+        weights = sum(len(ranges[s]) for s in stages) * layer_bytes
+        weights += embedding * element if 0 in stages else 0
+        weights += head * element if len(ranges) - 1 in stages else 0
+        weights /= shards
         if weights > 0.9 * budget:
             sharded = f", sharded over parallel.dp = {p.dp}" if p.sharded else ""
             sharded += f", split over parallel.tp = {p.tp}" if p.tp > 1 else ""
+            stored = config.model.dtype + (f" and {quantize}" if quantize != "none" else "")
+            smaller = ', or store the base quantized: model.quantize = "nf4" (~0.52 bytes a weight)'
             raise ConfigError(
                 f"{config.model.name!r}: the stage(s) of pipeline rank {rank} hold {weights / GB:.0f} GB of frozen "
-                f"{config.model.dtype} weights (parallel.pp = {p.pp}{sharded}), more than 90% of the "
+                f"{stored} weights (parallel.pp = {p.pp}{sharded}), more than 90% of the "
                 f"{budget / GB:.0f} GB of memory per rank, before any activation. Raise parallel.pp (more GPUs, "
                 "fewer layers each) or parallel.tp (each layer split over more GPUs), or shard replicas with "
                 "parallel.dp_shard = true (strategy 'fsdp' for pp = 1) over more GPUs"
+                + (smaller if quantize == "none" else "")
             )
 
 

@@ -1,0 +1,249 @@
+"""A quantized frozen base (model.quantize): the decoder layers' linear weights stored in NF4 or FP8.
+
+With LoRA the base never changes, so its big matrices can be stored small:
+
+- "nf4" (QLoRA): torchao's NF4Tensor, 4-bit NormalFloat in blocks of 64 weights with double-quantized
+  block scales (~0.52 bytes a weight), dequantized to the compute dtype for each matmul (forward and input
+  gradient). torchao's tensor is plain PyTorch (it runs and is tested on a CPU) and knows FSDP2's all-gather,
+  as in torchtune's QLoRA.
+- "fp8": float8_e4m3fn weights with one float32 scale per output row. The forward and the input-gradient
+  matmuls run in FP8 (`torch._scaled_mm`, row-wise scaled activations and gradients, bfloat16 out); no
+  weight gradient is computed. The row scales are folded into the output gradient, so one FP8 copy of the
+  weight serves both directions.
+
+Embeddings, norms, lm_head and the LoRA adapters stay in model.dtype / float32. Weights become quantized
+placeholders on the meta device (`quantize_linears`) and get values when the model is materialized
+(model/load.py): each weight is quantized whole as it is read, and a sharded one keeps its rows, so every
+layout holds the same values.
+"""
+
+from __future__ import annotations
+
+import math
+import types
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from transformers import PretrainedConfig
+
+from pipetune.config import QUANTIZE, Config, ConfigError
+
+NF4_BLOCK = 64
+"""Weights per NF4 block (one scale each), as in QLoRA."""
+NF4_SCALER_BLOCK = 256
+"""Block scales per block of their double quantization, as in QLoRA (a smaller divisor where a matrix has
+a block count that 256 does not divide)."""
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+"""The largest float8_e4m3fn value: a row's absolute maximum maps to it."""
+FP8_MIN_CAPABILITY = (8, 9)
+"""CUDA compute capability of the first GPUs with FP8 matmuls (Ada; Hopper is 9.0)."""
+
+
+def torchao_nf4() -> tuple[type, Callable]:
+    """torchao's NF4Tensor and to_nf4 (torchao is only needed for model.quantize = "nf4")."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, to_nf4
+
+    return NF4Tensor, to_nf4
+
+
+def base_linears(model: nn.Module) -> Iterator[tuple[str, nn.Linear]]:
+    """The decoder layers' linear layers (PEFT's base layers where wrapped): what gets quantized."""
+    for name, module in model.named_modules():
+        if ".layers." in f".{name}" and type(module) is nn.Linear and ".lora_" not in name:
+            yield name, module
+
+
+def nf4_scaler_block(numel: int) -> int:
+    """Block scales per double-quantization block for a matrix of `numel` weights: 256, or the largest divisor
+    of its block count below that (torchao needs the count to divide evenly)."""
+    blocks = numel // NF4_BLOCK
+    return next(size for size in range(min(NF4_SCALER_BLOCK, blocks), 0, -1) if blocks % size == 0)
+
+
+def quantize_linears(model: nn.Module, method: str) -> int:
+    """Turn the decoder layers' linear weights of a meta-device model into quantized placeholders; returns how many.
+
+    "nf4": the weight becomes an NF4Tensor (F.linear dequantizes it, through torchao's own autograd function).
+    "fp8": the weight becomes float8_e4m3fn with a `weight_scale` buffer (one float32 per row), and the module
+    runs `_fp8_linear_forward`."""
+    if method == "none":
+        return 0
+    count = 0
+    for _, linear in base_linears(model):
+        weight = linear.weight
+        if not weight.is_meta:
+            raise ValueError("quantize_linears works on a meta-device model, before it is materialized")
+        if method == "nf4":
+            _, to_nf4 = torchao_nf4()
+            placeholder = to_nf4(weight.detach(), NF4_BLOCK, nf4_scaler_block(weight.numel()))
+            linear.weight = nn.Parameter(placeholder, requires_grad=False)
+        elif method == "fp8":
+            linear.weight = nn.Parameter(torch.empty_like(weight, dtype=FP8), requires_grad=False)
+            linear.compute_dtype = weight.dtype  # PEFT sizes adapters by it (bitsandbytes' convention), not by FP8
+            linear.register_buffer("weight_scale", torch.empty(weight.shape[0], 1, dtype=torch.float32, device="meta"))
+            linear.forward = types.MethodType(_fp8_linear_forward, linear)
+        else:
+            raise ValueError(f"unknown quantization {method!r}; one of {', '.join(QUANTIZE)}")
+        count += 1
+    return count
+
+
+def weight_writers(model: nn.Module) -> dict[int, Callable[[torch.Tensor], None]]:
+    """For each quantized weight of a materialized model (by id of the parameter), a function that stores a whole
+    tensor of its unquantized values: quantized whole, this rank's rows kept (FSDP shards dim 0)."""
+    writers: dict[int, Callable[[torch.Tensor], None]] = {}
+    for _, linear in base_linears(model):
+        weight = linear.weight
+        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        if local.dtype == FP8:
+            writers[id(weight)] = lambda whole, linear=linear: _write_fp8(linear, whole)
+        elif type(local).__name__ == "NF4Tensor":
+            writers[id(weight)] = lambda whole, weight=weight: _write_nf4(weight, whole)
+    return writers
+
+
+def _rows(param: torch.Tensor) -> slice:
+    """The rows of the whole tensor that this rank holds (all, unless FSDP sharded the parameter)."""
+    from pipetune.model.load import local_slices
+
+    slices = local_slices(param)
+    return slice(None) if slices is None else slices[0]
+
+
+def _write_nf4(param: torch.Tensor, whole: torch.Tensor) -> None:
+    _, to_nf4 = torchao_nf4()
+    # The shard itself: to_local() returns a view, and a view of an NF4Tensor is a new object.
+    local = param._local_tensor if isinstance(param, DTensor) else param
+    quantized = to_nf4(whole.to(local.dtype).contiguous(), local.block_size, local.scaler_block_size)
+    rows = _rows(param)
+    if rows != slice(None):  # torchao splits an NF4Tensor into equal row blocks (as FSDP2 shards it)
+        quantized = torch.split(quantized, rows.stop - rows.start)[rows.start // (rows.stop - rows.start)]
+    for name in ("quantized_data", "quantized_scalers", "quantization_factor"):
+        getattr(local, name).copy_(getattr(quantized, name))
+    # empty_like (to_empty) allocates only the three tensors above; the scales' mean and the code table are set here.
+    local.scaler_mean, local.nf4 = quantized.scaler_mean, quantized.nf4
+
+
+def fp8_quantize(whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise FP8 of a matrix: (float8_e4m3fn values, float32 scale per row), whole ~= values * scale."""
+    whole = whole.float()
+    scale = whole.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (whole / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def _write_fp8(linear: nn.Linear, whole: torch.Tensor) -> None:
+    values, scale = fp8_quantize(whole)
+    weight = linear.weight
+    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    local.copy_(values[_rows(weight)])
+    linear.weight_scale.copy_(scale)  # a buffer: every rank holds all rows' scales (4 bytes a row)
+
+
+def _fp8_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    out = _Float8Linear.apply(x, self.weight, self.weight_scale)
+    return out if self.bias is None else out + self.bias
+
+
+class _Float8Linear(torch.autograd.Function):
+    """y = x W^T with W in FP8 (row scales s), x quantized per row; dx = (dy * s^T) W8 in FP8 too; no dW."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(weight, scale)
+        flat = x.reshape(-1, x.shape[-1])
+        x8, x_scale = fp8_quantize(flat)  # dynamic: each row's absolute maximum
+        # Fast (less often promoted) accumulation in the forward only, as torchao's float8 recipes do.
+        out = torch._scaled_mm(
+            x8, weight.t(), scale_a=x_scale, scale_b=scale.t(), out_dtype=x.dtype, use_fast_accum=True
+        )
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        weight, scale = ctx.saved_tensors
+        flat = grad.reshape(-1, grad.shape[-1])
+        # dx[m, k] = sum_n dy[m, n] s[n] W8[n, k]: the weight's row scales go into the gradient before it is quantized.
+        g8, g_scale = fp8_quantize(flat.float() * scale.t())
+        ones = torch.ones(1, weight.shape[1], dtype=torch.float32, device=weight.device)
+        # _scaled_mm takes its second operand column-major: a transposed copy of W8 for this call only.
+        dx = torch._scaled_mm(g8, weight.t().contiguous().t(), scale_a=g_scale, scale_b=ones, out_dtype=grad.dtype)
+        return dx.view(*grad.shape[:-1], weight.shape[1]), None, None
+
+
+# --------------------------------------------------------------------------- what a machine and a layout can serve
+
+
+def check_quantize(config: Config, model_config: PretrainedConfig) -> None:
+    """Refuse, before any weight is read, a model.quantize that this machine or layout cannot serve."""
+    method, p = config.model.quantize, config.parallel
+    if method == "none":
+        return
+    if method == "fp8":
+        _check_fp8_device()
+    else:
+        try:
+            torchao_nf4()
+        except ImportError:
+            raise ConfigError(
+                'model.quantize = "nf4" stores weights as torchao\'s NF4Tensor, and torchao is not installed: '
+                "pip install 'pipetune[quant]' (torchao >= 0.18)"
+            ) from None
+    for name, rows, columns in linear_shapes(model_config):
+        if method == "fp8" and (rows % 16 or columns % 16):
+            raise ConfigError(
+                f'model.quantize = "fp8": {name} is {rows} x {columns}, and FP8 matmuls need both sides to be '
+                'multiples of 16; use model.quantize = "nf4" or "none"'
+            )
+        if method == "nf4" and (rows * columns) % NF4_BLOCK:
+            raise ConfigError(
+                f'model.quantize = "nf4": {name} ({rows} x {columns}) does not divide into NF4 blocks of '
+                f'{NF4_BLOCK} weights; use model.quantize = "none"'
+            )
+        groups = rows * columns // NF4_BLOCK // nf4_scaler_block(rows * columns)
+        if method == "nf4" and p.sharded and (rows % p.dp or groups % p.dp):
+            raise ConfigError(
+                f'model.quantize = "nf4" with FSDP over parallel.dp = {p.dp}: {name} ({rows} x {columns}, '
+                f"{groups} groups of NF4 scales) does not split into {p.dp} equal row blocks of whole groups; "
+                f"use a parallel.dp that divides {math.gcd(rows, groups)}, or replicas without sharding "
+                "(parallel.dp_shard = false, strategy 'ddp' for pp = 1)"
+            )
+
+
+def _check_fp8_device() -> None:
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            'model.quantize = "fp8" needs a GPU with FP8 matmuls (CUDA compute capability 8.9 or higher: Ada, '
+            'Hopper, Blackwell), and this machine has no CUDA GPU; use model.quantize = "nf4" (any device) or "none"'
+        )
+    capability = torch.cuda.get_device_capability(0)
+    if capability < FP8_MIN_CAPABILITY:
+        raise ConfigError(
+            f'model.quantize = "fp8" needs a GPU with FP8 matmuls (CUDA compute capability 8.9 or higher), and '
+            f'{torch.cuda.get_device_name(0)} has {capability[0]}.{capability[1]}; use model.quantize = "nf4" '
+            'or "none"'
+        )
+
+
+def linear_shapes(model_config: PretrainedConfig) -> list[tuple[str, int, int]]:
+    """(name, rows, columns) of one decoder layer's linear weights, read off a meta-device layer."""
+    from pipetune.model.shapes import one_layer_model
+
+    layer = one_layer_model(model_config).model.layers[0]
+    return [
+        (name, module.out_features, module.in_features)
+        for name, module in layer.named_modules()
+        if isinstance(module, nn.Linear)
+    ]
+
+
+def stored_bytes(rows: int, columns: int, method: str, element: int) -> float:
+    """Bytes one linear weight of rows x columns takes when stored with `method` (`element`: model.dtype's size)."""
+    numel = rows * columns
+    if method == "nf4":  # 4-bit codes, an int8 scale per block, a model.dtype factor per group of scales
+        return numel / 2 + numel / NF4_BLOCK + element * numel / NF4_BLOCK / nf4_scaler_block(numel)
+    if method == "fp8":
+        return numel + 4 * rows
+    return numel * element

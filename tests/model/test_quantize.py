@@ -1,0 +1,126 @@
+"""model.quantize: stages read their own weights and hold what a whole quantized model holds; FP8 math; refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from pipetune.config import ConfigError, ModelConfig
+from pipetune.model.load import build_model
+from pipetune.model.quantize import FP8, base_linears, fp8_quantize, quantize_linears
+from pipetune.model.shapes import resolve_model
+from pipetune.model.split import split_layers
+from pipetune.preflight import preflight
+from tests.conftest import tiny_config
+from tests.model.test_load import CPU, TINY, write_checkpoint
+
+
+def _stored(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every tensor a model stores, a quantized weight by its parts (NF4 codes and scales; FP8 bytes)."""
+    stored = {}
+    for name, param in model.named_parameters(remove_duplicate=False):  # a tied lm_head under its own name too
+        if type(param).__name__ == "NF4Tensor":
+            for part in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4"):
+                stored[f"{name}:{part}"] = getattr(param, part)
+        else:
+            stored[name] = param.view(torch.uint8) if param.dtype == FP8 else param
+    stored.update(model.named_buffers())
+    return stored
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_quantized_stages_load_per_stage_from_safetensors(tmp_path: Path, tied: bool) -> None:
+    checkpoint = write_checkpoint(tmp_path / "ckpt", Qwen3Config(**{**TINY, "tie_word_embeddings": tied}))
+    assert (checkpoint / "model.safetensors.index.json").is_file()  # really sharded
+    resolved = resolve_model(ModelConfig(name=str(checkpoint)))
+    reference, _ = build_model(resolved, torch.float32, CPU)
+    for method, dtype, error in (("nf4", torch.float32, 0.12), ("fp8", torch.bfloat16, 0.04)):
+        whole, _ = build_model(resolved, dtype, CPU, quantize=method)
+        expected = _stored(whole)
+        for name, linear in base_linears(whole):
+            values = (
+                linear.weight.get_original_weight() if method == "nf4" else linear.weight.float() * linear.weight_scale
+            )
+            original = reference.get_parameter(f"{name}.weight")
+            # Quantized, not copied; near the checkpoint (NF4: ~10% relative RMS error on normal weights; FP8 ~2%).
+            assert float((values.float() - original).norm() / original.norm()) < error, (method, name)
+        seen = set()
+        for index, layers in enumerate(split_layers(4, 2)):
+            stage, stats = build_model(resolved, dtype, CPU, layers, first=index == 0, last=index == 1, quantize=method)
+            assert stats.tensors == sum(1 for _ in stage.parameters())  # its own tensors, each read once
+            for name, tensor in _stored(stage).items():
+                torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=f"{method} {name}")
+                seen.add(name)
+        assert seen == set(expected)  # together the stages hold the whole quantized model
+
+
+def test_fp8_linear_runs_both_matmuls_in_fp8_against_its_dequantized_weight() -> None:
+    generator = torch.Generator().manual_seed(0)
+    with torch.device("meta"):
+        linear = torch.nn.Sequential(torch.nn.Linear(256, 128, bias=False, dtype=torch.bfloat16))
+    # quantize_linears picks the decoder layers' linears: give this one such a name.
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({"0": linear})
+    quantize_linears(model, "fp8")
+    model.to_empty(device=CPU)
+    values, scale = fp8_quantize(torch.randn(128, 256, generator=generator))
+    layer = linear[0]
+    layer.weight.copy_(values)
+    layer.weight_scale.copy_(scale)
+    assert layer.weight.element_size() == 1 and not layer.weight.requires_grad
+
+    x = torch.randn(2, 48, 256, generator=generator, dtype=torch.bfloat16, requires_grad=True)
+    out = layer(x)
+    out.float().square().sum().backward()
+    exact_x = x.detach().float().requires_grad_()
+    exact = exact_x @ (values.float() * scale).t()
+    exact.square().sum().backward()
+
+    # The weight is exactly its FP8 values times the row scales, so the errors are those of rounding x (forward)
+    # and the scaled output gradient (backward) to e4m3: 3 mantissa bits, a relative error of at most 2^-4 per
+    # element and ~2^-4 / sqrt(3) = 3.6% RMS for uniformly placed values; bf16 output adds 2^-9.
+    for got, want in ((out, exact), (x.grad, exact_x.grad)):
+        relative = float((got.float() - want).norm() / want.norm())
+        assert 0 < relative < 0.05, relative
+    assert layer.weight.grad is None
+
+
+@pytest.mark.parametrize(
+    "overrides, world_size, message",
+    [
+        (['model.quantize="int4"'], 2, r"model.quantize = 'int4' is unknown; use one of none, nf4, fp8"),
+        (
+            ['model.quantize="fp8"'],
+            2,
+            r'model.quantize = "fp8" runs FP8 matmuls that write bfloat16, but model.dtype = \'float32\': set '
+            r'model.dtype = "bfloat16", or use model.quantize = "nf4"',
+        ),
+        (
+            ['model.quantize="fp8"', 'model.dtype="bfloat16"'],
+            2,
+            r'model.quantize = "fp8" needs a GPU with FP8 matmuls .* and this machine has no CUDA GPU; use '
+            r'model.quantize = "nf4" \(any device\) or "none"',
+        ),
+        (
+            ['model.quantize="nf4"', 'parallel.strategy="fsdp"', "parallel.pp=1", "parallel.dp=3"],
+            3,
+            r'model.quantize = "nf4" with FSDP over parallel.dp = 3: self_attn.q_proj \(256 x 256, 4 groups of NF4 '
+            r"scales\) does not split into 3 equal row blocks of whole groups; use a parallel.dp that divides 4",
+        ),
+        (
+            ['model.quantize="nf4"', 'parallel.strategy="tp"', "parallel.pp=1", "parallel.tp=2"],
+            2,
+            r"model.quantize = 'nf4' with parallel.tp = 2: quantized weights are not split over tensor-parallel ranks",
+        ),
+    ],
+)
+def test_quantize_settings_a_run_cannot_serve_are_refused_before_any_weight(
+    tmp_path: Path, overrides: list[str], world_size: int, message: str
+) -> None:
+    if torch.cuda.is_available() and "no CUDA GPU" in message:
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ConfigError, match=message):
+        preflight(tiny_config(tmp_path, *overrides), world_size)
