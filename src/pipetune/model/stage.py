@@ -7,8 +7,12 @@ never see pads and no mask needs to travel.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
@@ -36,6 +40,34 @@ class _GradInOwnMemory(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         return grad.clone()
+
+
+class CudaKernelsOnMeta(TorchFunctionMode):
+    """On the meta device, attention and dropout as CUDA runs them, so that a layer saves the same tensors.
+
+    Meta tensors take the reference paths: attention as explicit matmuls and softmax (saving [heads, seq, seq]
+    scores: 34 GB per layer at 16k tokens), dropout as a multiplication by a mask in the input's dtype. CUDA runs
+    flash attention (saving q, k, v, the output and one log-sum-exp per row; grouped key-value heads unrepeated)
+    and its fused dropout (a one-byte mask)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and kwargs.get("attn_mask") is None and len(args) == 3:
+            query, key, value = args
+            out = torch.ops.aten._scaled_dot_product_flash_attention(
+                query,
+                key,
+                value,
+                kwargs.get("dropout_p", 0.0),
+                kwargs.get("is_causal", False),
+                scale=kwargs.get("scale"),
+            )
+            return out[0]
+        if func is F.dropout and kwargs.get("training", args[2] if len(args) > 2 else True):
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            if p > 0:
+                return torch.ops.aten.native_dropout(args[0], p, True)[0]
+        return func(*args, **kwargs)
 
 
 class StageModule(nn.Module):
@@ -91,7 +123,8 @@ class StageModule(nn.Module):
     def layer_memory(self, batch: int, seq: int) -> tuple[int, int]:
         """Bytes one decoder layer keeps for backward per microbatch of [batch, seq] (measured by running one
         forward of the first layer, eagerly, leaving the random streams as they were) and bytes of its input,
-        which is all a checkpointed layer keeps."""
+        which is all a checkpointed layer keeps. On the meta device the forward allocates and computes nothing
+        (a plan for any size, on any machine) and saves what CUDA's kernels save (`CudaKernelsOnMeta`)."""
         layer = self.layers[0]
         frozen = next(p for p in layer.parameters() if not p.requires_grad)
         device, dtype = frozen.device, frozen.dtype
@@ -99,12 +132,13 @@ class StageModule(nn.Module):
         hidden.requires_grad_(True)  # as a received activation: gradients flow to the previous stage
         saved: dict[int, int] = {}
         # A linear layer saves its weight for the input gradient: memory the weights hold anyway, not activations.
-        weights = {param.untyped_storage().data_ptr() for param in layer.parameters()}
+        # Storages are told apart by identity (views share one), which also holds on the meta device.
+        weights = {param.untyped_storage()._cdata for param in layer.parameters()}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
-            if storage.data_ptr() not in weights:
-                saved[storage.data_ptr()] = storage.nbytes()
+            if storage._cdata not in weights:
+                saved[storage._cdata] = storage.nbytes()
             return tensor
 
         position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
@@ -115,7 +149,8 @@ class StageModule(nn.Module):
             use_cache=False,
         )
         devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"):
+        kernels = CudaKernelsOnMeta() if device.type == "meta" else contextlib.nullcontext()
+        with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"), kernels:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):  # dropout draws
                 out = layer(hidden, **kwargs)
         del out

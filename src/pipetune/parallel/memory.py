@@ -22,12 +22,16 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
-from pipetune.config import Config, ConfigError
+from pipetune.config import Config, ConfigError, ParallelConfig
 from pipetune.model.shapes import ResolvedModel, one_layer_model
 from pipetune.model.stage import StageModule
-from pipetune.parallel.pipeline import stage_ids
+from pipetune.parallel.pipeline import Action, schedule_actions, stage_ids
 
 GB = 1e9
+MARGIN = 0.07
+"""Share of a rank's memory a plan leaves free: allocator slack, NCCL buffers, the CUDA context."""
+OPTIMIZER_BYTES = 12
+"""Per trainable parameter besides the parameter itself: its float32 gradient and two AdamW moments."""
 
 
 @dataclass
@@ -55,43 +59,57 @@ class CheckpointPlan:
         return f"activation checkpointing (auto): {', '.join(parts)}; {budget}{fits}"
 
 
-def inflight_timeline(
-    schedule: object, stage_ids: Sequence[int], pp_rank: int, pp: int, n_microbatches: int
-) -> list[list[int]]:
-    """For each moment after a forward, the microbatches whose activations each of this rank's stages holds.
-
-    Multi-stage schedules publish every rank's actions (`pipeline_order`), which are replayed; the
-    single-stage ones are torch's GPipe (all microbatches) and 1F1B (warm-up of pp - stage forwards, then
-    a backward before each forward). No schedule (pp = 1): one microbatch at a time."""
-    order = getattr(schedule, "pipeline_order", None)
-    if order:
-        index = {stage: i for i, stage in enumerate(stage_ids)}
-        held, timeline = [0] * len(stage_ids), []
-        for action in _flatten(order[pp_rank]):
-            kind = getattr(action.computation_type, "value", action.computation_type)
-            if action.stage_index not in index:
-                continue
-            if kind == "F":
-                held[index[action.stage_index]] += 1
-                timeline.append(list(held))
-            elif kind in ("B", "I"):
-                held[index[action.stage_index]] -= 1
-        return timeline or [[0] * len(stage_ids)]
-    if schedule is None:
-        return [[1]]
-    if type(schedule).__name__ == "ScheduleGPipe":
-        return [[n_microbatches]]
-    return [[min(n_microbatches, pp - stage_ids[0])]]
-
-
-def _flatten(actions: Sequence[object]) -> list[object]:
-    flat = []
-    for action in actions:
-        if action is None:
+def inflight_timeline(actions: Sequence[Action], stage_ids: Sequence[int]) -> list[list[int]]:
+    """For each moment after a forward, the microbatches whose activations each of `stage_ids` holds, from one
+    rank's actions in order (`schedule_actions`)."""
+    index = {stage: i for i, stage in enumerate(stage_ids)}
+    held, timeline = [0] * len(stage_ids), []
+    for kind, stage, _ in actions:
+        if stage not in index:
             continue
-        sub = getattr(action, "sub_actions", None)
-        flat.extend(_flatten(sub) if sub else [action])
-    return flat
+        if kind == "F":
+            held[index[stage]] += 1
+            timeline.append(list(held))
+        elif kind in ("B", "I"):
+            held[index[stage]] -= 1
+    return timeline or [[0] * len(stage_ids)]
+
+
+def rank_timeline(p: ParallelConfig, pp_rank: int) -> list[list[int]]:
+    """`inflight_timeline` of pipeline rank `pp_rank` under `p`'s schedule; one microbatch at a time for pp = 1
+    (the microbatches of a step run one after another, each forward followed by its backward)."""
+    if p.pp == 1:
+        return [[1]]
+    actions = schedule_actions(p.schedule, p.pp, p.stages_per_rank, p.n_microbatches)[pp_rank]
+    return inflight_timeline(actions, stage_ids(p.schedule, pp_rank, p.pp, p.stages_per_rank))
+
+
+def activation_bytes(
+    stage_layers: Sequence[int],
+    checkpointed: Sequence[int],
+    moment: Sequence[int],
+    layer_bytes: float,
+    input_bytes: float,
+) -> float:
+    """Activations a rank holds at one moment: a checkpointed layer keeps its input, the others everything."""
+    return sum(
+        held * (k * input_bytes + (n - k) * layer_bytes)
+        for held, k, n in zip(moment, checkpointed, stage_layers, strict=True)
+    )
+
+
+def activation_peak(
+    stage_layers: Sequence[int],
+    checkpointed: Sequence[int],
+    timeline: Sequence[Sequence[int]],
+    layer_bytes: float,
+    input_bytes: float,
+) -> tuple[float, Sequence[int]]:
+    """The peak of `activation_bytes` over the schedule (plus one layer's activations while a checkpointed layer
+    is recomputed in backward), and the moment it happens."""
+    moment = max(timeline, key=lambda m: activation_bytes(stage_layers, checkpointed, m, layer_bytes, input_bytes))
+    recompute = layer_bytes if any(checkpointed) else 0.0
+    return activation_bytes(stage_layers, checkpointed, moment, layer_bytes, input_bytes) + recompute, moment
 
 
 def plan_checkpointing(
@@ -105,16 +123,9 @@ def plan_checkpointing(
     """The fewest checkpointed layers per stage whose predicted peak fits `budget_bytes` (all, if none does)."""
     checkpointed = [0] * len(stage_layers)
 
-    def peak_at(moment: Sequence[int]) -> float:
-        return sum(
-            held * (k * input_bytes + (n - k) * layer_bytes)
-            for held, k, n in zip(moment, checkpointed, stage_layers, strict=True)
-        )
-
     def peak() -> tuple[float, Sequence[int]]:
-        moment = max(timeline, key=peak_at)
-        recompute = layer_bytes if any(checkpointed) else 0.0
-        return fixed_bytes + peak_at(moment) + recompute, moment
+        activations, moment = activation_peak(stage_layers, checkpointed, timeline, layer_bytes, input_bytes)
+        return fixed_bytes + activations, moment
 
     total, moment = peak()
     while total > budget_bytes:
@@ -129,7 +140,6 @@ def plan_checkpointing(
 
 def auto_checkpointing(
     modules: Sequence[StageModule],
-    schedule: object,
     stage_ids: Sequence[int],
     pp_rank: int,
     config: Config,
@@ -138,33 +148,46 @@ def auto_checkpointing(
 ) -> CheckpointPlan:
     """Plan this rank's checkpointed layers for `config`'s microbatch shape and the device's memory (or
     train.memory_gb); measures one layer's activations on a throwaway copy of it (random weights)."""
-    t, p = config.train, config.parallel
     microbatch, seq = config.microbatch_size, config.data.max_length
     layer_bytes, input_bytes = measure_layer_memory(config, resolved, device, microbatch, seq)
-    if t.memory_gb > 0:
-        budget = t.memory_gb * GB
-    elif device.type == "cuda":
-        budget = float(torch.cuda.get_device_properties(device).total_memory)
-    else:
-        budget = float("inf")  # a CPU has no memory limit to plan for unless train.memory_gb says so
+    budget = memory_budget(config, device)
     trainable = sum(_local(param).numel() for module in modules for param in module.parameters() if param.requires_grad)
-    fixed = _allocated_bytes(modules, device) + 12 * trainable  # fp32 gradients and two AdamW moments
+    fixed = _allocated_bytes(modules, device) + OPTIMIZER_BYTES * trainable
     last = next((module for module in modules if module.is_last), None)
     if last is not None:
-        vocab = last.lm_head.weight.shape[0]
-        rows = t.loss_chunk if t.fused_loss else microbatch * seq
-        fixed += rows * vocab * (12 if t.fused_loss else 10)  # logits in fp32 (and their gradient)
-    fixed += 0.07 * budget if budget != float("inf") else 0.0  # allocator slack, NCCL buffers, CUDA context
-    timeline = inflight_timeline(schedule, stage_ids, pp_rank, p.pp, p.n_microbatches)
+        fixed += loss_bytes(config, last.lm_head.weight.shape[0])
+    fixed += MARGIN * budget if budget != float("inf") else 0.0
+    timeline = rank_timeline(config.parallel, pp_rank)
     stage_layers = [len(module.layers) for module in modules]
     return plan_checkpointing(stage_layers, timeline, layer_bytes, input_bytes, fixed, budget)
+
+
+def memory_budget(config: Config, device: torch.device | None = None) -> float:
+    """Memory per rank to plan for: train.memory_gb, else the GPU's (the first one's when no device is named),
+    else unlimited (a CPU)."""
+    if config.train.memory_gb > 0:
+        return config.train.memory_gb * GB
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", 0)
+    if device is not None and device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return float("inf")
+
+
+def loss_bytes(config: Config, vocab: int) -> float:
+    """The last stage's loss workspace: [rows, vocab] logits in float32 and their gradient, for a whole microbatch
+    or (train.fused_loss) one chunk of train.loss_chunk rows."""
+    t = config.train
+    rows = t.loss_chunk if t.fused_loss else config.microbatch_size * config.data.max_length
+    return rows * vocab * (12 if t.fused_loss else 10)
 
 
 def measure_layer_memory(
     config: Config, resolved: ResolvedModel, device: torch.device, batch: int, seq: int
 ) -> tuple[int, int]:
     """(activation bytes one decoder layer keeps for backward, bytes of its input) for a microbatch of
-    [batch, seq], with the run's dtype, adapters and LoRA path, on a fresh random copy of one layer."""
+    [batch, seq], with the run's dtype, adapters and LoRA path, on a fresh random copy of one layer (on the meta
+    device: a shape-only copy, no memory, what a CUDA run would keep)."""
     from pipetune.model.load import DTYPES, build_meta, materialize
     from pipetune.model.lora import apply_lora, use_fast_path
 
@@ -179,7 +202,8 @@ def measure_layer_memory(
         )
         if config.lora.fast_path:
             use_fast_path(model)
-        materialize(model, shape_only, device)
+        if device.type != "meta":
+            materialize(model, shape_only, device)
         model.train()
         measured = StageModule(model).layer_memory(batch, seq)
     del model
@@ -203,22 +227,13 @@ def _allocated_bytes(modules: Sequence[StageModule], device: torch.device) -> fl
 def check_weights_fit(config: Config, model_config: PretrainedConfig, ranges: Sequence[range]) -> None:
     """Refuse, before any process starts, a layout whose frozen weights alone exceed a rank's memory (the GPU's,
     or train.memory_gb); the message names the settings that would make it fit."""
-    if config.train.memory_gb > 0:
-        budget = config.train.memory_gb * GB
-    elif torch.cuda.is_available():
-        budget = float(torch.cuda.get_device_properties(0).total_memory)
-    else:
+    budget = memory_budget(config)
+    if budget == float("inf"):
         return
     p = config.parallel
-    layer, embedding, head = parameter_counts(model_config)
-    element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
     shards = p.dp if p.sharded else 1
-    for rank in range(p.pp):
-        stages = stage_ids(p.schedule, rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
-        count = sum(len(ranges[s]) for s in stages) * layer
-        count += embedding if 0 in stages else 0
-        count += head if len(ranges) - 1 in stages else 0
-        weights = count * element / shards
+    for rank, (layers, root) in enumerate(rank_weight_bytes(config, model_config, ranges)):
+        weights = (layers + root) / shards
         if weights > 0.9 * budget:
             sharded = f", sharded over parallel.dp = {p.dp}" if shards > 1 else ""
             raise ConfigError(
@@ -228,6 +243,22 @@ def check_weights_fit(config: Config, model_config: PretrainedConfig, ranges: Se
                 "fewer layers each), or shard replicas with parallel.dp_shard = true (strategy 'fsdp' for pp = 1) "
                 "over more GPUs"
             )
+
+
+def rank_weight_bytes(
+    config: Config, model_config: PretrainedConfig, ranges: Sequence[range]
+) -> list[tuple[float, float]]:
+    """Frozen weights of each pipeline rank's stages, unsharded: (decoder layers, embedding + norm + lm_head).
+    Every stage owns its embedding or lm_head outright (a copy where the checkpoint ties them)."""
+    p = config.parallel
+    layer, embedding, head = parameter_counts(model_config)
+    element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
+    weights = []
+    for rank in range(p.pp):
+        stages = stage_ids(p.schedule, rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
+        root = (embedding if 0 in stages else 0) + (head if len(ranges) - 1 in stages else 0)
+        weights.append((sum(len(ranges[s]) for s in stages) * layer * element, root * element))
+    return weights
 
 
 def parameter_counts(model_config: PretrainedConfig) -> tuple[int, int, int]:
