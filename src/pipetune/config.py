@@ -27,7 +27,7 @@ SCHEDULES = SINGLE_STAGE_SCHEDULES + LOOPED_SCHEDULES + V_SCHEDULES
 ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
 """Schedules that split backward into input- and weight-gradient parts."""
 DTYPES = ("float32", "bfloat16", "float16")
-STRATEGIES = ("pp", "ddp", "fsdp", "single")
+STRATEGIES = ("pp", "ddp", "fsdp", "single", "auto")
 RESUME_MODES = ("never", "auto")
 MAX_LENGTH = 2**20
 """The longest sample pipetune accepts (tokens); far beyond what any model here can attend to."""
@@ -391,6 +391,11 @@ def validate(config: Config, world_size: int) -> None:
     _check(
         p.strategy in STRATEGIES,
         f"parallel.strategy = {p.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}",
+    )
+    _check(
+        p.strategy != "auto",
+        "parallel.strategy = 'auto' is chosen by `pipetune train` and `pipetune bench` before a run starts; "
+        "`pipetune plan --config FILE` shows what it would pick",
     )
     _check(
         p.schedule in SCHEDULES,

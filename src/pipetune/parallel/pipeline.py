@@ -9,6 +9,7 @@ and its gradient is the gradient of that mean, whatever the microbatching. Hence
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -47,13 +48,15 @@ Action = tuple[str, int, int]
 """(kind, stage, microbatch): "F" forward, "B" backward, "I" / "W" a backward's input / weight-gradient part."""
 
 
+@functools.cache
 def schedule_actions(schedule: str, pp: int, stages_per_rank: int, n_microbatches: int) -> dict[int, list[Action]]:
     """Every pipeline rank's compute actions in the order it runs them, without a process group or a model.
 
     Multi-stage schedules are torch's own plan (`pipeline_order`, built over stand-in stages: it needs only their
     indices); GPipe and 1F1B run loops of their own, written out here: GPipe all forwards then all backwards,
     1F1B min(m, pp - rank) forwards, then a backward before each further forward, then the remaining backwards.
-    Used to predict a schedule's memory (microbatches in flight) and its step time (parallel/plan.py)."""
+    Used to predict a schedule's memory (microbatches in flight) and its step time (pipetune plan); cached: the
+    result is shared, not to be changed."""
     m = n_microbatches
     if schedule in ("gpipe", "1f1b"):
         order = {}
