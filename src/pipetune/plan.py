@@ -67,6 +67,10 @@ class Prediction:
     """One optimizer step."""
     bubble: list[float]
     budget: float
+    mode: str = "compiled"
+    """How the layers run (parallel/speed.py's MODES): "graphs" where CUDA graphs pay off."""
+    work: LayerWork | None = None
+    """One layer's work per microbatch (what --calibrate times)."""
 
     @property
     def fits(self) -> bool:
@@ -126,6 +130,7 @@ def make_plan(
     resolved = resolve_model(dataclasses.replace(config.model, init="random"))  # its config only, no weights
     from pipetune.preflight import linear_layer_names
 
+    enumerated = layouts is None
     if layouts is None:
         layouts = candidate_layouts(config, resolved.config, linear_layer_names(resolved), gpus)
     shapes: dict[int, _Shape] = {}
@@ -134,11 +139,12 @@ def make_plan(
         if layout.tp not in shapes:
             shapes[layout.tp] = _shape(config, resolved, layout.tp)
         predictions.append(predict(layout, config, resolved, shapes[layout.tp], budget, rates))
-    predictions = _distinct(predictions)
+    if enumerated:
+        predictions = _distinct(predictions)
     predictions.sort(key=lambda p: (not p.fits, -p.tokens_per_sec if p.fits else max(p.peaks), _order(p.layout)))
     sequences = config.train.batch_size * config.parallel.dp * config.train.grad_accum
     plan = Plan(config.model.name, gpus, budget, rates, sequences, config.data.max_length, predictions)
-    if plan.pick is None and search and predictions:
+    if plan.pick is None and search and enumerated and predictions:
         plan.changes = changes_that_fit(config, gpus, budget, rates)
     return plan
 
@@ -185,7 +191,8 @@ def predict(
     layer_weights = weights[0][0] / sum(len(ranges[s]) for s in _stages(p, 0))
     fsdp = p.sharded and p.pp == 1  # layers gathered one at a time; in a pipeline they stay gathered all step
     mode = _mode(variant, costs)
-    work = LayerWork(share_costs, resolved.config.hidden_size, microbatch * seq, microbatch, seq, layout.tp)
+    hidden = resolved.config.hidden_size
+    work = LayerWork(share_costs, hidden, microbatch * seq, microbatch, seq, layout.tp, config.model.name)
     hidden_bytes = microbatch * seq * resolved.config.hidden_size * element
     peaks, checkpointed, stage_layers, forward, backward = [], [], [], {}, {}
     gather_seconds = 0.0
@@ -212,7 +219,7 @@ def predict(
         tensor_parallel = 2 * all_reduce_seconds(hidden_bytes, layout.tp, rates)  # attention and MLP outputs
         f, b = f + tensor_parallel, b + tensor_parallel
         if p.sharded:
-            gather = link_seconds(layer_weights * (p.dp - 1) / p.dp, rates) + rates.fsdp_call_seconds
+            gather = link_seconds(layer_weights * (p.dp - 1) / p.dp, rates) + rates.fsdp_call_seconds[rank_mode]
             if fsdp:
                 f, b = f + gather, b + gather
             else:
@@ -240,7 +247,8 @@ def predict(
     step += all_reduce_seconds(4 * trainable, p.dp, rates) + rates.step_seconds
     sequences = t.batch_size * p.dp * t.grad_accum
     bubble = replay.bubble if p.pp > 1 else []
-    return Prediction(layout, peaks, checkpointed, stage_layers, sequences * seq / step, step, bubble, budget)
+    tokens_per_sec = sequences * seq / step
+    return Prediction(layout, peaks, checkpointed, stage_layers, tokens_per_sec, step, bubble, budget, mode, work)
 
 
 def _stages(p, rank: int) -> list[int]:

@@ -45,6 +45,24 @@ class Layout:
     checkpointing: bool | str = False
     dp_shard: bool = False
 
+    @classmethod
+    def of(cls, config: Config) -> Layout:
+        """The layout `config` asks for."""
+        p, t = config.parallel, config.train
+        return cls(
+            p.strategy,
+            p.pp,
+            p.dp,
+            getattr(p, "tp", 1),
+            p.schedule,
+            p.stages_per_rank,
+            p.n_microbatches,
+            config.microbatch_size,
+            t.grad_accum,
+            t.activation_checkpointing,
+            p.dp_shard,
+        )
+
     @property
     def gpus(self) -> int:
         return self.pp * self.dp * self.tp

@@ -19,8 +19,11 @@ The rates are an H200's as the benchmarks measured them (`GpuRates`' fields say 
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pipetune.model.split import StageCosts
 
@@ -31,36 +34,62 @@ graphs (train.cuda_graphs, where it pays off)."""
 
 @dataclass(frozen=True)
 class GpuRates:
-    """What one GPU and its link to the others do per second, for the step-time model."""
+    """What one GPU and its link to the others do per second, for the step-time model.
 
-    name: str = "H200 (benchmarks' rates, uncalibrated)"
+    The defaults are an H200's. The matmul rate was measured (profile); the attention rate is flash attention's
+    published order of magnitude; the link is NVLink's. The per-mode constants (other, host, kernel, FSDP) were
+    fitted, by least squares on log tokens/s, to the 32 timed pipetune runs on 2x H200 in benchmarks/results
+    (benchmarks/plan-check.md has each run beside its prediction): they describe those runs, and a GPU of another
+    kind needs `pipetune plan --calibrate`."""
+
+    name: str = "H200, fitted to the benchmarks' runs (uncalibrated here)"
     matmul_flops: float = 775e12
     """Base-weight matmuls: the profile of a Qwen3-4B stage measured ~775 TFLOP/s (2026-11-29-speed-h200.md)."""
     attention_flops: float = 400e12
-    """Flash attention, causal, forward and backward."""
+    """Causal flash attention, forward and backward (not fitted: the runs cannot tell it from `other_seconds`)."""
     other_seconds: dict[str, float] = field(
-        default_factory=lambda: {"plain": 9.0e-11, "eager": 3.0e-11, "compiled": 1.05e-10, "graphs": 1.05e-10}
+        default_factory=lambda: {"plain": 2.3e-10, "eager": 1.0e-10, "compiled": 0.9e-10, "graphs": 0.9e-10}
     )
-    """Forward time per token and hidden unit of a layer's non-matmul work; backward takes `backward_other` times
-    it. Compiled: Qwen3-4B's forward at 4 x 512 tokens took ~1.1 ms of which matmuls ~0.53 ms (NOTES.md);
-    72B's at 2 x 512 ~3.5 ms of which ~2.3 ms (2026-11-30-big-h200.md)."""
+    """Forward time per token and hidden unit of a layer's non-matmul work (norms, dropout, residuals, the
+    adapters' small products); backward takes `backward_other` times it. Fitted; a first estimate from single
+    figures (compiled: Qwen3-4B's forward at 4 x 512 tokens ~1.1 ms of which matmuls ~0.53, NOTES.md) gave 1.05."""
     backward_other: float = 1.2
-    host_seconds: dict[str, float] = field(
-        default_factory=lambda: {"plain": 4.0e-3, "eager": 2.5e-3, "compiled": 1.85e-3, "graphs": 5e-5}
+    """Backward's non-matmul work over forward's: the 72B timeline's chunks took ~80 ms backward, ~70 forward."""
+    kernel_seconds: dict[str, float] = field(
+        default_factory=lambda: {"plain": 1.7e-3, "eager": 1.7e-3, "compiled": 1.3e-4, "graphs": 1.3e-4}
     )
-    """Host time to launch one layer call (a forward or a backward). Compiled: ~1.85 ms measured (profile of
-    8 x 2, 2026-11-29-perf-h200.md); CUDA graphs: one replay, tens of microseconds."""
+    """GPU time per layer call that does not grow with the tokens: the gaps between a call's kernels. Fitted."""
+    host_seconds: dict[str, float] = field(
+        default_factory=lambda: {"plain": 2.8e-3, "eager": 2.8e-3, "compiled": 1.5e-3, "graphs": 5e-5}
+    )
+    """Host time to launch one layer call (a forward or a backward). Fitted; the profile of compiled 8 x 2 runs
+    measured ~1.85 ms with the profiler's own cost in it (2026-11-29-perf-h200.md); a CUDA graph's replay takes
+    tens of microseconds."""
     link_bytes_per_s: float = 300e9
     """Between two GPUs of a node (NVLink): pipeline transfers, all-reduces, FSDP's gathers."""
     link_latency_s: float = 3e-5
     """Per transfer or collective."""
-    fsdp_call_seconds: float = 5e-4
-    """FSDP2's own host work per gathered layer call, beside the gather's bytes."""
+    fsdp_call_seconds: dict[str, float] = field(
+        default_factory=lambda: {"plain": 2.7e-3, "eager": 2.7e-3, "compiled": 4.4e-4, "graphs": 4.4e-4}
+    )
+    """FSDP2's own work per gathered layer call, beside the gather's bytes. Fitted (two runs: 4B eager, 72B
+    compiled)."""
     step_seconds: float = 5e-3
     """Per optimizer step: clipping's all-reduce, the optimizer, the metrics row."""
-    layer_seconds: dict[tuple[int, int, int, bool], tuple[float, float]] = field(default_factory=dict)
-    """Measured (forward, backward) seconds of one layer by (microbatch, sequence, tp, compiled), from
-    `--calibrate`; they replace the model where present."""
+    layer_seconds: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Measured (forward, backward) seconds of one layer by `LayerWork.key`, from `--calibrate`; they replace
+    the model where present."""
+    layer_scale: float = 1.0
+    """Measured over modelled layer time where `--calibrate` timed some shapes: applied to the shapes it did not."""
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> GpuRates:
+        values = json.loads(Path(path).read_text())
+        values["layer_seconds"] = {key: tuple(value) for key, value in values.get("layer_seconds", {}).items()}
+        return cls(**values)
 
 
 @dataclass(frozen=True)
@@ -75,12 +104,18 @@ class LayerWork:
     microbatch: int
     seq: int
     tp: int = 1
+    model: str = ""
+    """The model's name: measured layer times are kept by model and shape."""
+
+    def key(self, mode: str) -> str:
+        """What a measured time is filed under: model, microbatch shape, tp and how the layer runs (CUDA graphs:
+        timed compiled, their launches taken off by the model)."""
+        return f"{self.model} {self.microbatch}x{self.seq} tp={self.tp} {'compiled' if mode == 'graphs' else mode}"
 
 
 def layer_seconds(work: LayerWork, rates: GpuRates, mode: str) -> tuple[float, float]:
     """(forward, backward) seconds of one layer call on a microbatch, launch cost included."""
-    compiled = mode in ("compiled", "graphs")
-    measured = rates.layer_seconds.get((work.microbatch, work.seq, work.tp, compiled))
+    measured = rates.layer_seconds.get(work.key(mode))
     if measured is not None:
         forward, backward = measured
         if mode == "graphs":  # timed compiled without graphs: the launches a replay saves come off
@@ -91,9 +126,9 @@ def layer_seconds(work: LayerWork, rates: GpuRates, mode: str) -> tuple[float, f
     matmul = t * (c.layer - c.attention) / 2 / rates.matmul_flops
     attention = t * c.attention / 3 / rates.attention_flops
     other = t * work.hidden * rates.other_seconds[mode]
-    host = rates.host_seconds[mode]
-    forward = max(matmul + attention + other, host)
-    backward = max(matmul + 2 * attention + rates.backward_other * other, host)
+    host, kernels = rates.host_seconds[mode], rates.kernel_seconds[mode]
+    forward = max(rates.layer_scale * (kernels + matmul + attention + other), host)
+    backward = max(rates.layer_scale * (kernels + matmul + 2 * attention + rates.backward_other * other), host)
     return forward, backward
 
 

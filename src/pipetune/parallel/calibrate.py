@@ -1,0 +1,129 @@
+"""`pipetune plan --calibrate`: the step-time model's layer and link rates measured on this machine's GPUs.
+
+One decoder layer (random weights, the run's dtype, adapters, LoRA path and compilation) is timed forward and
+backward at each microbatch shape of the plan's leading layouts, and one stage-to-stage transfer (a microbatch's
+hidden states from GPU 0 to GPU 1). Measured shapes replace the model's layer time; the others are scaled by how
+far the model was off on the measured ones. A layer is timed with CUDA events between calls issued back to back,
+so a host slower than the GPU shows in the figure, as it does in a run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+
+import torch
+
+from pipetune.config import Config, ConfigError
+from pipetune.parallel.speed import GpuRates, LayerWork, layer_seconds
+
+REPEATS = 10
+"""Timed calls per direction and shape (after WARMUP untimed ones)."""
+WARMUP = 3
+
+
+def calibrate(config: Config, gpus: int, budget: float | None = None, shapes: int = 4) -> GpuRates:
+    """Rates with this machine's layer times at up to `shapes` microbatch shapes of the plan's fastest layouts."""
+    from pipetune.plan import make_plan
+
+    if not torch.cuda.is_available():
+        raise ConfigError("--calibrate times a layer on this machine's GPU, and there is none; plan without it")
+    rates = GpuRates()
+    plan = make_plan(config, gpus, budget, rates)
+    leading = [p for p in plan.predictions if p.fits] or plan.predictions
+    works = list(dict.fromkeys((p.work, p.mode) for p in leading))[:shapes]
+    measured, ratios = {}, []
+    for work, mode in works:
+        timed_mode = "compiled" if mode == "graphs" else mode
+        forward, backward = time_layer(config, work, timed_mode)
+        measured[work.key(timed_mode)] = (forward, backward)
+        modelled = sum(layer_seconds(work, rates, timed_mode))
+        ratios.append((forward + backward) / modelled)
+        print(
+            f"calibrate: {work.key(timed_mode)}: forward {forward * 1e3:.2f} ms, backward {backward * 1e3:.2f} ms "
+            f"(model: {modelled * 1e3:.2f} ms for both)",
+            flush=True,
+        )
+    link = rates.link_bytes_per_s
+    if torch.cuda.device_count() >= 2 and works:
+        work = works[0][0]
+        nbytes = work.tokens * work.hidden * torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
+        link = nbytes / time_transfer(nbytes)
+        print(f"calibrate: {nbytes / 1e6:.1f} MB from GPU 0 to GPU 1 at {link / 1e9:.0f} GB/s", flush=True)
+    return dataclasses.replace(
+        rates,
+        name=f"calibrated on {torch.cuda.get_device_name(0)}",
+        layer_seconds=measured,
+        layer_scale=math.exp(statistics.mean(map(math.log, ratios))) if ratios else 1.0,
+        link_bytes_per_s=link,
+        link_latency_s=0.0,
+    )
+
+
+def time_layer(config: Config, work: LayerWork, mode: str) -> tuple[float, float]:
+    """Median seconds of one forward and one backward of a fresh layer (this rank's share of it under tp)."""
+    from pipetune.model.load import DTYPES, build_meta, materialize
+    from pipetune.model.lora import apply_lora, use_fast_path
+    from pipetune.model.shapes import resolve_model
+    from pipetune.model.stage import StageModule
+    from pipetune.plan import tensor_parallel_share
+
+    resolved = resolve_model(dataclasses.replace(config.model, init="random"))
+    share = tensor_parallel_share(resolved.config, work.tp)
+    shape_only = dataclasses.replace(resolved, config=share, weights_dir=None)
+    device = torch.device("cuda", 0)
+    dtype = DTYPES[config.model.dtype]
+    with torch.random.fork_rng(devices=[device]):
+        model = apply_lora(build_meta(shape_only, dtype, [0], first=False, last=False), config.lora, resolved.name, 0)
+        if config.lora.fast_path:
+            use_fast_path(model)
+        materialize(model, shape_only, device)
+        model.train()
+        stage = StageModule(model)
+        layer = stage.layers[0]
+        if mode == "compiled":
+            layer.compile()
+        hidden = torch.randn(work.microbatch, work.seq, share.hidden_size, dtype=dtype, device=device)
+        hidden.requires_grad_(True)
+        position_ids = torch.arange(work.seq, device=device).unsqueeze(0).expand(work.microbatch, -1)
+        kwargs = dict(
+            attention_mask=None,
+            position_ids=position_ids,
+            position_embeddings=stage.rotary(hidden, position_ids),
+            use_cache=False,
+        )
+        forwards, backwards = [], []
+        for call in range(WARMUP + REPEATS):
+            start, middle, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            start.record()
+            out = layer(hidden, **kwargs)
+            out = out[0] if isinstance(out, tuple) else out
+            middle.record()
+            out.backward(torch.ones_like(out))
+            end.record()
+            torch.cuda.synchronize(device)
+            if call >= WARMUP:
+                forwards.append(start.elapsed_time(middle) / 1e3)
+                backwards.append(middle.elapsed_time(end) / 1e3)
+            hidden.grad = None
+    del model, layer, stage
+    torch.cuda.empty_cache()
+    return statistics.median(forwards), statistics.median(backwards)
+
+
+def time_transfer(nbytes: int) -> float:
+    """Seconds to copy `nbytes` from GPU 0 to GPU 1: REPEATS copies back to back, timed on the host."""
+    source = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    target = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1")
+    for _ in range(WARMUP):
+        target.copy_(source)
+    torch.cuda.synchronize("cuda:0")
+    torch.cuda.synchronize("cuda:1")
+    started = time.perf_counter()
+    for _ in range(REPEATS):
+        target.copy_(source, non_blocking=True)
+    torch.cuda.synchronize("cuda:0")
+    torch.cuda.synchronize("cuda:1")
+    return (time.perf_counter() - started) / REPEATS
