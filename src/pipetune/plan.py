@@ -150,8 +150,8 @@ def make_plan(
 
 
 def changes_that_fit(config: Config, gpus: int, budget: float, rates: GpuRates) -> list[str]:
-    """The fewest GPUs, and the longest data.max_length, with which some layout fits. Checkpointing and the
-    smallest microbatches are layouts of their own, already tried."""
+    """The fewest GPUs (up to 8 times as many), and the longest data.max_length (down to a quarter), with which
+    some layout fits. Checkpointing and the smallest microbatches are layouts of their own, already tried."""
     changes = []
     for more in (2 * gpus, 4 * gpus, 8 * gpus):
         if more > 64:
@@ -161,7 +161,7 @@ def changes_that_fit(config: Config, gpus: int, budget: float, rates: GpuRates) 
             changes.append(f"{more} GPUs ({pick_summary(plan.pick)})")
             break
     length = config.data.max_length // 2
-    while length >= 128:
+    while length >= max(128, config.data.max_length // 4):
         shorter = copy.deepcopy(config)
         shorter.data.max_length = length
         shorter.data.max_summary_tokens = min(config.data.max_summary_tokens, length // 2)
@@ -170,7 +170,7 @@ def changes_that_fit(config: Config, gpus: int, budget: float, rates: GpuRates) 
             changes.append(f"data.max_length = {length} ({pick_summary(plan.pick)})")
             break
         length //= 2
-    return changes or ["no layout fits with up to 8 times the GPUs or a quarter of the sequence length either"]
+    return changes
 
 
 def pick_summary(pick: Prediction) -> str:
@@ -328,10 +328,14 @@ def _layer_memory(config: Config, resolved: ResolvedModel, seq: int) -> tuple[in
 
 
 def _distinct(predictions: list[Prediction]) -> list[Prediction]:
-    """Drop "auto" checkpointing where it plans what off or on already are (none, or every layer)."""
+    """Drop "auto" checkpointing where it plans what a listed "off" or "on" layout already is (none, or every
+    layer)."""
+    listed = {(p.layout.checkpointing, dataclasses.replace(p.layout, checkpointing=False)) for p in predictions}
     kept = []
     for prediction in predictions:
-        if prediction.layout.checkpointing == "auto" and prediction.checkpointing() in ("off", "all"):
+        plain = dataclasses.replace(prediction.layout, checkpointing=False)
+        same = {"off": False, "all": True}.get(prediction.checkpointing())
+        if prediction.layout.checkpointing == "auto" and same is not None and (same, plain) in listed:
             continue
         kept.append(prediction)
     return kept
@@ -405,12 +409,17 @@ def pick_line(plan: Plan) -> str:
     runner_up = (
         f"; next other strategy: {others[0].layout.describe()} at {others[0].tokens_per_sec:,.0f}" if others else ""
     )
-    peaks = " / ".join(f"{peak / GB:.0f}" for peak in pick.peaks)
+    peaks = " / ".join(_gb(peak) for peak in pick.peaks)
     return (
         f"pick: {pick.layout.describe()}, {pick.layout.batching()} microbatches, checkpointing {pick.checkpointing()}: "
         f"predicted {pick.tokens_per_sec:,.0f} tokens/s, peak {peaks} GB of {plan.budget / GB:.0f} per rank, the "
         f"fastest of {sum(p.fits for p in plan.predictions)} layouts that fit{runner_up}"
     )
+
+
+def _gb(nbytes: float) -> str:
+    """GB with two significant digits below 10 (a tiny model's figures), whole ones above."""
+    return f"{nbytes / GB:.0f}" if nbytes >= 10 * GB else f"{nbytes / GB:.2g}"
 
 
 def no_fit_message(plan: Plan) -> str:
@@ -421,9 +430,13 @@ def no_fit_message(plan: Plan) -> str:
     need = max(closest.peaks) / (1 - MARGIN) / GB
     return (
         f"nothing fits {plan.gpus} GPU{'s' if plan.gpus > 1 else ''} of {plan.budget / GB:.0f} GB: the smallest "
-        f"predicted peak is {max(closest.peaks) / GB:.0f} GB ({closest.layout.describe()}, {closest.layout.batching()}"
+        f"predicted peak is {_gb(max(closest.peaks))} GB ({closest.layout.describe()}, {closest.layout.batching()}"
         f" microbatches, checkpointing {closest.checkpointing()}), which needs {need:.0f} GB per GPU with the margin"
-        + ("; it would fit with " + ", or with ".join(plan.changes) if plan.changes else "")
+        + (
+            f"; it would fit with {', or with '.join(plan.changes)}"
+            if plan.changes
+            else "; nor would it fit with up to 8 times the GPUs or a quarter of data.max_length"
+        )
     )
 
 

@@ -24,12 +24,17 @@ REPEATS = 10
 WARMUP = 3
 
 
-def calibrate(config: Config, gpus: int, budget: float | None = None, shapes: int = 4) -> GpuRates:
-    """Rates with this machine's layer times at up to `shapes` microbatch shapes of the plan's fastest layouts."""
+def calibrate(
+    config: Config, gpus: int, budget: float | None = None, shapes: int = 4, device: torch.device | None = None
+) -> GpuRates:
+    """Rates with this machine's layer times at up to `shapes` microbatch shapes of the plan's fastest layouts
+    (timed on `device`, GPU 0 by default)."""
     from pipetune.plan import make_plan
 
-    if not torch.cuda.is_available():
-        raise ConfigError("--calibrate times a layer on this machine's GPU, and there is none; plan without it")
+    if device is None:
+        if not torch.cuda.is_available():
+            raise ConfigError("--calibrate times a layer on this machine's GPU, and there is none; plan without it")
+        device = torch.device("cuda", 0)
     rates = GpuRates()
     plan = make_plan(config, gpus, budget, rates)
     leading = [p for p in plan.predictions if p.fits] or plan.predictions
@@ -37,7 +42,7 @@ def calibrate(config: Config, gpus: int, budget: float | None = None, shapes: in
     measured, ratios = {}, []
     for work, mode in works:
         timed_mode = "compiled" if mode == "graphs" else mode
-        forward, backward = time_layer(config, work, timed_mode)
+        forward, backward = time_layer(config, work, timed_mode, device)
         measured[work.key(timed_mode)] = (forward, backward)
         modelled = sum(layer_seconds(work, rates, timed_mode))
         ratios.append((forward + backward) / modelled)
@@ -47,14 +52,14 @@ def calibrate(config: Config, gpus: int, budget: float | None = None, shapes: in
             flush=True,
         )
     link = rates.link_bytes_per_s
-    if torch.cuda.device_count() >= 2 and works:
+    if device.type == "cuda" and torch.cuda.device_count() >= 2 and works:
         work = works[0][0]
         nbytes = work.tokens * work.hidden * torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
         link = nbytes / time_transfer(nbytes)
         print(f"calibrate: {nbytes / 1e6:.1f} MB from GPU 0 to GPU 1 at {link / 1e9:.0f} GB/s", flush=True)
     return dataclasses.replace(
         rates,
-        name=f"calibrated on {torch.cuda.get_device_name(0)}",
+        name=f"calibrated on {torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type}",
         layer_seconds=measured,
         layer_scale=math.exp(statistics.mean(map(math.log, ratios))) if ratios else 1.0,
         link_bytes_per_s=link,
@@ -62,7 +67,7 @@ def calibrate(config: Config, gpus: int, budget: float | None = None, shapes: in
     )
 
 
-def time_layer(config: Config, work: LayerWork, mode: str) -> tuple[float, float]:
+def time_layer(config: Config, work: LayerWork, mode: str, device: torch.device) -> tuple[float, float]:
     """Median seconds of one forward and one backward of a fresh layer (this rank's share of it under tp)."""
     from pipetune.model.load import DTYPES, build_meta, materialize
     from pipetune.model.lora import apply_lora, use_fast_path
@@ -73,9 +78,8 @@ def time_layer(config: Config, work: LayerWork, mode: str) -> tuple[float, float
     resolved = resolve_model(dataclasses.replace(config.model, init="random"))
     share = tensor_parallel_share(resolved.config, work.tp)
     shape_only = dataclasses.replace(resolved, config=share, weights_dir=None)
-    device = torch.device("cuda", 0)
     dtype = DTYPES[config.model.dtype]
-    with torch.random.fork_rng(devices=[device]):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         model = apply_lora(build_meta(shape_only, dtype, [0], first=False, last=False), config.lora, resolved.name, 0)
         if config.lora.fast_path:
             use_fast_path(model)
@@ -96,21 +100,38 @@ def time_layer(config: Config, work: LayerWork, mode: str) -> tuple[float, float
         )
         forwards, backwards = [], []
         for call in range(WARMUP + REPEATS):
-            start, middle, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-            start.record()
+            marks = [_Mark(device)]
             out = layer(hidden, **kwargs)
             out = out[0] if isinstance(out, tuple) else out
-            middle.record()
+            marks.append(_Mark(device))
             out.backward(torch.ones_like(out))
-            end.record()
-            torch.cuda.synchronize(device)
+            marks.append(_Mark(device))
             if call >= WARMUP:
-                forwards.append(start.elapsed_time(middle) / 1e3)
-                backwards.append(middle.elapsed_time(end) / 1e3)
+                forwards.append(marks[0].seconds_to(marks[1]))
+                backwards.append(marks[1].seconds_to(marks[2]))
             hidden.grad = None
     del model, layer, stage
-    torch.cuda.empty_cache()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return statistics.median(forwards), statistics.median(backwards)
+
+
+class _Mark:
+    """A point in time on `device`'s stream (a CUDA event), or on the host's clock for a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+        else:
+            self.time = time.perf_counter()
+
+    def seconds_to(self, later: _Mark) -> float:
+        if self.device.type == "cuda":
+            later.event.synchronize()
+            return self.event.elapsed_time(later.event) / 1e3
+        return later.time - self.time
 
 
 def time_transfer(nbytes: int) -> float:
