@@ -23,8 +23,9 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pipetune.config import Config, ConfigError
+from pipetune.model.graphs import cuda_graphs_pay_off
 from pipetune.model.shapes import ResolvedModel, one_layer_model, resolve_model
-from pipetune.model.split import StageCosts, cuda_graphs_pay_off, run_split
+from pipetune.model.split import StageCosts, run_split
 from pipetune.parallel.layouts import Layout, candidate_layouts
 from pipetune.parallel.memory import (
     GB,

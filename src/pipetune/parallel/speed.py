@@ -63,8 +63,8 @@ class GpuRates:
         default_factory=lambda: {"plain": 2.8e-3, "eager": 2.8e-3, "compiled": 1.5e-3, "graphs": 5e-5}
     )
     """Host time to launch one layer call (a forward or a backward). Fitted; the profile of compiled 8 x 2 runs
-    measured ~1.85 ms with the profiler's own cost in it (2026-11-29-perf-h200.md); a CUDA graph's replay takes
-    tens of microseconds."""
+    measured ~1.85 ms with the profiler's own cost in it (model/graphs.py's HOST_SECONDS_PER_LAYER_CALL, which
+    decides where graphs pay off); a CUDA graph's replay takes tens of microseconds."""
     link_bytes_per_s: float = 300e9
     """Between two GPUs of a node (NVLink): pipeline transfers, all-reduces, FSDP's gathers."""
     link_latency_s: float = 3e-5
