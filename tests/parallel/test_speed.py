@@ -72,3 +72,24 @@ def test_layer_activations_on_meta_are_the_cpu_measurement() -> None:
     assert measure_layer_memory(config, resolved, torch.device("meta"), 4, 128)[0] == pytest.approx(
         2 * meta[0], rel=0.01
     )
+
+
+def test_calibration_times_a_layer_and_the_model_uses_the_times(tmp_path, monkeypatch) -> None:
+    """--calibrate's path on a CPU (the figures are the CPU's): the timed shape's layer time replaces the model's."""
+    from pipetune.parallel import calibrate
+    from pipetune.parallel.speed import layer_seconds
+    from pipetune.plan import make_plan
+    from tests.conftest import tiny_config
+
+    monkeypatch.setattr(calibrate, "WARMUP", 1)
+    monkeypatch.setattr(calibrate, "REPEATS", 2)
+    config = tiny_config(tmp_path)
+    rates = calibrate.calibrate(config, 2, shapes=1, device=torch.device("cpu"))
+    ((key, (forward, backward)),) = rates.layer_seconds.items()
+    assert forward > 0 and backward > 0 and rates.layer_scale > 0
+    plan = make_plan(config, 2, rates=rates)
+    timed = next(p for p in plan.predictions if p.work.key(p.mode) == key)
+    assert layer_seconds(timed.work, rates, timed.mode) == (forward, backward)
+    saved = tmp_path / "rates.json"
+    rates.save(saved)
+    assert type(rates).load(saved) == rates

@@ -1,10 +1,10 @@
 """`pipetune plan --calibrate`: the step-time model's layer and link rates measured on this machine's GPUs.
 
-One decoder layer (random weights, the run's dtype, adapters, LoRA path and compilation) is timed forward and
-backward at each microbatch shape of the plan's leading layouts, and one stage-to-stage transfer (a microbatch's
-hidden states from GPU 0 to GPU 1). Measured shapes replace the model's layer time; the others are scaled by how
-far the model was off on the measured ones. A layer is timed with CUDA events between calls issued back to back,
-so a host slower than the GPU shows in the figure, as it does in a run.
+One decoder layer (random weights; the run's dtype, adapters, LoRA path, compilation and CUDA graphs) is timed
+forward and backward at each microbatch shape of the plan's leading layouts, and one stage-to-stage transfer (a
+microbatch's hidden states from GPU 0 to GPU 1). Measured shapes replace the model's layer time; the others are
+scaled by how far the model was off on the measured ones. A layer is timed with CUDA events between calls issued
+back to back, so a host slower than the GPU shows in the figure, as it does in a run.
 """
 
 from __future__ import annotations
@@ -41,13 +41,14 @@ def calibrate(
     works = list(dict.fromkeys((p.work, p.mode) for p in leading))[:shapes]
     measured, ratios = {}, []
     for work, mode in works:
-        timed_mode = "compiled" if mode == "graphs" else mode
-        forward, backward = time_layer(config, work, timed_mode, device)
-        measured[work.key(timed_mode)] = (forward, backward)
-        modelled = sum(layer_seconds(work, rates, timed_mode))
+        if mode == "graphs" and device.type != "cuda":
+            mode = "compiled"
+        forward, backward = time_layer(config, work, mode, device)
+        measured[work.key(mode)] = (forward, backward)
+        modelled = sum(layer_seconds(work, rates, mode))
         ratios.append((forward + backward) / modelled)
         print(
-            f"calibrate: {work.key(timed_mode)}: forward {forward * 1e3:.2f} ms, backward {backward * 1e3:.2f} ms "
+            f"calibrate: {work.key(mode)}: forward {forward * 1e3:.2f} ms, backward {backward * 1e3:.2f} ms "
             f"(model: {modelled * 1e3:.2f} ms for both)",
             flush=True,
         )
@@ -87,8 +88,8 @@ def time_layer(config: Config, work: LayerWork, mode: str, device: torch.device)
         model.train()
         stage = StageModule(model)
         layer = stage.layers[0]
-        if mode == "compiled":
-            layer.compile()
+        if mode in ("compiled", "graphs"):
+            layer.compile(mode="reduce-overhead" if mode == "graphs" else None)
         hidden = torch.randn(work.microbatch, work.seq, share.hidden_size, dtype=dtype, device=device)
         hidden.requires_grad_(True)
         position_ids = torch.arange(work.seq, device=device).unsqueeze(0).expand(work.microbatch, -1)
@@ -100,6 +101,7 @@ def time_layer(config: Config, work: LayerWork, mode: str, device: torch.device)
         )
         forwards, backwards = [], []
         for call in range(WARMUP + REPEATS):
+            torch.compiler.cudagraph_mark_step_begin()  # graphs: each call a step of its own, as in a run
             marks = [_Mark(device)]
             out = layer(hidden, **kwargs)
             out = out[0] if isinstance(out, tuple) else out

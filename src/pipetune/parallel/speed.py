@@ -108,20 +108,15 @@ class LayerWork:
     """The model's name: measured layer times are kept by model and shape."""
 
     def key(self, mode: str) -> str:
-        """What a measured time is filed under: model, microbatch shape, tp and how the layer runs (CUDA graphs:
-        timed compiled, their launches taken off by the model)."""
-        return f"{self.model} {self.microbatch}x{self.seq} tp={self.tp} {'compiled' if mode == 'graphs' else mode}"
+        """What a measured time is filed under: model, microbatch shape, tp and how the layer runs."""
+        return f"{self.model} {self.microbatch}x{self.seq} tp={self.tp} {mode}"
 
 
 def layer_seconds(work: LayerWork, rates: GpuRates, mode: str) -> tuple[float, float]:
     """(forward, backward) seconds of one layer call on a microbatch, launch cost included."""
     measured = rates.layer_seconds.get(work.key(mode))
     if measured is not None:
-        forward, backward = measured
-        if mode == "graphs":  # timed compiled without graphs: the launches a replay saves come off
-            host = rates.host_seconds["compiled"] - rates.host_seconds["graphs"]
-            forward, backward = max(forward - host, 0.5 * forward), max(backward - host, 0.5 * backward)
-        return forward, backward
+        return measured
     c, t = work.costs, work.tokens
     matmul = t * (c.layer - c.attention) / 2 / rates.matmul_flops
     attention = t * c.attention / 3 / rates.attention_flops
