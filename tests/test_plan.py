@@ -6,11 +6,13 @@ import csv
 from pathlib import Path
 
 import pytest
+import torch
 
-from pipetune.config import load_config, validate, validate_against_model
+from pipetune.cli import main
+from pipetune.config import ConfigError, load_config, validate, validate_against_model
 from pipetune.model.shapes import resolve_model
 from pipetune.parallel.memory import GB, MARGIN
-from pipetune.plan import format_plan, make_plan, no_fit_message
+from pipetune.plan import format_plan, make_plan, resolve_auto
 from pipetune.preflight import linear_layer_names
 from tests.conftest import REPO, run_cli
 
@@ -56,11 +58,26 @@ def test_layouts_over_the_gpu_memory_are_marked_and_never_picked() -> None:
 
 
 def test_nothing_fits_names_the_smallest_change_that_would() -> None:
-    plan = make_plan(load_config(QWEN25_72B), gpus=1)  # 145 GB of weights on one 151 GB GPU
-    assert plan.pick is None and plan.predictions
-    message = no_fit_message(plan)
-    assert message.startswith("nothing fits 1 GPU of 151 GB"), message
+    config = load_config(QWEN25_72B)  # 145 GB of weights on one 151 GB GPU
+    config.parallel.strategy = "auto"
+    with pytest.raises(ConfigError) as refused:
+        resolve_auto(config, gpus=1)
+    message = str(refused.value)
+    assert message.startswith("parallel.strategy = 'auto': nothing fits 1 GPU of 151 GB"), message
+    assert "checkpointing all), which needs" in message, message  # the closest: every layer checkpointed
     assert "it would fit with 2 GPUs (pp=2" in message, message
+
+
+def test_plan_arguments_and_an_unresolved_auto_are_refused(capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "--config", str(QWEN3_4B), "--gpus", "0"]) == 2
+    assert main(["plan", "--config", str(QWEN3_4B), "--gpu-memory", "-1"]) == 2
+    if not torch.cuda.is_available():
+        assert main(["plan", "--config", str(QWEN3_4B), "--calibrate"]) == 2
+    errors = capsys.readouterr().err
+    assert "--gpus 0 must be at least 1" in errors and "--gpu-memory -1.0 must be positive" in errors, errors
+    config = load_config(QWEN3_4B, ['parallel.strategy="auto"'])
+    with pytest.raises(ConfigError, match="'auto' is chosen by pipetune train and pipetune bench"):
+        validate(config, 2)
 
 
 def test_strategy_auto_runs_the_plans_pick(tmp_path: Path) -> None:

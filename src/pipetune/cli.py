@@ -383,9 +383,11 @@ def run_plan(args: argparse.Namespace) -> int:
     from pipetune.plan import available_gpus, format_plan, make_plan
 
     config = load_config(args.config, args.set)
-    gpus = args.gpus or available_gpus(config)
-    if gpus < 1 or (args.gpu_memory is not None and args.gpu_memory <= 0):
-        raise ConfigError(f"--gpus {gpus} and --gpu-memory {args.gpu_memory} must be positive")
+    gpus = args.gpus if args.gpus is not None else available_gpus(config)
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus} must be at least 1")
+    if args.gpu_memory is not None and args.gpu_memory <= 0:
+        raise ConfigError(f"--gpu-memory {args.gpu_memory} must be positive (GB per GPU, e.g. 141)")
     budget = args.gpu_memory * GB if args.gpu_memory is not None else None
     rates = None
     if args.calibrate:

@@ -394,8 +394,8 @@ def validate(config: Config, world_size: int) -> None:
     )
     _check(
         p.strategy != "auto",
-        "parallel.strategy = 'auto' is chosen by `pipetune train` and `pipetune bench` before a run starts; "
-        "`pipetune plan --config FILE` shows what it would pick",
+        "parallel.strategy = 'auto' is chosen by pipetune train and pipetune bench before a run starts; "
+        "pipetune plan --config FILE shows what it would pick",
     )
     _check(
         p.schedule in SCHEDULES,
