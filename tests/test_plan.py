@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
 from pipetune.cli import main
-from pipetune.config import ConfigError, load_config, validate, validate_against_model
+from pipetune.config import ConfigError, ParallelConfig, load_config, validate, validate_against_model
 from pipetune.model.shapes import resolve_model
 from pipetune.parallel.memory import GB, MARGIN
 from pipetune.plan import format_plan, make_plan, resolve_auto
@@ -33,13 +34,15 @@ def test_plan_of_a_builtin_shape_is_deterministic_and_lists_only_valid_layouts(p
     resolved = resolve_model(config.model)
     names = linear_layer_names(resolved)
     strategies = set()
+    tensor_parallel = "tp" in {f.name for f in dataclasses.fields(ParallelConfig)}
     for prediction in plan.predictions:
         variant = prediction.layout.apply(config)
         validate(variant, 2)  # raises if the trainer would refuse it
-        validate_against_model(variant, resolved.config.num_hidden_layers, names)
+        heads = (resolved.config.num_attention_heads, resolved.config.num_key_value_heads)
+        validate_against_model(variant, resolved.config.num_hidden_layers, names, *heads[: 2 if tensor_parallel else 0])
         assert variant.train.batch_size * variant.parallel.dp * variant.train.grad_accum == 16  # the same batch
         strategies.add(prediction.layout.strategy)
-    assert strategies == {"pp", "ddp", "fsdp"}
+    assert strategies == {"pp", "ddp", "fsdp"} | ({"tp"} if tensor_parallel else set())
     text = format_plan(plan)
     assert text.splitlines()[-1].startswith(f"pick: {plan.pick.layout.describe()}")
 

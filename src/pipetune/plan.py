@@ -294,6 +294,7 @@ def tensor_parallel_share(model_config: PretrainedConfig, tp: int) -> Pretrained
     ) // tp
     share.intermediate_size = model_config.intermediate_size // tp
     share.vocab_size = -(-model_config.vocab_size // tp)
+    share.bos_token_id = share.eos_token_id = share.pad_token_id = None  # ids past the share's vocabulary
     return share
 
 

@@ -88,7 +88,7 @@ class Layout:
             schedule = self.schedule + (f" v={self.stages_per_rank}" if self.stages_per_rank > 1 else "")
             shard = " (dp sharded)" if self.dp_shard else ""
             return f"{' x '.join(grid)} {schedule}{shard}"
-        return " ".join([self.strategy, *grid])
+        return f"{self.strategy} {' x '.join(grid)}".strip()
 
     def batching(self) -> str:
         """Microbatches x sequences each, x accumulation steps."""
