@@ -50,6 +50,7 @@ from pipetune.parallel.speed import (
     link_seconds,
     replay_schedule,
 )
+from pipetune.preflight import linear_layer_names
 
 H200_MEMORY = 143_771 * 2**20
 """Bytes of an H200 as torch reports them: the budget when there is no GPU here and no --gpu-memory."""
@@ -63,6 +64,7 @@ class Prediction:
     checkpointed: list[list[int]]
     """Checkpointed layers per stage of each pipeline rank."""
     stage_layers: list[list[int]]
+    """Layers per stage of each pipeline rank."""
     tokens_per_sec: float
     step_seconds: float
     """One optimizer step."""
@@ -97,7 +99,6 @@ class Plan:
     seq: int
     predictions: list[Prediction]
     """Fitting layouts first, fastest first; then the others, smallest peak first."""
-    notes: list[str] = field(default_factory=list)
     changes: list[str] = field(default_factory=list)
     """When nothing fits: the smallest changes that would make a layout fit."""
 
@@ -123,14 +124,13 @@ def make_plan(
     layouts: Sequence[Layout] | None = None,
     search: bool = True,
 ) -> Plan:
-    """Predict every candidate layout (or `layouts`) of `config` on `gpus` GPUs with `budget` bytes each."""
+    """Predict every candidate layout (or `layouts`) of `config` on `gpus` GPUs with `budget` bytes each (None:
+    train.memory_gb, the GPU's, else an H200's). `search`: when nothing fits, look for the changes that would."""
     rates = rates or GpuRates()
     if budget is None:
         budget = memory_budget(config)
         budget = H200_MEMORY if budget == float("inf") else budget
     resolved = resolve_model(dataclasses.replace(config.model, init="random"))  # its config only, no weights
-    from pipetune.preflight import linear_layer_names
-
     enumerated = layouts is None
     if layouts is None:
         layouts = candidate_layouts(config, resolved.config, linear_layer_names(resolved), gpus)
@@ -181,74 +181,74 @@ def pick_summary(pick: Prediction) -> str:
 def predict(
     layout: Layout, config: Config, resolved: ResolvedModel, shape: _Shape, budget: float, rates: GpuRates
 ) -> Prediction:
+    """Peak memory of every pipeline rank and tokens/s of `config` run as `layout`."""
     variant = layout.apply(config)
     p, t = variant.parallel, variant.train
     costs, ranges = _split(variant, resolved.config)
     share_costs = _split(variant, shape.config)[0]
     microbatch, seq = variant.microbatch_size, variant.data.max_length
-    element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
     layer_bytes, input_bytes = (microbatch * n for n in _layer_memory(variant, shape.resolved, seq))
     weights = rank_weight_bytes(variant, shape.config, ranges)
     layer_weights = weights[0][0] / sum(len(ranges[s]) for s in _stages(p, 0))
     fsdp = p.sharded and p.pp == 1  # layers gathered one at a time; in a pipeline they stay gathered all step
+
+    # ------------------------------------------------------------------ memory, rank by rank
+    peaks, checkpointed, stage_layers = [], [], []
+    for rank in range(p.pp):
+        layers = [len(ranges[s]) for s in _stages(p, rank)]
+        trainable = sum(layers) * shape.trainable_per_layer / (p.dp if fsdp else 1)
+        stored, root = weights[rank]
+        fixed = (stored / p.dp + 2 * layer_weights if fsdp else stored) + root  # FSDP: this layer and the next
+        fixed += (4 + OPTIMIZER_BYTES) * trainable  # float32 adapters, their gradients and AdamW moments
+        fixed += loss_bytes(variant, shape.config.vocab_size) if len(ranges) - 1 in _stages(p, rank) else 0.0
+        timeline = rank_timeline(p, rank)
+        if t.activation_checkpointing == "auto":
+            plan = plan_checkpointing(layers, timeline, layer_bytes, input_bytes, fixed + MARGIN * budget, budget)
+            k = plan.layers
+        else:
+            k = list(layers) if t.activation_checkpointing else [0] * len(layers)
+        peaks.append(fixed + activation_peak(layers, k, timeline, layer_bytes, input_bytes)[0])
+        checkpointed.append(k)
+        stage_layers.append(layers)
+
+    # ------------------------------------------------------------------ time: each stage's work per microbatch
     mode = _mode(variant, costs)
     hidden = resolved.config.hidden_size
     work = LayerWork(share_costs, hidden, microbatch * seq, microbatch, seq, layout.tp, config.model.name)
-    hidden_bytes = microbatch * seq * resolved.config.hidden_size * element
-    peaks, checkpointed, stage_layers, forward, backward = [], [], [], {}, {}
-    gather_seconds = 0.0
-    for rank in range(p.pp):
-        stages = _stages(p, rank)
-        layers = [len(ranges[s]) for s in stages]
-        last = len(ranges) - 1 in stages
-        trainable = sum(layers) * shape.trainable_per_layer / (p.dp if fsdp else 1)
-        stored, root = weights[rank]
-        fixed = (stored / p.dp + 2 * layer_weights if fsdp else stored) + root + (OPTIMIZER_BYTES + 4) * trainable
-        fixed += loss_bytes(variant, shape.config.vocab_size) if last else 0.0
-        timeline = rank_timeline(p, rank)
-        if t.activation_checkpointing == "auto":
-            margin = MARGIN * budget
-            k = plan_checkpointing(layers, timeline, layer_bytes, input_bytes, fixed + margin, budget).layers
-        else:
-            k = list(layers) if t.activation_checkpointing else [0] * len(layers)
-        activations, _ = activation_peak(layers, k, timeline, layer_bytes, input_bytes)
-        peaks.append(fixed + activations)
-        checkpointed.append(k)
-        stage_layers.append(layers)
-        rank_mode = "compiled" if mode == "graphs" and any(k) else mode
+    element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
+    hidden_bytes = microbatch * seq * hidden * element
+    forward, backward, gather_seconds = {}, {}, 0.0
+    for rank, (layers, k) in enumerate(zip(stage_layers, checkpointed, strict=True)):
+        rank_mode = "compiled" if mode == "graphs" and any(k) else mode  # checkpointing ranks run without graphs
         f, b = layer_seconds(work, rates, rank_mode)
-        tensor_parallel = 2 * all_reduce_seconds(hidden_bytes, layout.tp, rates)  # attention and MLP outputs
+        tensor_parallel = 2 * all_reduce_seconds(hidden_bytes, layout.tp, rates)  # attention's and the MLP's outputs
         f, b = f + tensor_parallel, b + tensor_parallel
         if p.sharded:
             gather = link_seconds(layer_weights * (p.dp - 1) / p.dp, rates) + rates.fsdp_call_seconds[rank_mode]
             if fsdp:
                 f, b = f + gather, b + gather
-            else:
+            else:  # kept gathered through the schedule step: once per layer and step
                 gather_seconds = max(gather_seconds, sum(layers) * gather)
         head = head_seconds(share_costs, f, b)
-        for stage, n, recomputed in zip(stages, layers, k, strict=True):
+        for stage, n, recomputed in zip(_stages(p, rank), layers, k, strict=True):
             forward[stage] = n * f + (head if stage == len(ranges) - 1 else 0.0)
             backward[stage] = n * b + recomputed * f
     if p.pp > 1:
         order = schedule_actions(p.schedule, p.pp, p.stages_per_rank, p.n_microbatches)
         stage_rank = {s: r for r in range(p.pp) for s in _stages(p, r)}
-        n_stages = len(ranges)
+        stages = range(len(ranges))
+        transfer = link_seconds(hidden_bytes, rates)
         replay = replay_schedule(
-            order,
-            stage_rank,
-            [forward[s] for s in range(n_stages)],
-            [backward[s] for s in range(n_stages)],
-            link_seconds(hidden_bytes, rates),
+            order, stage_rank, [forward[s] for s in stages], [backward[s] for s in stages], transfer
         )
     else:
         busy = p.n_microbatches * (forward[0] + backward[0])
         replay = Replay(busy, [busy])
     trainable = sum(map(sum, stage_layers)) / p.pp * shape.trainable_per_layer
     step = t.grad_accum * (replay.step_seconds + gather_seconds)
-    step += all_reduce_seconds(4 * trainable, p.dp, rates) + rates.step_seconds
-    sequences = t.batch_size * p.dp * t.grad_accum
+    step += all_reduce_seconds(4 * trainable, p.dp, rates) + rates.step_seconds  # the adapters' gradients
+    tokens_per_sec = t.batch_size * p.dp * t.grad_accum * seq / step
     bubble = replay.bubble if p.pp > 1 else []
-    tokens_per_sec = sequences * seq / step
     return Prediction(layout, peaks, checkpointed, stage_layers, tokens_per_sec, step, bubble, budget, mode, work)
 
 
@@ -398,7 +398,6 @@ def format_plan(plan: Plan, top: int | None = 15) -> str:
         f"{len(plan.predictions)} layouts, {n_fit} fit"
         + ("" if top is None or len(rows) == len(plan.predictions) else f"; {len(rows)} shown (--all: every one)")
     )
-    lines += plan.notes
     lines.append(pick_line(plan) if plan.pick else no_fit_message(plan))
     return "\n".join(lines)
 
