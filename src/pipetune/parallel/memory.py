@@ -9,7 +9,9 @@ fits the budget:
     peak = fixed + max over the schedule of sum_s inflight_s x (k_s x input + (L_s - k_s) x layer) + layer
 
 (`fixed`: weights, adapters with their gradients and AdamW moments, the loss's workspace and a margin; the
-last `layer`: the activations of the one layer being recomputed in backward).
+last `layer`: the activations of the one layer being recomputed in backward). The microbatches in flight come
+from the schedule's own actions (`schedule_actions`); a layer's activations are measured on a throwaway copy,
+on the run's device or, for `pipetune plan`, on the meta device, which needs no memory.
 """
 
 from __future__ import annotations
