@@ -30,7 +30,8 @@ def test_plan_of_a_builtin_shape_is_deterministic_and_lists_only_valid_layouts(p
     config = load_config(path)
     plan = make_plan(config, gpus=2)
     assert plan.predictions and plan.pick is not None
-    assert _summary(make_plan(config, gpus=2)) == _summary(plan)
+    if path == QWEN3_4B:  # the same inputs, the same plan (one shape is enough to tell)
+        assert _summary(make_plan(config, gpus=2)) == _summary(plan)
     resolved = resolve_model(config.model)
     names = linear_layer_names(resolved)
     strategies = set()
