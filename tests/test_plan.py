@@ -84,6 +84,7 @@ def test_plan_arguments_and_an_unresolved_auto_are_refused(capsys: pytest.Captur
         validate(config, 2)
 
 
+@pytest.mark.slow
 def test_strategy_auto_runs_the_plans_pick(tmp_path: Path) -> None:
     """On the demo, "auto" picks a layout for 2 processes, says which and why, and trains with it."""
     out = tmp_path / "auto"
