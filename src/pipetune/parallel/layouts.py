@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from transformers import PretrainedConfig
@@ -107,7 +108,7 @@ def candidate_layouts(
         if sequences % dp:
             continue
         per_replica = sequences // dp
-        for shape in _shapes(config, model_config, pp, tp, dp, per_replica):
+        for shape in _shapes(model_config, pp, tp, dp, per_replica):
             for checkpointing in CHECKPOINTING:
                 layout = dataclasses.replace(shape, checkpointing=checkpointing)
                 if _accepted(layout.apply(config), model_config, module_names):
@@ -132,7 +133,7 @@ def process_grids(gpus: int, model_config: PretrainedConfig) -> list[tuple[int, 
     return grids
 
 
-def _shapes(config: Config, model_config: PretrainedConfig, pp: int, tp: int, dp: int, per_replica: int):
+def _shapes(model_config: PretrainedConfig, pp: int, tp: int, dp: int, per_replica: int) -> Iterator[Layout]:
     """Layouts of one process grid without checkpointing: strategies, schedules, microbatching."""
     if pp == 1:
         if dp == 1:
