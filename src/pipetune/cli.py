@@ -24,6 +24,7 @@ examples:
   pipetune config list                             the shipped configs
   pipetune config show --config qwen3-4b-ami       every key with its value and documentation
   pipetune train --config qwen3-4b-ami --set train.lr=1e-4
+  pipetune plan --config bench-qwen3-4b --gpus 2   memory and speed of every layout, the pick
   pipetune eval --run runs/demo                    ROUGE and loss, base vs fine-tuned
   pipetune report runs/demo                        charts and one HTML page
   pipetune summarize --adapter runs/demo/adapter meeting.txt
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = commands.add_parser(
         "plan", help="predicted memory and speed of every layout on N GPUs, and the fastest that fits"
     )
-    plan.add_argument("--config", required=True, help="TOML config file")
+    plan.add_argument("--config", required=True, help="TOML config file or shipped config name")
     plan.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key")
     plan.add_argument(
         "--gpus",
