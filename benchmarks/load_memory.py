@@ -44,9 +44,7 @@ def measure_one(checkpoint: Path, mode: str, pp: int, stage: int) -> dict:
 
         resolved = resolve_model(ModelConfig(name=str(checkpoint)))
         layers = split_layers(resolved.config.num_hidden_layers, pp)[stage]
-        _, stats = build_model(
-            resolved, torch.bfloat16, device, layers=layers, first=stage == 0, last=stage == pp - 1
-        )
+        _, stats = build_model(resolved, torch.bfloat16, device, layers=layers, first=stage == 0, last=stage == pp - 1)
         read = {"tensors_read": stats.tensors, "gb_read": stats.bytes / 1e9}
     else:
         from transformers import AutoModelForCausalLM
@@ -55,8 +53,10 @@ def measure_one(checkpoint: Path, mode: str, pp: int, stage: int) -> dict:
         n = model.config.num_hidden_layers
         per = n // pp
         keep = list(model.model.layers[stage * per : (stage + 1) * per if stage < pp - 1 else n])
-        parts = keep + ([model.model.embed_tokens] if stage == 0 else []) + (
-            [model.model.norm, model.lm_head] if stage == pp - 1 else []
+        parts = (
+            keep
+            + ([model.model.embed_tokens] if stage == 0 else [])
+            + ([model.model.norm, model.lm_head] if stage == pp - 1 else [])
         )
         for part in parts:
             part.to(device)

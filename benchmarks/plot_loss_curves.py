@@ -1,6 +1,6 @@
 """Loss per optimizer step of two or more runs' metrics.csv on one chart, and the largest relative gap.
 
-    python3 benchmarks/plot_loss_curves.py out.png plain=run_a/metrics.csv optimized=run_b/metrics.csv
+python3 benchmarks/plot_loss_curves.py out.png plain=run_a/metrics.csv optimized=run_b/metrics.csv
 """
 
 from __future__ import annotations
@@ -31,7 +31,9 @@ def main(out: str, runs: list[str]) -> None:
     names = list(curves)
     reference = dict(curves[names[0]])
     for name in names[1:]:
-        gaps = [(abs(loss - reference[step]) / reference[step], step) for step, loss in curves[name] if step in reference]
+        gaps = [
+            (abs(loss - reference[step]) / reference[step], step) for step, loss in curves[name] if step in reference
+        ]
         worst, step = max(gaps)
         print(f"{name} vs {names[0]}: largest relative gap {worst:.2%} at step {step}; last step {gaps[-1][0]:.2%}")
 

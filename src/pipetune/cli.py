@@ -1,4 +1,4 @@
-"""Command line: `pipetune demo`, `train`, `eval`, `summarize`, `report`, `export`, `config`, `data`, `bench`.
+"""Command line: `pipetune demo`, `train`, `eval`, `summarize`, `report`, `export`, `config`, `data`, `bench`, `plan`.
 
 Outside torchrun, `train --nproc N` (N > 1) starts N local workers through torch's elastic
 launcher; under torchrun (WORLD_SIZE set) it just runs. Multi-node runs use torchrun's c10d
@@ -25,6 +25,7 @@ examples:
   pipetune config list                             the shipped configs
   pipetune config show --config qwen3-4b-ami       every key with its value and documentation
   pipetune train --config qwen3-4b-ami --set train.lr=1e-4
+  pipetune plan --config bench-qwen3-4b --gpus 2   memory and speed of every layout, the pick
   pipetune eval --run runs/demo                    ROUGE and loss, base vs fine-tuned
   pipetune report runs/demo                        charts and one HTML page
   pipetune summarize --adapter runs/demo/adapter meeting.txt
@@ -118,7 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--config", required=True, help="TOML config file or shipped config name")
     bench.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key")
     bench.add_argument(
-        "--strategies", default="pp,single", help="comma-separated: pp, tp, ddp, fsdp, single (default: pp,single)"
+        "--strategies",
+        default=None,
+        help='comma-separated: pp, tp, ddp, fsdp, single (default: pp,single; with parallel.strategy = "auto": the '
+        "plan's pick)",
     )
     bench.add_argument("--steps", type=int, default=20, help="timed optimizer steps per strategy (default: 20)")
     bench.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included (default: 5)")
@@ -131,6 +135,29 @@ def main(argv: list[str] | None = None) -> int:
         metavar="S",
         help="end a strategy that runs longer than S seconds, report it as timed out, go on (default: no limit)",
     )
+
+    plan = commands.add_parser(
+        "plan", help="predicted memory and speed of every layout on N GPUs, and the fastest that fits"
+    )
+    plan.add_argument("--config", required=True, help="TOML config file or shipped config name")
+    plan.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key")
+    plan.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="GPUs to spread over (default: this machine's, else the config's processes)",
+    )
+    plan.add_argument(
+        "--gpu-memory",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="memory per GPU (default: train.memory_gb, else this machine's GPU, else an H200's 151 GB)",
+    )
+    plan.add_argument(
+        "--calibrate", action="store_true", help="time a layer and a transfer on this machine's GPUs first"
+    )
+    plan.add_argument("--all", action="store_true", help="list every layout (default: the 15 fastest that fit, ...)")
 
     summarize = commands.add_parser("summarize", help="summarize meeting transcripts with a fine-tuned adapter")
     summarize.add_argument(
@@ -198,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(args.model, args.out, args.steps, args.nproc)
         if args.command == "bench":
             return run_bench_command(args)
+        if args.command == "plan":
+            return run_plan(args)
         if args.command == "data":
             return run_data_inspect(load_config(args.config, args.set), args.json)
         if args.command == "summarize":
@@ -256,6 +285,11 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
     started = time.time()
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts {max_restarts} must be >= 0")
+    if config.parallel.strategy == "auto":
+        from pipetune.plan import available_gpus, resolve_auto
+
+        config = resolve_auto(config, available_gpus(config, nproc))
+        nproc = None  # the pick's own process count
     if under_launcher():
         from pipetune.train import run_training
 
@@ -353,12 +387,40 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from pipetune.preflight import preflight
 
     config = load_config(args.config, args.set)
-    strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+    default = "pp,single"
+    if config.parallel.strategy == "auto":
+        from pipetune.plan import available_gpus, resolve_auto
+
+        config = resolve_auto(config, available_gpus(config))
+        default = config.parallel.strategy
+    strategies = [s.strip() for s in (args.strategies or default).split(",") if s.strip()]
     preflight(config, config.parallel.world_size)  # one clear error before any run starts
     if args.timeout < 0:
         raise ConfigError(f"--timeout {args.timeout} must be >= 0 seconds (0: no limit)")
     results = run_bench(config, strategies, args.steps, args.warmup, Path(args.out), args.peak_tflops, args.timeout)
     return 0 if all("error" not in r for r in results) else 1
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    """Print the plan: every layout's predicted peak memory per rank and tokens/s, ranked, and the pick."""
+    from pipetune.parallel.memory import GB
+    from pipetune.plan import available_gpus, format_plan, make_plan
+
+    config = load_config(args.config, args.set)
+    gpus = args.gpus if args.gpus is not None else available_gpus(config)
+    if gpus < 1:
+        raise ConfigError(f"--gpus {gpus} must be at least 1")
+    if args.gpu_memory is not None and args.gpu_memory <= 0:
+        raise ConfigError(f"--gpu-memory {args.gpu_memory} must be positive (GB per GPU, e.g. 141)")
+    budget = args.gpu_memory * GB if args.gpu_memory is not None else None
+    rates = None
+    if args.calibrate:
+        from pipetune.parallel.calibrate import calibrate
+
+        rates = calibrate(config, gpus, budget)
+    plan = make_plan(config, gpus, budget, rates)
+    print(format_plan(plan, top=None if args.all else 15))
+    return 0 if plan.pick is not None else 1
 
 
 def run_demo(model: str, out: str | None, steps: int | None, nproc: int) -> int:

@@ -28,7 +28,7 @@ ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
 """Schedules that split backward into input- and weight-gradient parts."""
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE = ("none", "nf4", "fp8")
-STRATEGIES = ("pp", "ddp", "fsdp", "tp", "single")
+STRATEGIES = ("pp", "ddp", "fsdp", "tp", "single", "auto")
 RESUME_MODES = ("never", "auto")
 MAX_LENGTH = 2**20
 """The longest sample pipetune accepts (tokens); far beyond what any model here can attend to."""
@@ -424,6 +424,11 @@ def validate(config: Config, world_size: int) -> None:
     _check(
         p.strategy in STRATEGIES,
         f"parallel.strategy = {p.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}",
+    )
+    _check(
+        p.strategy != "auto",
+        "parallel.strategy = 'auto' is chosen by pipetune train and pipetune bench before a run starts; "
+        "pipetune plan --config FILE shows what it would pick",
     )
     _check(
         p.schedule in SCHEDULES,

@@ -294,16 +294,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
             timelines[length] = StageTimeline(runners[length].stages, runners[length].schedule, env.rank, device)
     runner = runners[max_length]  # validation runs at full length
     if t.activation_checkpointing == "auto":  # planned for the longest shape, with the schedule's microbatches
-        plan = auto_checkpointing(
-            modules,
-            getattr(runner, "schedule", None),
-            my_stages,
-            mesh.pp_rank,
-            config,
-            prepared.model,
-            device,
-            mesh.tp_mesh,
-        )
+        plan = auto_checkpointing(modules, my_stages, mesh.pp_rank, config, prepared.model, device, mesh.tp_mesh)
         for module, count in zip(modules, plan.layers, strict=True):
             module.checkpoint_layers = count
         print(f"rank {env.rank}: {plan.describe(my_stages, [len(m.layers) for m in modules])}", flush=True)

@@ -41,6 +41,8 @@ class StageCosts:
     head: float
     """FLOPs per token of norm + lm_head + loss (last stage)."""
     head_time_per_flop: float = HEAD_TIME_PER_FLOP
+    attention: float = 0.0
+    """The part of `layer` that is attention's own matmuls (scores and their product with the values)."""
 
     @property
     def head_time(self) -> float:
@@ -59,11 +61,17 @@ def estimate_costs(config: PretrainedConfig, seq_len: int, fused_loss_share: flo
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     attn_params = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o + k, v
     mlp_params = 3 * hidden * inter
-    layer = 4 * (attn_params + mlp_params) + 6 * seq_len * heads * head_dim
+    attention = 6 * seq_len * heads * head_dim
+    layer = 4 * (attn_params + mlp_params) + attention
     head = float(4 * config.vocab_size * hidden)
     if fused_loss_share is None:
-        return StageCosts(layer=float(layer), head=head)
-    return StageCosts(layer=float(layer), head=head * fused_loss_share, head_time_per_flop=FUSED_HEAD_TIME_PER_FLOP)
+        return StageCosts(layer=float(layer), head=head, attention=float(attention))
+    return StageCosts(
+        layer=float(layer),
+        head=head * fused_loss_share,
+        head_time_per_flop=FUSED_HEAD_TIME_PER_FLOP,
+        attention=float(attention),
+    )
 
 
 def run_split(config: Config, model_config: PretrainedConfig) -> tuple[StageCosts, list[range]]:

@@ -7,9 +7,13 @@ never see pads and no mask needs to travel.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass as is_subclass
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
@@ -44,6 +48,34 @@ class _GradInOwnMemory(torch.autograd.Function):
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (tensor parallelism), a plain tensor as it is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class CudaKernelsOnMeta(TorchFunctionMode):
+    """On the meta device, attention and dropout as CUDA runs them, so that a layer saves the same tensors.
+
+    Meta tensors take the reference paths: attention as explicit matmuls and softmax (saving [heads, seq, seq]
+    scores: 34 GB per layer at 16k tokens), dropout as a multiplication by a mask in the input's dtype. CUDA runs
+    flash attention (saving q, k, v, the output and one log-sum-exp per row; grouped key-value heads unrepeated)
+    and its fused dropout (a one-byte mask)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and kwargs.get("attn_mask") is None and len(args) == 3:
+            query, key, value = args
+            out = torch.ops.aten._scaled_dot_product_flash_attention(
+                query,
+                key,
+                value,
+                kwargs.get("dropout_p", 0.0),
+                kwargs.get("is_causal", False),
+                scale=kwargs.get("scale"),
+            )
+            return out[0]
+        if func is F.dropout and kwargs.get("training", args[2] if len(args) > 2 else True):
+            p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+            if p > 0:
+                return torch.ops.aten.native_dropout(args[0], p, True)[0]
+        return func(*args, **kwargs)
 
 
 class StageModule(nn.Module):
@@ -103,7 +135,8 @@ class StageModule(nn.Module):
         """Bytes one decoder layer keeps for backward per microbatch of [batch, seq] (measured by running one
         forward of the first layer, eagerly, leaving the random streams as they were) and bytes of its input,
         which is all a checkpointed layer keeps. A layer split over tensor-parallel ranks (parallel/tp.py) counts this
-        rank's part (all ranks measure together)."""
+        rank's part (all ranks measure together). On the meta device the forward allocates and computes nothing
+        (a plan for any size, on any machine) and saves what CUDA's kernels save (`CudaKernelsOnMeta`)."""
         layer = self.layers[0]
         frozen = next(p for p in layer.parameters() if not p.requires_grad)
         device, dtype = frozen.device, frozen.dtype
@@ -113,17 +146,17 @@ class StageModule(nn.Module):
         saved: dict[int, int] = {}
         # A linear layer saves its weight for the input gradient: memory the weights hold anyway, not activations.
         # So does a quantized one (model.quantize), a tensor subclass with no storage of its own.
+        # Storages are told apart by identity (views share one), which also holds on the meta device.
         weights = {
-            _local(param).untyped_storage().data_ptr() for param in layer.parameters() if not is_subclass(_local(param))
+            _local(param).untyped_storage()._cdata for param in layer.parameters() if not is_subclass(_local(param))
         }
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            tensor = _local(tensor)
-            if is_subclass(tensor):
-                return tensor
-            storage = tensor.untyped_storage()
-            if storage.data_ptr() not in weights:
-                saved[storage.data_ptr()] = storage.nbytes()
+            local = _local(tensor)
+            if not is_subclass(local):
+                storage = local.untyped_storage()
+                if storage._cdata not in weights:
+                    saved[storage._cdata] = storage.nbytes()
             return tensor
 
         position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
@@ -134,7 +167,8 @@ class StageModule(nn.Module):
             use_cache=False,
         )
         devices = [device] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"):
+        kernels = CudaKernelsOnMeta() if device.type == "meta" else contextlib.nullcontext()
+        with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"), kernels:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):  # dropout draws
                 out = layer(hidden, **kwargs)
         del out

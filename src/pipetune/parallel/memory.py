@@ -9,7 +9,9 @@ fits the budget:
     peak = fixed + max over the schedule of sum_s inflight_s x (k_s x input + (L_s - k_s) x layer) + layer
 
 (`fixed`: weights, adapters with their gradients and AdamW moments, the loss's workspace and a margin; the
-last `layer`: the activations of the one layer being recomputed in backward).
+last `layer`: the activations of the one layer being recomputed in backward). The microbatches in flight come
+from the schedule's own actions (`schedule_actions`); a layer's activations are measured on a throwaway copy,
+on the run's device or, for `pipetune plan`, on the meta device, which needs no memory.
 """
 
 from __future__ import annotations
@@ -23,13 +25,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
-from pipetune.config import Config, ConfigError
+from pipetune.config import Config, ConfigError, ParallelConfig
 from pipetune.model.quantize import linear_shapes, stored_bytes
 from pipetune.model.shapes import ResolvedModel, one_layer_model
 from pipetune.model.stage import StageModule
-from pipetune.parallel.pipeline import stage_ids
+from pipetune.parallel.pipeline import Action, schedule_actions, stage_ids
 
 GB = 1e9
+MARGIN = 0.07
+"""Share of a rank's memory a plan leaves free: allocator slack, NCCL buffers, the CUDA context."""
+COMPILED_ACTIVATIONS = 0.85
+"""Share of a layer's eagerly measured activations that the compiled layer keeps: inductor recomputes cheap
+elementwise work in backward (the norms' float32 copies among it) rather than saving it. On 2x H200 compiled runs
+peaked 5-8% under the eager measurement's prediction, eager runs within 5% of it (benchmarks/plan-check.md)."""
+OPTIMIZER_BYTES = 12
+"""Per trainable parameter besides the parameter itself: its float32 gradient and two AdamW moments."""
 
 
 @dataclass
@@ -57,43 +67,57 @@ class CheckpointPlan:
         return f"activation checkpointing (auto): {', '.join(parts)}; {budget}{fits}"
 
 
-def inflight_timeline(
-    schedule: object, stage_ids: Sequence[int], pp_rank: int, pp: int, n_microbatches: int
-) -> list[list[int]]:
-    """For each moment after a forward, the microbatches whose activations each of this rank's stages holds.
-
-    Multi-stage schedules publish every rank's actions (`pipeline_order`), which are replayed; the
-    single-stage ones are torch's GPipe (all microbatches) and 1F1B (warm-up of pp - stage forwards, then
-    a backward before each forward). No schedule (pp = 1): one microbatch at a time."""
-    order = getattr(schedule, "pipeline_order", None)
-    if order:
-        index = {stage: i for i, stage in enumerate(stage_ids)}
-        held, timeline = [0] * len(stage_ids), []
-        for action in _flatten(order[pp_rank]):
-            kind = getattr(action.computation_type, "value", action.computation_type)
-            if action.stage_index not in index:
-                continue
-            if kind == "F":
-                held[index[action.stage_index]] += 1
-                timeline.append(list(held))
-            elif kind in ("B", "I"):
-                held[index[action.stage_index]] -= 1
-        return timeline or [[0] * len(stage_ids)]
-    if schedule is None:
-        return [[1]]
-    if type(schedule).__name__ == "ScheduleGPipe":
-        return [[n_microbatches]]
-    return [[min(n_microbatches, pp - stage_ids[0])]]
-
-
-def _flatten(actions: Sequence[object]) -> list[object]:
-    flat = []
-    for action in actions:
-        if action is None:
+def inflight_timeline(actions: Sequence[Action], stage_ids: Sequence[int]) -> list[list[int]]:
+    """For each moment after a forward, the microbatches whose activations each of `stage_ids` holds, from one
+    rank's actions in order (`schedule_actions`)."""
+    index = {stage: i for i, stage in enumerate(stage_ids)}
+    held, timeline = [0] * len(stage_ids), []
+    for kind, stage, _ in actions:
+        if stage not in index:
             continue
-        sub = getattr(action, "sub_actions", None)
-        flat.extend(_flatten(sub) if sub else [action])
-    return flat
+        if kind == "F":
+            held[index[stage]] += 1
+            timeline.append(list(held))
+        elif kind in ("B", "I"):
+            held[index[stage]] -= 1
+    return timeline or [[0] * len(stage_ids)]
+
+
+def rank_timeline(p: ParallelConfig, pp_rank: int) -> list[list[int]]:
+    """`inflight_timeline` of pipeline rank `pp_rank` under `p`'s schedule; one microbatch at a time for pp = 1
+    (the microbatches of a step run one after another, each forward followed by its backward)."""
+    if p.pp == 1:
+        return [[1]]
+    actions = schedule_actions(p.schedule, p.pp, p.stages_per_rank, p.n_microbatches)[pp_rank]
+    return inflight_timeline(actions, stage_ids(p.schedule, pp_rank, p.pp, p.stages_per_rank))
+
+
+def activation_bytes(
+    stage_layers: Sequence[int],
+    checkpointed: Sequence[int],
+    moment: Sequence[int],
+    layer_bytes: float,
+    input_bytes: float,
+) -> float:
+    """Activations a rank holds at one moment: a checkpointed layer keeps its input, the others everything."""
+    return sum(
+        held * (k * input_bytes + (n - k) * layer_bytes)
+        for held, k, n in zip(moment, checkpointed, stage_layers, strict=True)
+    )
+
+
+def activation_peak(
+    stage_layers: Sequence[int],
+    checkpointed: Sequence[int],
+    timeline: Sequence[Sequence[int]],
+    layer_bytes: float,
+    input_bytes: float,
+) -> tuple[float, Sequence[int]]:
+    """The peak of `activation_bytes` over the schedule (plus one layer's activations while a checkpointed layer
+    is recomputed in backward), and the moment it happens."""
+    moment = max(timeline, key=lambda m: activation_bytes(stage_layers, checkpointed, m, layer_bytes, input_bytes))
+    recompute = layer_bytes if any(checkpointed) else 0.0
+    return activation_bytes(stage_layers, checkpointed, moment, layer_bytes, input_bytes) + recompute, moment
 
 
 def plan_checkpointing(
@@ -107,16 +131,9 @@ def plan_checkpointing(
     """The fewest checkpointed layers per stage whose predicted peak fits `budget_bytes` (all, if none does)."""
     checkpointed = [0] * len(stage_layers)
 
-    def peak_at(moment: Sequence[int]) -> float:
-        return sum(
-            held * (k * input_bytes + (n - k) * layer_bytes)
-            for held, k, n in zip(moment, checkpointed, stage_layers, strict=True)
-        )
-
     def peak() -> tuple[float, Sequence[int]]:
-        moment = max(timeline, key=peak_at)
-        recompute = layer_bytes if any(checkpointed) else 0.0
-        return fixed_bytes + peak_at(moment) + recompute, moment
+        activations, moment = activation_peak(stage_layers, checkpointed, timeline, layer_bytes, input_bytes)
+        return fixed_bytes + activations, moment
 
     total, moment = peak()
     while total > budget_bytes:
@@ -131,7 +148,6 @@ def plan_checkpointing(
 
 def auto_checkpointing(
     modules: Sequence[StageModule],
-    schedule: object,
     stage_ids: Sequence[int],
     pp_rank: int,
     config: Config,
@@ -142,26 +158,41 @@ def auto_checkpointing(
     """Plan this rank's checkpointed layers for `config`'s microbatch shape and the device's memory (or
     train.memory_gb); measures one layer's activations on a throwaway copy of it (random weights), split over
     `tp_mesh` as the run's layers are (every rank of it measures)."""
-    t, p = config.train, config.parallel
     microbatch, seq = config.microbatch_size, config.data.max_length
     layer_bytes, input_bytes = measure_layer_memory(config, resolved, device, microbatch, seq, tp_mesh)
-    if t.memory_gb > 0:
-        budget = t.memory_gb * GB
-    elif device.type == "cuda":
-        budget = float(torch.cuda.get_device_properties(device).total_memory)
-    else:
-        budget = float("inf")  # a CPU has no memory limit to plan for unless train.memory_gb says so
+    budget = memory_budget(config, device)
     trainable = sum(_local(param).numel() for module in modules for param in module.parameters() if param.requires_grad)
-    fixed = _allocated_bytes(modules, device) + 12 * trainable  # fp32 gradients and two AdamW moments
+    fixed = _allocated_bytes(modules, device) + OPTIMIZER_BYTES * trainable
     last = next((module for module in modules if module.is_last), None)
     if last is not None:
-        vocab = last.lm_head.weight.shape[0]
-        rows = t.loss_chunk if t.fused_loss else microbatch * seq
-        fixed += rows * vocab * (12 if t.fused_loss else 10)  # logits in fp32 (and their gradient)
-    fixed += 0.07 * budget if budget != float("inf") else 0.0  # allocator slack, NCCL buffers, CUDA context
-    timeline = inflight_timeline(schedule, stage_ids, pp_rank, p.pp, p.n_microbatches)
+        fixed += loss_bytes(config, last.lm_head.weight.shape[0])
+    fixed += MARGIN * budget if budget != float("inf") else 0.0
+    timeline = rank_timeline(config.parallel, pp_rank)
     stage_layers = [len(module.layers) for module in modules]
     return plan_checkpointing(stage_layers, timeline, layer_bytes, input_bytes, fixed, budget)
+
+
+def memory_budget(config: Config, device: torch.device | None = None) -> float:
+    """Memory per rank to plan for: train.memory_gb, else the GPU's (the first one's when no device is named),
+    else unlimited (a CPU)."""
+    if config.train.memory_gb > 0:
+        return config.train.memory_gb * GB
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", 0)
+    if device is not None and device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return float("inf")
+
+
+def loss_bytes(config: Config, vocab: int) -> float:
+    """The last stage's loss workspace: [rows, vocab] logits in float32 and their gradient, for a whole microbatch,
+    or (train.fused_loss) for its supervised rows (at most max_summary_tokens + 1 per sequence) a chunk of
+    train.loss_chunk rows at a time."""
+    t, d, microbatch = config.train, config.data, config.microbatch_size
+    if t.fused_loss:
+        rows = min(t.loss_chunk, microbatch * min(d.max_length, d.max_summary_tokens + 1))
+        return rows * vocab * 12
+    return microbatch * d.max_length * vocab * 10
 
 
 def measure_layer_memory(
@@ -174,7 +205,8 @@ def measure_layer_memory(
 ) -> tuple[int, int]:
     """(activation bytes one decoder layer keeps for backward, bytes of its input) for a microbatch of
     [batch, seq], with the run's dtype, adapters and LoRA path, on a fresh random copy of one layer (this rank's
-    part of it when split over `tp_mesh`)."""
+    part of it when split over `tp_mesh`; on the meta device: a shape-only copy, no memory, what a CUDA run would
+    keep). Measured eagerly; a compiled layer keeps COMPILED_ACTIVATIONS of that."""
     from pipetune.model.load import DTYPES, build_meta, materialize
     from pipetune.model.lora import apply_lora, use_fast_path
     from pipetune.model.quantize import quantize_linears
@@ -190,19 +222,21 @@ def measure_layer_memory(
         )
         if config.lora.fast_path:
             use_fast_path(model)
-        quantize_linears(model, config.model.quantize)
+        if device.type != "meta":  # a quantized weight is saved as itself, never as activations: the same count
+            quantize_linears(model, config.model.quantize)
         stage = StageModule(model)
         if tp_mesh is not None:
             from pipetune.parallel.tp import apply_tp
 
             apply_tp([stage], tp_mesh, config.parallel.sequence_parallel)
-        materialize(model, shape_only, device)
+        if device.type != "meta":
+            materialize(model, shape_only, device)
         model.train()
-        measured = stage.layer_memory(batch, seq)
+        activations, inputs = stage.layer_memory(batch, seq)
     del model, stage
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return measured
+    return activations * (COMPILED_ACTIVATIONS if config.train.compile else 1.0), inputs
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -220,25 +254,13 @@ def _allocated_bytes(modules: Sequence[StageModule], device: torch.device) -> fl
 def check_weights_fit(config: Config, model_config: PretrainedConfig, ranges: Sequence[range]) -> None:
     """Refuse, before any process starts, a layout whose frozen weights alone exceed a rank's memory (the GPU's,
     or train.memory_gb); the message names the settings that would make it fit."""
-    if config.train.memory_gb > 0:
-        budget = config.train.memory_gb * GB
-    elif torch.cuda.is_available():
-        budget = float(torch.cuda.get_device_properties(0).total_memory)
-    else:
+    budget = memory_budget(config)
+    if budget == float("inf"):
         return
     p, quantize = config.parallel, config.model.quantize
-    layer, embedding, head = parameter_counts(model_config)
-    element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
-    linears = linear_shapes(model_config)
-    quantized = sum(rows * columns for _, rows, columns in linears)
-    layer_bytes = (layer - quantized) * element + sum(stored_bytes(r, c, quantize, element) for _, r, c in linears)
     shards = (p.dp if p.sharded else 1) * p.tp  # tensor parallelism splits (nearly) every weight tp ways
-    for rank in range(p.pp):
-        stages = stage_ids(p.schedule, rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
-        weights = sum(len(ranges[s]) for s in stages) * layer_bytes
-        weights += embedding * element if 0 in stages else 0
-        weights += head * element if len(ranges) - 1 in stages else 0
-        weights /= shards
+    for rank, (layers, root) in enumerate(rank_weight_bytes(config, model_config, ranges)):
+        weights = (layers + root) / shards
         if weights > 0.9 * budget:
             sharded = f", sharded over parallel.dp = {p.dp}" if p.sharded else ""
             sharded += f", split over parallel.tp = {p.tp}" if p.tp > 1 else ""
@@ -254,11 +276,38 @@ def check_weights_fit(config: Config, model_config: PretrainedConfig, ranges: Se
             )
 
 
+def rank_weight_bytes(
+    config: Config, model_config: PretrainedConfig, ranges: Sequence[range]
+) -> list[tuple[float, float]]:
+    """Frozen weights of each pipeline rank's stages, unsharded: (decoder layers, embedding + norm + lm_head).
+    Every stage owns its embedding or lm_head outright (a copy where the checkpoint ties them)."""
+    p = config.parallel
+    layer, embedding, head = parameter_counts(model_config)
+    element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
+    linears = linear_shapes(model_config)  # model.quantize stores these smaller
+    quantized = sum(rows * columns for _, rows, columns in linears)
+    layer_bytes = (layer - quantized) * element
+    layer_bytes += sum(stored_bytes(rows, columns, config.model.quantize, element) for _, rows, columns in linears)
+    weights = []
+    for rank in range(p.pp):
+        stages = stage_ids(p.schedule, rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
+        root = (embedding if 0 in stages else 0) + (head if len(ranges) - 1 in stages else 0)
+        weights.append((sum(len(ranges[s]) for s in stages) * layer_bytes, root * element))
+    return weights
+
+
 def parameter_counts(model_config: PretrainedConfig) -> tuple[int, int, int]:
     """Parameters of one decoder layer, of the token embedding, and of the final norm + lm_head, counted on a
     meta-device model of one layer (exact for every family)."""
+    known = _PARAMETER_COUNTS.get(id(model_config))
+    if known is not None and known[0] is model_config:  # a plan asks once per layout
+        return known[1]
     model = one_layer_model(model_config)
     layer = sum(param.numel() for param in model.model.layers[0].parameters())
     embedding = model.model.embed_tokens.weight.numel()
     head = model.lm_head.weight.numel() + sum(param.numel() for param in model.model.norm.parameters())
+    _PARAMETER_COUNTS[id(model_config)] = (model_config, (layer, embedding, head))
     return layer, embedding, head
+
+
+_PARAMETER_COUNTS: dict[int, tuple[PretrainedConfig, tuple[int, int, int]]] = {}

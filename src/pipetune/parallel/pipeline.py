@@ -9,6 +9,7 @@ and its gradient is the gradient of that mean, whatever the microbatching. Hence
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -41,6 +42,72 @@ def stage_ids(schedule: str, rank: int, pp: int, stages_per_rank: int) -> list[i
     if schedule in V_SCHEDULES:
         return [rank, 2 * pp - 1 - rank]
     return [rank + k * pp for k in range(stages_per_rank)]
+
+
+Action = tuple[str, int, int]
+"""(kind, stage, microbatch): "F" forward, "B" backward, "I" / "W" a backward's input / weight-gradient part."""
+
+
+@functools.cache
+def schedule_actions(schedule: str, pp: int, stages_per_rank: int, n_microbatches: int) -> dict[int, list[Action]]:
+    """Every pipeline rank's compute actions in the order it runs them, without a process group or a model.
+
+    Multi-stage schedules are torch's own plan (`pipeline_order`, built over stand-in stages: it needs only their
+    indices); GPipe and 1F1B run loops of their own, written out here: GPipe all forwards then all backwards,
+    1F1B min(m, pp - rank) forwards, then a backward before each further forward, then the remaining backwards.
+    Used to predict a schedule's memory (microbatches in flight) and its step time (pipetune plan); cached: the
+    result is shared, not to be changed."""
+    m = n_microbatches
+    if schedule in ("gpipe", "1f1b"):
+        order = {}
+        for rank in range(pp):
+            warmup = m if schedule == "gpipe" else min(m, pp - rank)
+            actions: list[Action] = [("F", rank, i) for i in range(warmup)]
+            for i in range(warmup, m):
+                actions += [("B", rank, i - warmup), ("F", rank, i)]
+            actions += [("B", rank, i) for i in range(m - warmup, m)]
+            order[rank] = actions
+        return order
+    schedule_class = SCHEDULE_CLASSES[schedule]
+    if schedule_class is None:
+        raise ConfigError(f"parallel.schedule = {schedule!r} is not in torch {torch.__version__}; upgrade torch")
+    n_stages = pp * stages_per_rank
+    stages = [
+        _StandInStage(stage, n_stages, pp, rank)
+        for rank in range(1)
+        for stage in stage_ids(schedule, rank, pp, stages_per_rank)
+    ]
+    plan = schedule_class(stages, n_microbatches=m, loss_fn=lambda output, target: output, scale_grads=False)
+    order = {}
+    for rank, actions in plan.pipeline_order.items():
+        flat = []
+        for action in _flatten(actions):
+            kind = getattr(action.computation_type, "value", str(action.computation_type))
+            if kind in ("F", "B", "I", "W"):
+                flat.append((kind, action.stage_index, action.microbatch_index))
+        order[rank] = flat
+    return order
+
+
+class _StandInStage:
+    """What a multi-stage schedule reads of its stages to plan every rank's actions."""
+
+    def __init__(self, stage_index: int, num_stages: int, group_size: int, group_rank: int) -> None:
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.group_size, self.group_rank = group_size, group_rank
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.submod = nn.Module()  # the zero-bubble schedules check that it is not compiled
+
+
+def _flatten(actions: list[object]) -> list[object]:
+    """The actions of a plan in order, overlapped pairs (DualPipeV) as their parts."""
+    flat = []
+    for action in actions:
+        if action is None:
+            continue
+        sub = getattr(action, "sub_actions", None)
+        flat.extend(_flatten(sub) if sub else [action])
+    return flat
 
 
 class TokenLoss:

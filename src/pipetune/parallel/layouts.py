@@ -1,0 +1,183 @@
+"""Every layout a config allows on N GPUs, at the config's effective batch: what `pipetune plan` compares.
+
+A layout is how the work is spread (strategy, pp x dp x tp, schedule, stages per rank, microbatches, gradient
+accumulation, activation checkpointing); the model, data, adapters and switches stay the config's. Every
+candidate is checked by the config's own validation, so no layout the trainer would refuse is ever listed.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from transformers import PretrainedConfig
+
+from pipetune.config import (
+    SCHEDULES,
+    SINGLE_STAGE_SCHEDULES,
+    V_SCHEDULES,
+    Config,
+    ConfigError,
+    ParallelConfig,
+    validate,
+    validate_against_model,
+)
+
+STAGES_PER_RANK = (2, 3, 4)
+"""Virtual stages per rank tried for the looped schedules (measured: v = 6 no faster than 3 at Qwen3-4B)."""
+MICROBATCH_ROUNDS = (1, 2, 4, 8)
+"""Microbatches per schedule step tried, in multiples of pp."""
+CHECKPOINTING: tuple[bool | str, ...] = (False, True, "auto")
+
+
+@dataclass(frozen=True)
+class Layout:
+    strategy: str
+    pp: int = 1
+    dp: int = 1
+    tp: int = 1
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
+    n_microbatches: int = 1
+    microbatch: int = 1
+    grad_accum: int = 1
+    checkpointing: bool | str = False
+    dp_shard: bool = False
+
+    @classmethod
+    def of(cls, config: Config) -> Layout:
+        """The layout `config` asks for."""
+        p, t = config.parallel, config.train
+        return cls(
+            p.strategy,
+            p.pp,
+            p.dp,
+            getattr(p, "tp", 1),
+            p.schedule,
+            p.stages_per_rank,
+            p.n_microbatches,
+            config.microbatch_size,
+            t.grad_accum,
+            t.activation_checkpointing,
+            p.dp_shard,
+        )
+
+    @property
+    def gpus(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def apply(self, config: Config) -> Config:
+        """`config` run this way (a copy); a given layers_per_stage is kept where the stage count still matches."""
+        variant = copy.deepcopy(config)
+        p, t = variant.parallel, variant.train
+        p.strategy, p.pp, p.dp, p.dp_shard = self.strategy, self.pp, self.dp, self.dp_shard
+        p.schedule, p.stages_per_rank, p.n_microbatches = self.schedule, self.stages_per_rank, self.n_microbatches
+        if hasattr(p, "tp"):
+            p.tp = self.tp
+        if len(p.layers_per_stage) != p.n_stages:
+            p.layers_per_stage = []
+        t.batch_size, t.grad_accum = self.n_microbatches * self.microbatch, self.grad_accum
+        t.activation_checkpointing = self.checkpointing
+        return variant
+
+    def describe(self) -> str:
+        """E.g. "pp=2 interleaved_1f1b v=3", "ddp dp=2", "pp=2 x tp=2 1f1b", "fsdp dp=2"."""
+        grid = [f"{name}={value}" for name, value in (("pp", self.pp), ("tp", self.tp), ("dp", self.dp)) if value > 1]
+        if self.strategy == "pp":
+            schedule = self.schedule + (f" v={self.stages_per_rank}" if self.stages_per_rank > 1 else "")
+            shard = " (dp sharded)" if self.dp_shard else ""
+            return f"{' x '.join(grid)} {schedule}{shard}"
+        return f"{self.strategy} {' x '.join(grid)}".strip()
+
+    def batching(self) -> str:
+        """Microbatches x sequences each, x accumulation steps."""
+        accumulation = f" x {self.grad_accum} accum" if self.grad_accum > 1 else ""
+        return f"{self.n_microbatches} x {self.microbatch}{accumulation}"
+
+
+def candidate_layouts(
+    config: Config, model_config: PretrainedConfig, module_names: set[str], gpus: int
+) -> list[Layout]:
+    """Every layout on `gpus` GPUs at the config's sequences per optimizer step that validation accepts, in a
+    fixed order."""
+    sequences = config.train.batch_size * config.parallel.dp * config.train.grad_accum
+    layouts = []
+    for pp, tp, dp in process_grids(gpus, model_config):
+        if sequences % dp:
+            continue
+        per_replica = sequences // dp
+        for shape in _shapes(model_config, pp, tp, dp, per_replica):
+            for checkpointing in CHECKPOINTING:
+                layout = dataclasses.replace(shape, checkpointing=checkpointing)
+                if _accepted(layout.apply(config), model_config, module_names):
+                    layouts.append(layout)
+    return layouts
+
+
+def process_grids(gpus: int, model_config: PretrainedConfig) -> list[tuple[int, int, int]]:
+    """(pp, tp, dp) with pp x tp x dp = gpus. Tensor parallelism, where the config has it, takes the degrees that
+    divide the attention and key-value heads; the pipeline at most one stage per layer."""
+    tensor_parallel = "tp" in {f.name for f in dataclasses.fields(ParallelConfig)}
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    grids = []
+    for pp in _divisors(gpus):
+        if pp > model_config.num_hidden_layers:
+            continue
+        for tp in _divisors(gpus // pp):
+            if tp > 1 and not (tensor_parallel and heads % tp == 0 and kv_heads % tp == 0):
+                continue
+            grids.append((pp, tp, gpus // pp // tp))
+    return grids
+
+
+def _shapes(model_config: PretrainedConfig, pp: int, tp: int, dp: int, per_replica: int) -> Iterator[Layout]:
+    """Layouts of one process grid without checkpointing: strategies, schedules, microbatching."""
+    if pp == 1:
+        if dp == 1:
+            strategies = ["tp"] if tp > 1 else ["single"]
+        else:
+            strategies = ["tp"] if tp > 1 else ["ddp", "fsdp"]
+        for strategy in strategies:
+            for microbatch in _divisors(per_replica):
+                yield Layout(strategy, 1, dp, tp, microbatch=microbatch, grad_accum=per_replica // microbatch)
+        return
+    for dp_shard in (False, True) if dp > 1 else (False,):
+        for schedule in SCHEDULES:
+            if schedule in SINGLE_STAGE_SCHEDULES:
+                virtual = (1,)
+            elif schedule in V_SCHEDULES:
+                virtual = (2,)
+            else:
+                virtual = STAGES_PER_RANK
+            for v in virtual:
+                if pp * v > model_config.num_hidden_layers:
+                    continue
+                for rounds in MICROBATCH_ROUNDS:
+                    m = pp * rounds
+                    if per_replica % m:
+                        continue
+                    for microbatch in _divisors(per_replica // m):
+                        accumulation = per_replica // (m * microbatch)
+                        yield Layout("pp", pp, dp, tp, schedule, v, m, microbatch, accumulation, dp_shard=dp_shard)
+
+
+def _accepted(variant: Config, model_config: PretrainedConfig, module_names: set[str]) -> bool:
+    p = variant.parallel
+    try:
+        validate(variant, p.pp * p.dp * getattr(p, "tp", 1))
+        heads = model_config.num_attention_heads
+        kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+        if hasattr(p, "tp"):
+            validate_against_model(variant, model_config.num_hidden_layers, module_names, heads, kv_heads)
+        else:
+            validate_against_model(variant, model_config.num_hidden_layers, module_names)
+    except ConfigError:
+        return False
+    return True
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,209 @@
+"""Predicted step time of a layout, from the model config alone: each rank's schedule actions replayed in order.
+
+A decoder layer's forward or backward on a microbatch of T tokens takes the longer of its GPU time and the
+host's time to launch it (a host that launches faster than the GPU runs stays ahead and costs nothing):
+
+    GPU time = T x (matmul FLOPs / matmul rate + attention FLOPs / attention rate + hidden x other)
+
+with FLOPs per token from the stage cost model (model/split.py: forward + input-gradient backward, half each;
+attention's backward twice its forward) and `other` the time per token and hidden unit of everything that is not
+a matmul (norms, dropout, residuals, the adapters' small products), which is what compilation changes. A
+checkpointed layer runs its forward again in backward. The last stage adds the head and loss (the split's
+measured weight of them against a layer). Pipeline transfers, tensor-parallel all-reduces and FSDP's gathers
+are bytes over the link between the GPUs; the schedule's actions (`schedule_actions`) are replayed rank by rank,
+each starting when its rank is free and its input has arrived, so bubble and imbalance come out of the replay.
+
+The rates are an H200's as the benchmarks measured them (`GpuRates`' fields say where each comes from);
+`pipetune plan --calibrate` replaces the layer times and the link's rate with timings on the GPUs at hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipetune.model.split import StageCosts
+
+MODES = ("plain", "eager", "compiled", "graphs")
+"""How layers run: PEFT's own path eagerly; lora.fast_path eagerly; compiled (train.compile); replayed as CUDA
+graphs (train.cuda_graphs, where it pays off)."""
+
+
+@dataclass(frozen=True)
+class GpuRates:
+    """What one GPU and its link to the others do per second, for the step-time model.
+
+    The defaults are an H200's. The matmul rate was measured (profile); the attention rate is flash attention's
+    published order of magnitude; the link is NVLink's. The per-mode constants (other, host, kernel, FSDP) were
+    fitted, by least squares on log tokens/s, to the 32 timed pipetune runs on 2x H200 in benchmarks/results
+    (benchmarks/plan-check.md has each run beside its prediction): they describe those runs, and a GPU of another
+    kind needs `pipetune plan --calibrate`."""
+
+    name: str = "H200, fitted to the benchmarks' runs (uncalibrated here)"
+    matmul_flops: float = 775e12
+    """Base-weight matmuls: the profile of a Qwen3-4B stage measured ~775 TFLOP/s (2026-11-29-speed-h200.md)."""
+    attention_flops: float = 400e12
+    """Causal flash attention, forward and backward (not fitted: the runs cannot tell it from `other_seconds`)."""
+    other_seconds: dict[str, float] = field(
+        default_factory=lambda: {"plain": 2.3e-10, "eager": 1.0e-10, "compiled": 0.9e-10, "graphs": 0.9e-10}
+    )
+    """Forward time per token and hidden unit of a layer's non-matmul work (norms, dropout, residuals, the
+    adapters' small products); backward takes `backward_other` times it. Fitted; a first estimate from single
+    figures (compiled: Qwen3-4B's forward at 4 x 512 tokens ~1.1 ms of which matmuls ~0.53, NOTES.md) gave 1.05."""
+    backward_other: float = 1.2
+    """Backward's non-matmul work over forward's: the 72B timeline's chunks took ~80 ms backward, ~70 forward."""
+    kernel_seconds: dict[str, float] = field(
+        default_factory=lambda: {"plain": 1.7e-3, "eager": 1.7e-3, "compiled": 1.3e-4, "graphs": 1.3e-4}
+    )
+    """GPU time per layer call that does not grow with the tokens: the gaps between a call's kernels. Fitted."""
+    host_seconds: dict[str, float] = field(
+        default_factory=lambda: {"plain": 2.8e-3, "eager": 2.8e-3, "compiled": 1.5e-3, "graphs": 5e-5}
+    )
+    """Host time to launch one layer call (a forward or a backward). Fitted; the profile of compiled 8 x 2 runs
+    measured ~1.85 ms with the profiler's own cost in it (model/graphs.py's HOST_SECONDS_PER_LAYER_CALL, which
+    decides where graphs pay off); a CUDA graph's replay takes tens of microseconds."""
+    link_bytes_per_s: float = 300e9
+    """Between two GPUs of a node (NVLink): pipeline transfers, all-reduces, FSDP's gathers."""
+    link_latency_s: float = 3e-5
+    """Per transfer or collective."""
+    fsdp_call_seconds: dict[str, float] = field(
+        default_factory=lambda: {"plain": 2.7e-3, "eager": 2.7e-3, "compiled": 4.4e-4, "graphs": 4.4e-4}
+    )
+    """FSDP2's own work per gathered layer call, beside the gather's bytes. Fitted (two runs: 4B eager, 72B
+    compiled)."""
+    step_seconds: float = 5e-3
+    """Per optimizer step: clipping's all-reduce, the optimizer, the metrics row."""
+    layer_seconds: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Measured (forward, backward) seconds of one layer by `LayerWork.key`, from `--calibrate`; they replace
+    the model where present."""
+    layer_scale: float = 1.0
+    """Measured over modelled layer time where `--calibrate` timed some shapes: applied to the shapes it did not."""
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> GpuRates:
+        values = json.loads(Path(path).read_text())
+        values["layer_seconds"] = {key: tuple(value) for key, value in values.get("layer_seconds", {}).items()}
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class LayerWork:
+    """What one rank's share of one decoder layer does per microbatch."""
+
+    costs: StageCosts
+    """Per-token FLOPs of this rank's share of a layer (a tensor-parallel rank: 1/tp of the heads and columns)."""
+    hidden: int
+    tokens: int
+    """Tokens per microbatch (microbatch x sequence)."""
+    microbatch: int
+    seq: int
+    tp: int = 1
+    model: str = ""
+    """The model's name: measured layer times are kept by model and shape."""
+
+    def key(self, mode: str) -> str:
+        """What a measured time is filed under: model, microbatch shape, tp and how the layer runs."""
+        return f"{self.model} {self.microbatch}x{self.seq} tp={self.tp} {mode}"
+
+
+def layer_seconds(work: LayerWork, rates: GpuRates, mode: str) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer call on a microbatch, launch cost included."""
+    measured = rates.layer_seconds.get(work.key(mode))
+    if measured is not None:
+        return measured
+    c, t = work.costs, work.tokens
+    matmul = t * (c.layer - c.attention) / 2 / rates.matmul_flops
+    attention = t * c.attention / 3 / rates.attention_flops
+    other = t * work.hidden * rates.other_seconds[mode]
+    host, kernels = rates.host_seconds[mode], rates.kernel_seconds[mode]
+    forward = max(rates.layer_scale * (kernels + matmul + attention + other), host)
+    backward = max(rates.layer_scale * (kernels + matmul + 2 * attention + rates.backward_other * other), host)
+    return forward, backward
+
+
+def head_seconds(costs: StageCosts, forward: float, backward: float) -> float:
+    """The last stage's head and loss per microbatch: the split's weight of them against a layer's time."""
+    return costs.head_time / costs.layer * (forward + backward)
+
+
+def link_seconds(nbytes: float, rates: GpuRates) -> float:
+    return rates.link_latency_s + nbytes / rates.link_bytes_per_s
+
+
+def all_reduce_seconds(nbytes: float, ranks: int, rates: GpuRates) -> float:
+    """A ring all-reduce of `nbytes` over `ranks` GPUs."""
+    if ranks < 2:
+        return 0.0
+    return link_seconds(2 * (ranks - 1) / ranks * nbytes, rates)
+
+
+@dataclass
+class Replay:
+    step_seconds: float
+    """One schedule step, first action to last."""
+    busy_seconds: list[float]
+    """Per rank: time spent computing."""
+
+    @property
+    def bubble(self) -> list[float]:
+        return [1 - busy / self.step_seconds for busy in self.busy_seconds]
+
+
+def replay_schedule(
+    order: dict[int, Sequence[tuple[str, int, int]]],
+    stage_rank: dict[int, int],
+    forward: Sequence[float],
+    backward: Sequence[float],
+    transfer: float,
+) -> Replay:
+    """Run every rank's actions in order: an action starts when its rank is free and its input is there (the
+    previous stage's forward, the next stage's backward, plus `transfer` when they sit on another rank).
+    `forward[s]` / `backward[s]`: stage s's time per microbatch; a split backward's input part ("I") takes the
+    whole backward, its weight part ("W": the adapters' gradients) nothing."""
+    last = len(forward) - 1
+    finished: dict[tuple[str, int, int], float] = {}
+    clock = dict.fromkeys(order, 0.0)
+    busy = dict.fromkeys(order, 0.0)
+    position = dict.fromkeys(order, 0)
+
+    def ready(kind: str, stage: int, microbatch: int) -> float | None:
+        if kind == "F":
+            source = None if stage == 0 else ("F", stage - 1, microbatch)
+        elif kind in ("B", "I"):
+            source = ("F", stage, microbatch) if stage == last else ("B", stage + 1, microbatch)
+        else:
+            source = ("I", stage, microbatch)
+        if source is None:
+            return 0.0
+        if source[0] == "B" and source not in finished:
+            source = ("I", *source[1:])  # zero-bubble schedules hand back the input part
+        if source not in finished:
+            return None
+        moved = stage_rank[source[1]] != stage_rank[stage]
+        return finished[source] + (transfer if moved else 0.0)
+
+    remaining = sum(len(actions) for actions in order.values())
+    while remaining:
+        progressed = False
+        for rank, actions in order.items():
+            while position[rank] < len(actions):
+                kind, stage, microbatch = actions[position[rank]]
+                start = ready(kind, stage, microbatch)
+                if start is None:
+                    break
+                seconds = forward[stage] if kind == "F" else backward[stage] if kind in ("B", "I") else 0.0
+                clock[rank] = max(clock[rank], start) + seconds
+                busy[rank] += seconds
+                finished[(kind, stage, microbatch)] = clock[rank]
+                position[rank] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"schedule replay stalled with {remaining} actions left")
+    return Replay(max(clock.values()), [busy[rank] for rank in sorted(order)])

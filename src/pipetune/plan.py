@@ -1,0 +1,468 @@
+"""`pipetune plan`: the predicted peak memory per rank and tokens/s of every layout a config allows on N GPUs; the
+fastest layout that fits is the pick, which `parallel.strategy = "auto"` runs.
+
+    pipetune plan --config configs/bench-qwen3-4b.toml --gpus 2 [--gpu-memory 141] [--calibrate]
+
+Memory is parallel/memory.py's model, the one `activation_checkpointing = "auto"` plans with: each rank's frozen
+weights, its adapters with their gradients and AdamW moments, the loss workspace, and one layer's activations
+(measured on the meta device, as CUDA keeps them) times the microbatches the schedule holds in flight; a layout
+fits when it leaves that model's margin free. Speed is parallel/speed.py's replay of the schedule. Both need the
+model config only, so a plan takes seconds on a CPU; `--calibrate` times a layer and a transfer on the GPUs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from pipetune.config import Config, ConfigError
+from pipetune.model.graphs import cuda_graphs_pay_off
+from pipetune.model.shapes import ResolvedModel, one_layer_model, resolve_model
+from pipetune.model.split import StageCosts, run_split
+from pipetune.parallel.layouts import Layout, candidate_layouts
+from pipetune.parallel.memory import (
+    GB,
+    MARGIN,
+    OPTIMIZER_BYTES,
+    activation_peak,
+    loss_bytes,
+    measure_layer_memory,
+    memory_budget,
+    plan_checkpointing,
+    rank_timeline,
+    rank_weight_bytes,
+)
+from pipetune.parallel.pipeline import schedule_actions, stage_ids
+from pipetune.parallel.speed import (
+    GpuRates,
+    LayerWork,
+    Replay,
+    all_reduce_seconds,
+    head_seconds,
+    layer_seconds,
+    link_seconds,
+    replay_schedule,
+)
+from pipetune.preflight import linear_layer_names
+
+H200_MEMORY = 143_771 * 2**20
+"""Bytes of an H200 as torch reports them: the budget when there is no GPU here and no --gpu-memory."""
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    peaks: list[float]
+    """Predicted peak bytes of each pipeline rank (its dp and tp ranks alike), the margin not included."""
+    checkpointed: list[list[int]]
+    """Checkpointed layers per stage of each pipeline rank."""
+    stage_layers: list[list[int]]
+    """Layers per stage of each pipeline rank."""
+    tokens_per_sec: float
+    step_seconds: float
+    """One optimizer step."""
+    bubble: list[float]
+    budget: float
+    mode: str = "compiled"
+    """How the layers run (parallel/speed.py's MODES): "graphs" where CUDA graphs pay off."""
+    work: LayerWork | None = None
+    """One layer's work per microbatch (what --calibrate times)."""
+
+    @property
+    def fits(self) -> bool:
+        return max(self.peaks) + MARGIN * self.budget <= self.budget
+
+    def checkpointing(self) -> str:
+        if not any(map(any, self.checkpointed)):
+            return "off"
+        if self.checkpointed == self.stage_layers:
+            return "all"
+        return "auto " + " ".join(
+            f"{sum(k)}/{sum(n)}" for k, n in zip(self.checkpointed, self.stage_layers, strict=True)
+        )
+
+
+@dataclass
+class Plan:
+    model: str
+    gpus: int
+    budget: float
+    rates: GpuRates
+    sequences: int
+    seq: int
+    predictions: list[Prediction]
+    """Fitting layouts first, fastest first; then the others, smallest peak first."""
+    changes: list[str] = field(default_factory=list)
+    """When nothing fits: the smallest changes that would make a layout fit."""
+
+    @property
+    def pick(self) -> Prediction | None:
+        return self.predictions[0] if self.predictions and self.predictions[0].fits else None
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """One tensor-parallel rank's share of the model, and what the plan needs of it."""
+
+    config: PretrainedConfig
+    resolved: ResolvedModel
+    trainable_per_layer: int
+
+
+def make_plan(
+    config: Config,
+    gpus: int,
+    budget: float | None = None,
+    rates: GpuRates | None = None,
+    layouts: Sequence[Layout] | None = None,
+    search: bool = True,
+) -> Plan:
+    """Predict every candidate layout (or `layouts`) of `config` on `gpus` GPUs with `budget` bytes each (None:
+    train.memory_gb, the GPU's, else an H200's). `search`: when nothing fits, look for the changes that would."""
+    rates = rates or GpuRates()
+    if budget is None:
+        budget = memory_budget(config)
+        budget = H200_MEMORY if budget == float("inf") else budget
+    resolved = resolve_model(dataclasses.replace(config.model, init="random"))  # its config only, no weights
+    enumerated = layouts is None
+    if layouts is None:
+        layouts = candidate_layouts(config, resolved.config, linear_layer_names(resolved), gpus)
+    shapes: dict[int, _Shape] = {}
+    predictions = []
+    for layout in layouts:
+        if layout.tp not in shapes:
+            shapes[layout.tp] = _shape(config, resolved, layout.tp)
+        predictions.append(predict(layout, config, resolved, shapes[layout.tp], budget, rates))
+    if enumerated:
+        predictions = _distinct(predictions)
+    predictions.sort(key=lambda p: (not p.fits, -p.tokens_per_sec if p.fits else max(p.peaks), _order(p.layout)))
+    sequences = config.train.batch_size * config.parallel.dp * config.train.grad_accum
+    plan = Plan(config.model.name, gpus, budget, rates, sequences, config.data.max_length, predictions)
+    if plan.pick is None and search and enumerated and predictions:
+        plan.changes = changes_that_fit(config, gpus, budget, rates)
+    return plan
+
+
+def changes_that_fit(config: Config, gpus: int, budget: float, rates: GpuRates) -> list[str]:
+    """The fewest GPUs (up to 8 times as many), and the longest data.max_length (down to a quarter), with which
+    some layout fits. Checkpointing and the smallest microbatches are layouts of their own, already tried."""
+    changes = []
+    for more in (2 * gpus, 4 * gpus, 8 * gpus):
+        if more > 64:
+            break
+        plan = make_plan(config, more, budget, rates, search=False)
+        if plan.pick is not None:
+            changes.append(f"{more} GPUs ({pick_summary(plan.pick)})")
+            break
+    length = config.data.max_length // 2
+    while length >= max(128, config.data.max_length // 4):
+        shorter = copy.deepcopy(config)
+        shorter.data.max_length = length
+        shorter.data.max_summary_tokens = min(config.data.max_summary_tokens, length // 2)
+        plan = make_plan(shorter, gpus, budget, rates, search=False)
+        if plan.pick is not None:
+            changes.append(f"data.max_length = {length} ({pick_summary(plan.pick)})")
+            break
+        length //= 2
+    return changes
+
+
+def pick_summary(pick: Prediction) -> str:
+    return f"{pick.layout.describe()}, {pick.layout.batching()}, checkpointing {pick.checkpointing()}"
+
+
+def predict(
+    layout: Layout, config: Config, resolved: ResolvedModel, shape: _Shape, budget: float, rates: GpuRates
+) -> Prediction:
+    """Peak memory of every pipeline rank and tokens/s of `config` run as `layout`."""
+    variant = layout.apply(config)
+    p, t = variant.parallel, variant.train
+    costs, ranges = _split(variant, resolved.config)
+    share_costs = _split(variant, shape.config)[0]
+    microbatch, seq = variant.microbatch_size, variant.data.max_length
+    layer_bytes, input_bytes = (microbatch * n for n in _layer_memory(variant, shape.resolved, seq))
+    weights = rank_weight_bytes(variant, shape.config, ranges)
+    layer_weights = weights[0][0] / sum(len(ranges[s]) for s in _stages(p, 0))
+    fsdp = p.sharded and p.pp == 1  # layers gathered one at a time; in a pipeline they stay gathered all step
+
+    # ------------------------------------------------------------------ memory, rank by rank
+    peaks, checkpointed, stage_layers = [], [], []
+    for rank in range(p.pp):
+        layers = [len(ranges[s]) for s in _stages(p, rank)]
+        trainable = sum(layers) * shape.trainable_per_layer / (p.dp if fsdp else 1)
+        stored, root = weights[rank]
+        fixed = (stored / p.dp + 2 * layer_weights if fsdp else stored) + root  # FSDP: this layer and the next
+        fixed += (4 + OPTIMIZER_BYTES) * trainable  # float32 adapters, their gradients and AdamW moments
+        fixed += loss_bytes(variant, shape.config.vocab_size) if len(ranges) - 1 in _stages(p, rank) else 0.0
+        timeline = rank_timeline(p, rank)
+        if t.activation_checkpointing == "auto":
+            plan = plan_checkpointing(layers, timeline, layer_bytes, input_bytes, fixed + MARGIN * budget, budget)
+            k = plan.layers
+        else:
+            k = list(layers) if t.activation_checkpointing else [0] * len(layers)
+        peaks.append(fixed + activation_peak(layers, k, timeline, layer_bytes, input_bytes)[0])
+        checkpointed.append(k)
+        stage_layers.append(layers)
+
+    # ------------------------------------------------------------------ time: each stage's work per microbatch
+    mode = _mode(variant, costs)
+    hidden = resolved.config.hidden_size
+    work = LayerWork(share_costs, hidden, microbatch * seq, microbatch, seq, layout.tp, config.model.name)
+    element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
+    hidden_bytes = microbatch * seq * hidden * element
+    forward, backward, gather_seconds = {}, {}, 0.0
+    for rank, (layers, k) in enumerate(zip(stage_layers, checkpointed, strict=True)):
+        rank_mode = "compiled" if mode == "graphs" and any(k) else mode  # checkpointing ranks run without graphs
+        f, b = layer_seconds(work, rates, rank_mode)
+        tensor_parallel = 2 * all_reduce_seconds(hidden_bytes, layout.tp, rates)  # attention's and the MLP's outputs
+        f, b = f + tensor_parallel, b + tensor_parallel
+        if p.sharded:
+            gather = link_seconds(layer_weights * (p.dp - 1) / p.dp, rates) + rates.fsdp_call_seconds[rank_mode]
+            if fsdp:
+                f, b = f + gather, b + gather
+            else:  # kept gathered through the schedule step: once per layer and step
+                gather_seconds = max(gather_seconds, sum(layers) * gather)
+        head = head_seconds(share_costs, f, b)
+        for stage, n, recomputed in zip(_stages(p, rank), layers, k, strict=True):
+            forward[stage] = n * f + (head if stage == len(ranges) - 1 else 0.0)
+            backward[stage] = n * b + recomputed * f
+    if p.pp > 1:
+        order = schedule_actions(p.schedule, p.pp, p.stages_per_rank, p.n_microbatches)
+        stage_rank = {s: r for r in range(p.pp) for s in _stages(p, r)}
+        stages = range(len(ranges))
+        transfer = link_seconds(hidden_bytes, rates)
+        replay = replay_schedule(
+            order, stage_rank, [forward[s] for s in stages], [backward[s] for s in stages], transfer
+        )
+    else:
+        busy = p.n_microbatches * (forward[0] + backward[0])
+        replay = Replay(busy, [busy])
+    trainable = sum(map(sum, stage_layers)) / p.pp * shape.trainable_per_layer
+    step = t.grad_accum * (replay.step_seconds + gather_seconds)
+    step += all_reduce_seconds(4 * trainable, p.dp, rates) + rates.step_seconds  # the adapters' gradients
+    tokens_per_sec = t.batch_size * p.dp * t.grad_accum * seq / step
+    bubble = replay.bubble if p.pp > 1 else []
+    return Prediction(layout, peaks, checkpointed, stage_layers, tokens_per_sec, step, bubble, budget, mode, work)
+
+
+def _stages(p, rank: int) -> list[int]:
+    return stage_ids(p.schedule, rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
+
+
+def _mode(config: Config, costs) -> str:
+    """How this run's layers execute (speed.MODES)."""
+    t = config.train
+    if not t.compile:
+        return "eager" if config.lora.fast_path else "plain"
+    if t.cuda_graphs and cuda_graphs_pay_off(costs, config.microbatch_size, config.data.max_length)[0]:
+        return "graphs"
+    return "compiled"
+
+
+def _shape(config: Config, resolved: ResolvedModel, tp: int) -> _Shape:
+    share = tensor_parallel_share(resolved.config, tp)
+    layer = one_layer_model(share).model.layers[0]
+    targets = set(config.lora.target_modules)
+    trainable = sum(
+        config.lora.r * (module.in_features + module.out_features)
+        for name, module in layer.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    )
+    return _Shape(share, dataclasses.replace(resolved, config=share, weights_dir=None), trainable)
+
+
+def tensor_parallel_share(model_config: PretrainedConfig, tp: int) -> PretrainedConfig:
+    """One tensor-parallel rank's share of the model as a model of its own: heads, key-value heads, MLP columns
+    and vocabulary divided by tp (as parallel.tp splits them), hidden and head sizes as they are. Its layer's
+    parameters, FLOPs and activations are the rank's (the hidden states between blocks stay whole)."""
+    if tp == 1:
+        return model_config
+    share = copy.deepcopy(model_config)
+    share.head_dim = (
+        getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    )
+    share.num_attention_heads = model_config.num_attention_heads // tp
+    share.num_key_value_heads = (
+        getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+    ) // tp
+    share.intermediate_size = model_config.intermediate_size // tp
+    share.vocab_size = -(-model_config.vocab_size // tp)
+    share.bos_token_id = share.eos_token_id = share.pad_token_id = None  # ids past the share's vocabulary
+    return share
+
+
+_LAYER_MEMORY: dict[tuple, tuple[PretrainedConfig, tuple[int, int]]] = {}
+_SPLITS: dict[tuple, tuple[PretrainedConfig, tuple[StageCosts, list[range]]]] = {}
+
+
+def _split(config: Config, model_config: PretrainedConfig) -> tuple[StageCosts, list[range]]:
+    """`run_split`, remembered: the costs depend on the sequence and the loss, the ranges on the stage count."""
+    d, p = config.data, config.parallel
+    key = (id(model_config), d.max_length, d.max_summary_tokens, config.train.fused_loss, p.n_stages)
+    key += tuple(p.layers_per_stage)
+    if key not in _SPLITS or _SPLITS[key][0] is not model_config:
+        _SPLITS[key] = (model_config, run_split(config, model_config))
+    return _SPLITS[key][1]
+
+
+def _layer_memory(config: Config, resolved: ResolvedModel, seq: int) -> tuple[int, int]:
+    """(activation bytes, input bytes) of one layer for one sequence: they grow with the microbatch in proportion."""
+    key = (
+        id(resolved.config),
+        config.model.dtype,
+        config.lora.r,
+        tuple(config.lora.target_modules),
+        config.lora.dropout > 0,
+        config.lora.fast_path,
+        seq,
+    )
+    if key not in _LAYER_MEMORY or _LAYER_MEMORY[key][0] is not resolved.config:
+        measured = measure_layer_memory(config, resolved, torch.device("meta"), 1, seq)
+        _LAYER_MEMORY[key] = (resolved.config, measured)
+    return _LAYER_MEMORY[key][1]
+
+
+def _distinct(predictions: list[Prediction]) -> list[Prediction]:
+    """Drop "auto" checkpointing where it plans what a listed "off" or "on" layout already is (none, or every
+    layer)."""
+    listed = {(p.layout.checkpointing, dataclasses.replace(p.layout, checkpointing=False)) for p in predictions}
+    kept = []
+    for prediction in predictions:
+        plain = dataclasses.replace(prediction.layout, checkpointing=False)
+        same = {"off": False, "all": True}.get(prediction.checkpointing())
+        if prediction.layout.checkpointing == "auto" and same is not None and (same, plain) in listed:
+            continue
+        kept.append(prediction)
+    return kept
+
+
+def _order(layout: Layout) -> tuple:
+    return (
+        layout.gpus,
+        layout.strategy,
+        layout.pp,
+        layout.tp,
+        layout.schedule,
+        layout.stages_per_rank,
+        layout.n_microbatches,
+        layout.microbatch,
+        str(layout.checkpointing),
+        layout.dp_shard,
+    )
+
+
+# --------------------------------------------------------------------------- output
+
+
+def format_plan(plan: Plan, top: int | None = 15) -> str:
+    """The ranked table: the `top` fitting layouts, the best of each strategy not among them, and the layouts that
+    do not fit closest to fitting (None: every layout)."""
+    rows = plan.predictions
+    if top is not None:
+        fitting = [p for p in rows if p.fits]
+        shown = fitting[:top]
+        for strategy in dict.fromkeys(p.layout.strategy for p in rows):
+            best = next((p for p in rows if p.layout.strategy == strategy), None)
+            if best is not None and best not in shown:
+                shown.append(best)
+        shown += [p for p in rows if not p.fits][:3]
+        rows = [p for p in plan.predictions if p in shown]
+    width = max([len(p.layout.describe()) for p in rows] + [6])
+    budget = plan.budget / GB
+    lines = [
+        f"pipetune plan: {plan.model}, {plan.sequences} sequences of {plan.seq} tokens per optimizer step, "
+        f"{plan.gpus} GPU{'s' if plan.gpus > 1 else ''} of {budget:.0f} GB; rates: {plan.rates.name}",
+        f"{'#':>4}  {'layout':<{width}}  {'microbatches':<18} {'checkpointing':<16} {'peak GB per rank':<18} "
+        f"{'tokens/s':>9}  {'bubble':<9} fits",
+    ]
+    for prediction in rows:
+        rank = plan.predictions.index(prediction) + 1
+        peaks = " ".join(f"{peak / GB:.1f}" for peak in prediction.peaks)
+        bubble = " ".join(f"{b:.0%}" for b in prediction.bubble)
+        fits = (
+            "yes" if prediction.fits else f"no: {max(prediction.peaks) / GB:.0f} + {MARGIN:.0%} margin > {budget:.0f}"
+        )
+        lines.append(
+            f"{rank:>4}  {prediction.layout.describe():<{width}}  {prediction.layout.batching():<18} "
+            f"{prediction.checkpointing():<16} {peaks:<18} {prediction.tokens_per_sec:>9,.0f}  {bubble:<9} {fits}"
+        )
+    n_fit = sum(p.fits for p in plan.predictions)
+    lines.append(
+        f"{len(plan.predictions)} layouts, {n_fit} fit"
+        + ("" if top is None or len(rows) == len(plan.predictions) else f"; {len(rows)} shown (--all: every one)")
+    )
+    lines.append(pick_line(plan) if plan.pick else no_fit_message(plan))
+    return "\n".join(lines)
+
+
+def pick_line(plan: Plan) -> str:
+    """What the plan picks and why, in one line."""
+    pick = plan.pick
+    assert pick is not None
+    others = [p for p in plan.predictions if p.fits and p.layout.strategy != pick.layout.strategy]
+    runner_up = (
+        f"; next other strategy: {others[0].layout.describe()} at {others[0].tokens_per_sec:,.0f}" if others else ""
+    )
+    peaks = " / ".join(_gb(peak) for peak in pick.peaks)
+    return (
+        f"pick: {pick.layout.describe()}, {pick.layout.batching()} microbatches, checkpointing {pick.checkpointing()}: "
+        f"predicted {pick.tokens_per_sec:,.0f} tokens/s, peak {peaks} GB of {plan.budget / GB:.0f} per rank, the "
+        f"fastest of {sum(p.fits for p in plan.predictions)} layouts that fit{runner_up}"
+    )
+
+
+def _gb(nbytes: float) -> str:
+    """GB with two significant digits below 10 (a tiny model's figures), whole ones above."""
+    return f"{nbytes / GB:.0f}" if nbytes >= 10 * GB else f"{nbytes / GB:.2g}"
+
+
+def no_fit_message(plan: Plan) -> str:
+    """Nothing fits: the closest layout, and the smallest changes that would make one fit."""
+    if not plan.predictions:
+        return f"no layout of {plan.model} runs on {plan.gpus} GPUs: the validation refuses every one"
+    closest = min(plan.predictions, key=lambda p: max(p.peaks))
+    need = max(closest.peaks) / (1 - MARGIN) / GB
+    return (
+        f"nothing fits {plan.gpus} GPU{'s' if plan.gpus > 1 else ''} of {plan.budget / GB:.0f} GB: the smallest "
+        f"predicted peak is {_gb(max(closest.peaks))} GB ({closest.layout.describe()}, {closest.layout.batching()}"
+        f" microbatches, checkpointing {closest.checkpointing()}), which needs {need:.0f} GB per GPU with the margin"
+        + (
+            f"; it would fit with {', or with '.join(plan.changes)}"
+            if plan.changes
+            else "; nor would it fit with up to 8 times the GPUs or a quarter of data.max_length"
+        )
+    )
+
+
+# --------------------------------------------------------------------------- parallel.strategy = "auto"
+
+
+def available_gpus(config: Config, nproc: int | None = None) -> int:
+    """GPUs a run may spread over: --nproc, else torchrun's world size, else this machine's GPUs, else the
+    config's own process count."""
+    if nproc:
+        return nproc
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        return torch.cuda.device_count()
+    p = config.parallel
+    return p.pp * p.dp * getattr(p, "tp", 1)
+
+
+def resolve_auto(config: Config, gpus: int, announce: bool = True) -> Config:
+    """`parallel.strategy = "auto"`: the config as its plan's pick on `gpus` GPUs, and one line saying what and why
+    (printed by the first process only)."""
+    plan = make_plan(config, gpus)
+    if plan.pick is None:
+        raise ConfigError(f"parallel.strategy = 'auto': {no_fit_message(plan)}")
+    if announce and os.environ.get("RANK", "0") == "0":
+        print(f"pipetune: parallel.strategy = auto: {pick_line(plan)}", flush=True)
+    return plan.pick.layout.apply(config)

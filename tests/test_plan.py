@@ -1,0 +1,116 @@
+"""`pipetune plan` and `parallel.strategy = "auto"`: layouts from the model config alone, on a CPU, in seconds."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipetune.cli import main
+from pipetune.config import ConfigError, ParallelConfig, load_config, validate, validate_against_model
+from pipetune.model.shapes import resolve_model
+from pipetune.parallel.memory import GB, MARGIN
+from pipetune.plan import format_plan, make_plan, resolve_auto
+from pipetune.preflight import linear_layer_names
+from tests.conftest import REPO, run_cli
+
+QWEN3_4B = REPO / "configs" / "bench-qwen3-4b.toml"
+QWEN25_72B = REPO / "configs" / "bench-qwen2.5-72b.toml"
+
+
+def _summary(plan) -> list[tuple]:
+    return [(p.layout, p.peaks, p.checkpointed, p.tokens_per_sec) for p in plan.predictions]
+
+
+@pytest.mark.parametrize("path", [QWEN3_4B, QWEN25_72B])
+def test_plan_of_a_builtin_shape_is_deterministic_and_lists_only_valid_layouts(path: Path) -> None:
+    config = load_config(path)
+    plan = make_plan(config, gpus=2)
+    assert plan.predictions and plan.pick is not None
+    if path == QWEN3_4B:  # the same inputs, the same plan (one shape is enough to tell)
+        assert _summary(make_plan(config, gpus=2)) == _summary(plan)
+    resolved = resolve_model(config.model)
+    names = linear_layer_names(resolved)
+    strategies = set()
+    tensor_parallel = "tp" in {f.name for f in dataclasses.fields(ParallelConfig)}
+    for prediction in plan.predictions:
+        variant = prediction.layout.apply(config)
+        validate(variant, 2)  # raises if the trainer would refuse it
+        heads = (resolved.config.num_attention_heads, resolved.config.num_key_value_heads)
+        validate_against_model(variant, resolved.config.num_hidden_layers, names, *heads[: 2 if tensor_parallel else 0])
+        assert variant.train.batch_size * variant.parallel.dp * variant.train.grad_accum == 16  # the same batch
+        strategies.add(prediction.layout.strategy)
+    assert strategies == {"pp", "ddp", "fsdp"} | ({"tp"} if tensor_parallel else set())
+    text = format_plan(plan)
+    assert text.splitlines()[-1].startswith(f"pick: {plan.pick.layout.describe()}")
+
+
+def test_layouts_over_the_gpu_memory_are_marked_and_never_picked() -> None:
+    config = load_config(QWEN3_4B)
+    plan = make_plan(config, gpus=2, budget=20 * GB)
+    over = [p for p in plan.predictions if max(p.peaks) > 20 * GB]
+    assert over and all(not p.fits for p in over)
+    assert all(p.fits == (max(p.peaks) + MARGIN * 20 * GB <= 20 * GB) for p in plan.predictions)
+    assert plan.pick is not None and max(plan.pick.peaks) <= (1 - MARGIN) * 20 * GB
+    fitting = [p.tokens_per_sec for p in plan.predictions if p.fits]
+    assert fitting == sorted(fitting, reverse=True) and plan.pick.tokens_per_sec == fitting[0]
+    lines = format_plan(plan, top=None).splitlines()
+    assert sum("no: " in line for line in lines) == len(plan.predictions) - len(fitting)
+
+
+def test_nothing_fits_names_the_smallest_change_that_would() -> None:
+    config = load_config(QWEN25_72B)  # 145 GB of weights on one 151 GB GPU
+    config.parallel.strategy = "auto"
+    with pytest.raises(ConfigError) as refused:
+        resolve_auto(config, gpus=1)
+    message = str(refused.value)
+    assert message.startswith("parallel.strategy = 'auto': nothing fits 1 GPU of 151 GB"), message
+    assert "checkpointing all), which needs" in message, message  # the closest: every layer checkpointed
+    assert "it would fit with 2 GPUs (pp=2" in message, message
+
+
+def test_plan_arguments_and_an_unresolved_auto_are_refused(capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "--config", str(QWEN3_4B), "--gpus", "0"]) == 2
+    assert main(["plan", "--config", str(QWEN3_4B), "--gpu-memory", "-1"]) == 2
+    if not torch.cuda.is_available():
+        assert main(["plan", "--config", str(QWEN3_4B), "--calibrate"]) == 2
+    errors = capsys.readouterr().err
+    assert "--gpus 0 must be at least 1" in errors and "--gpu-memory -1.0 must be positive" in errors, errors
+    config = load_config(QWEN3_4B, ['parallel.strategy="auto"'])
+    with pytest.raises(ConfigError, match="'auto' is chosen by pipetune train and pipetune bench"):
+        validate(config, 2)
+
+
+@pytest.mark.slow
+def test_strategy_auto_runs_the_plans_pick(tmp_path: Path) -> None:
+    """On the demo, "auto" picks a layout for 2 processes, says which and why, and trains with it."""
+    out = tmp_path / "auto"
+    result = run_cli(
+        "train",
+        "--config",
+        str(REPO / "src" / "pipetune" / "configs" / "demo.toml"),
+        "--set",
+        'parallel.strategy="auto"',
+        "--set",
+        "train.max_steps=1",
+        "--set",
+        "data.synthetic_train=16",
+        "--set",
+        "data.synthetic_validation=0",
+        "--set",
+        f'output.dir="{out}"',
+        "--nproc",
+        "2",
+        "--quiet",
+    )
+    said = [line for line in result.stdout.splitlines() if line.startswith("pipetune: parallel.strategy = auto: ")]
+    assert len(said) == 1 and "the fastest of" in said[0], result.stdout
+    ran = load_config(out / "config.toml")
+    assert ran.parallel.strategy in ("pp", "ddp", "fsdp") and ran.parallel.pp * ran.parallel.dp == 2
+    assert f"pick: {ran.parallel.strategy}" in said[0] or f"pick: pp={ran.parallel.pp}" in said[0]
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [1] and rows[0]["strategy"] == ran.parallel.strategy
