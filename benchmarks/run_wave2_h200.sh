@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Tensor parallelism, the quantized base and the real model on 2x H200, in three device calls of < 10 minutes.
+# Random weights unless noted, seq 512, effective batch 16, LoRA r16 on 7 projections, every speed switch of the
+# bench configs on (compile, CUDA graphs, fused loss; the 72B shape with checkpointing "auto").
+#   1: Qwen3-4B pp=2 (1F1B 4 x 4) / tp=2 (one replica, the same microbatches) / ddp (2 x 8); the 72B shape pp=2
+#      (1F1B 8 x 2) / tp=2; fp8 pp at 72B and at 4B. Also stashes the first half of the SmolLM2 GGUF file.
+#   2: SmolLM2-135M-Instruct (the real model, from its GGUF) fine-tuned and scored on GPU 1
+#      (benchmarks/smollm2_rouge.py) while GPU 0 trains the 72B shape in NF4 alone (single); then NF4 pp and
+#      NF4 ddp of the 72B shape on both GPUs.
+#   3: the 72B shape fsdp; 4B bf16 / fp8 / nf4 loss curves over 100 steps; Qwen3-32B bf16 / fp8.
+# Each run is `pipetune bench` with its own --timeout; a run that would not fit the call's budget is skipped and
+# said so. Usage (device machine, repo root; carry .whl, .baselines and in call 1 .carry/smollm2.gguf.partaa, in
+# call 2 .carry/smollm2.gguf.partab): OUT=dir bash benchmarks/run_wave2_h200.sh 1|2|3
+# CPU dry run with the tiny model (no GPU; fp8 and the real model left out): TINY=1 OUT=dir bash ... 1|2|3
+CALL=${1:-1}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  >/dev/null 2>&1 && export PYTHONPATH=/tmp/site
+source benchmarks/h200_common.sh
+W=/tmp/wave2-$CALL; rm -rf $W; mkdir -p $W
+START=$(date +%s); BUDGET=${BUDGET:-560}
+left() { echo $((BUDGET - $(date +%s) + START)); }
+B4=configs/bench-qwen3-4b.toml; B72=configs/bench-qwen2.5-72b.toml
+if [ "${TINY:-0}" = 1 ]; then
+  TINYSET="--set model.name=\"tiny-qwen3\" --set model.dtype=\"float32\" --set train.compile=false \
+    --set train.cuda_graphs=false --set data.synthetic_train=64"
+  S4="--steps 1 --warmup 1"; S72=$S4; CURVE=$S4; FP8=""
+else
+  TINYSET=""; S4="--steps 8 --warmup 4"; S72="--steps 4 --warmup 2"; CURVE="--steps 96 --warmup 4"; FP8=fp8
+fi
+bench() {  # name, timeout s, config, args...
+  local name=$1 limit=$2 config=$3; shift 3
+  if [ "$(left)" -lt "$limit" ]; then limit=$(left); fi
+  if [ "$limit" -lt 60 ]; then echo "== $name: skipped, $(left) s left"; return; fi
+  echo "== $name ($(date +%T), limit $limit s): $*"
+  python3 -m pipetune bench --config $config --out $W/$name --timeout $((limit - 10)) "$@" $TINYSET 2>&1 | \
+    grep -v -i warn | tee $W/$name.out | grep -E "^bench: .*(ready|timed step 1 |done|timed out|exit code)|│|error"
+}
+q() { echo "--set model.quantize=\"$1\""; }
+TP="--strategies tp"
+REPLICAS="--set parallel.pp=1 --set parallel.dp=2 --set train.batch_size=2 --set train.grad_accum=4 \
+  --set parallel.n_microbatches=1"
+if [ "$CALL" = 1 ]; then
+  mkdir -p /tmp/keep && cp .carry/smollm2.gguf.partaa /tmp/keep/ 2>/dev/null && echo "stashed GGUF part aa"
+  bench 4b-pp 110 $B4 --strategies pp $S4
+  bench 4b-tp 130 $B4 $TP $S4
+  bench 4b-ddp 100 $B4 --strategies ddp $S4
+  bench 72b-pp 120 $B72 --strategies pp $S72
+  bench 72b-tp 140 $B72 $TP $S72
+  [ -n "$FP8" ] && bench 72b-pp-fp8 110 $B72 --strategies pp $S72 $(q fp8)
+  [ -n "$FP8" ] && bench 4b-pp-fp8 90 $B4 --strategies pp $S4 $(q fp8)
+elif [ "$CALL" = 2 ]; then
+  if [ "${TINY:-0}" != 1 ]; then
+    GGUF=/tmp/keep/smollm2.gguf
+    cat /tmp/keep/smollm2.gguf.partaa .carry/smollm2.gguf.partab > $GGUF 2>/dev/null
+    echo "GGUF $(sha256sum $GGUF | cut -c1-16) (expected b179c9523d0e6a0f)"
+    (CUDA_VISIBLE_DEVICES=1 timeout $(( $(left) - 20 )) python3 benchmarks/smollm2_rouge.py --model $GGUF \
+      --out $W/smollm2 --meetings 64 > $OUT/smollm2.log 2>&1; echo "smollm2 exit $?" >> $OUT/smollm2.log) &
+    SMOL=$!
+  fi
+  # One GPU: all 80 layers in NF4 (~41 GB), checkpointing planned for the rest ("auto"), 8 microbatches of 2.
+  CUDA_VISIBLE_DEVICES=0 bench 72b-single-nf4 260 $B72 --strategies single $S72 $(q nf4)
+  [ -n "${SMOL:-}" ] && wait $SMOL
+  cp -r $W/smollm2/eval.json $W/smollm2/result.json $W/smollm2/metrics.csv $OUT/ 2>/dev/null
+  tail -25 $OUT/smollm2.log 2>/dev/null
+  bench 72b-pp-nf4 120 $B72 --strategies pp $S72 $(q nf4)
+  bench 72b-ddp-nf4 150 $B72 --strategies ddp $S72 $(q nf4) --set parallel.strategy=\"ddp\" $REPLICAS
+elif [ "$CALL" = 3 ]; then
+  bench 72b-fsdp 120 $B72 --strategies fsdp $S72 --set parallel.strategy=\"fsdp\" $REPLICAS
+  for m in none $FP8 nf4; do bench 4b-curve-$m 100 $B4 --strategies pp $CURVE $(q $m); done
+  curves=""; for m in none $FP8 nf4; do curves="$curves $m=$W/4b-curve-$m/pp/metrics.csv"; done
+  python3 benchmarks/plot_loss_curves.py $OUT/loss_curves_4b.png $curves | tee $OUT/loss_curves_4b.txt
+fi
+python3 - "$W" "$OUT" "$CALL" <<'PY'
+import json, pathlib, sys, tarfile
+w, out, call = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3]
+merged = {b.parent.name: json.loads(b.read_text()) for b in sorted(w.glob("*/bench.json"))}
+(out / f"bench_wave2_{call}.json").write_text(json.dumps(merged, indent=1))
+print(f"{'run':<18} {'tokens/s':>9} {'MFU':>6}  peak GB per rank")
+for name, rows in merged.items():
+    for r in rows:
+        if "error" in r:
+            print(f"{name:<18} {r['error'][:300]}")
+        else:
+            peaks = " / ".join(f"{g:.1f}" for g in r["peak_gb_per_rank"])
+            print(f"{name:<18} {r['tokens_per_sec']:>9,.0f} {r['mfu']:>6.1%}  {peaks}")
+with tarfile.open(out / f"runs_wave2_{call}.tar.gz", "w:gz") as tar:
+    for f in sorted(w.rglob("*")):
+        if f.is_file() and f.stat().st_size < 5e6 and (
+            f.suffix in (".png", ".csv", ".log", ".toml", ".out", ".jsonl", ".txt") or f.name == "timeline.json"
+        ):
+            tar.add(f, arcname=str(f.relative_to(w)))
+PY
+echo "call $CALL done in $(( $(date +%s) - START )) s"
