@@ -10,7 +10,7 @@ from transformers import Qwen3Config
 
 from pipetune.config import ConfigError, ModelConfig
 from pipetune.model.load import build_model
-from pipetune.model.quantize import FP8, base_linears, fp8_quantize, quantize_linears
+from pipetune.model.quantize import FP8, base_linears, fp8_quantize, quantize_linears, weight_writers
 from pipetune.model.shapes import resolve_model
 from pipetune.model.split import split_layers
 from pipetune.preflight import preflight
@@ -124,3 +124,28 @@ def test_quantize_settings_a_run_cannot_serve_are_refused_before_any_weight(
         pytest.skip("this machine has a GPU")
     with pytest.raises(ConfigError, match=message):
         preflight(tiny_config(tmp_path, *overrides), world_size)
+
+
+def test_a_compiled_nf4_layer_keeps_the_nf4_weight_for_backward_not_its_dequantized_copy() -> None:
+    """Compiled, an NF4 linear keeps what eager keeps: the 4-bit weight, not a [rows, columns] dequantized copy
+    per microbatch in flight (which is what ran the 72B shape out of memory)."""
+    with torch.device("meta"):
+        model = torch.nn.Module()
+        model.layers = torch.nn.ModuleList([torch.nn.Linear(256, 128, bias=False)])
+    quantize_linears(model, "nf4")
+    model.to_empty(device="cpu")
+    (writer,) = weight_writers(model).values()
+    writer(torch.randn(128, 256))
+    saved = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    x = torch.randn(4, 256, requires_grad=True)
+    layer = torch.compile(model.layers[0], backend="aot_eager")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = layer(x)
+    out.sum().backward()
+    assert x.grad is not None and out.shape == (4, 128)
+    assert not [t for t in saved if t.shape == (128, 256) and type(t) is torch.Tensor], [type(t) for t in saved]

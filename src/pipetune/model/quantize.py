@@ -66,7 +66,8 @@ def nf4_scaler_block(numel: int) -> int:
 def quantize_linears(model: nn.Module, method: str) -> int:
     """Turn the decoder layers' linear weights of a meta-device model into quantized placeholders; returns how many.
 
-    "nf4": the weight becomes an NF4Tensor (F.linear dequantizes it, through torchao's own autograd function).
+    "nf4": the weight becomes an NF4Tensor (F.linear dequantizes it, through torchao's own autograd function),
+    and the module runs `_nf4_linear_forward`.
     "fp8": the weight becomes float8_e4m3fn with a `weight_scale` buffer (one float32 per row), and the module
     runs `_fp8_linear_forward`."""
     if method == "none":
@@ -80,6 +81,7 @@ def quantize_linears(model: nn.Module, method: str) -> int:
             _, to_nf4 = torchao_nf4()
             placeholder = to_nf4(weight.detach(), NF4_BLOCK, nf4_scaler_block(weight.numel()))
             linear.weight = nn.Parameter(placeholder, requires_grad=False)
+            linear.forward = types.MethodType(_nf4_linear_forward, linear)
         elif method == "fp8":
             linear.weight = nn.Parameter(torch.empty_like(weight, dtype=FP8), requires_grad=False)
             linear.compute_dtype = weight.dtype  # PEFT sizes adapters by it (bitsandbytes' convention), not by FP8
@@ -140,6 +142,19 @@ def _write_fp8(linear: nn.Linear, whole: torch.Tensor) -> None:
     local = weight.to_local() if isinstance(weight, DTensor) else weight
     local.copy_(values[_rows(weight)])
     linear.weight_scale.copy_(scale)  # a buffer: every rank holds all rows' scales (4 bytes a row)
+
+
+def _nf4_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return _nf4_linear(x, self.weight, self.bias)
+
+
+@torch.compiler.disable
+def _nf4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """F.linear with an NF4 weight, run outside compiled graphs. Eagerly, torchao's autograd function keeps the
+    NF4 weight for backward and dequantizes it again there; traced into a compiled layer, the partitioner keeps
+    the dequantized weight instead (2 bytes a weight, per layer and microbatch in flight: the 72B shape in NF4
+    ran out of 150 GB on one H200 where the eager layer's plan needed 93 GB)."""
+    return nn.functional.linear(x, weight, bias)
 
 
 def _fp8_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
