@@ -8,6 +8,7 @@
 #      (benchmarks/smollm2_rouge.py) while GPU 0 trains the 72B shape in NF4 alone (single); then NF4 pp and
 #      NF4 ddp of the 72B shape on both GPUs.
 #   3: the 72B shape tp=2; Qwen3-4B tp=2 with one microbatch of 16; fp8 pp at 72B; NF4 72B on one GPU.
+#   4 (ONE H200): the 72B shape in NF4 and in FP8 on one GPU (single); Qwen3-4B single bf16 against fp8.
 # Each run is `pipetune bench` with its own --timeout; a run that would not fit the call's budget is skipped and
 # said so. Usage (device machine, repo root; carry .whl, .baselines and in call 1 .carry/smollm2.gguf.partaa, in
 # call 2 .carry/smollm2.gguf.partab): OUT=dir bash benchmarks/run_wave2_h200.sh 1|2|3
@@ -72,6 +73,14 @@ elif [ "$CALL" = 3 ]; then
   bench 4b-tp-mb16 120 $B4 $TP $S4 --set parallel.n_microbatches=1 --set train.cuda_graphs=false
   [ -n "$FP8" ] && bench 72b-pp-fp8 130 $B72 --strategies pp $S72 $(q fp8)
   CUDA_VISIBLE_DEVICES=0 bench 72b-single-nf4 200 $B72 --strategies single $S72 $(q nf4)
+elif [ "$CALL" = 4 ]; then  # ONE H200 (when two were not lent): a quantized base on a single GPU
+  bench 72b-single-nf4 200 $B72 --strategies single $S72 $(q nf4)
+  [ -n "$FP8" ] && bench 72b-single-fp8 200 $B72 --strategies single $S72 $(q fp8)
+  # Qwen3-4B on one GPU, the batch of 16 in one microbatch, compiled without graphs: bf16 against fp8.
+  SINGLE4="--set parallel.pp=1 --set parallel.strategy=\"single\" --set parallel.n_microbatches=1 \
+    --set train.cuda_graphs=false"
+  bench 4b-single-bf16 85 $B4 --strategies single $S4 $SINGLE4
+  [ -n "$FP8" ] && bench 4b-single-fp8 85 $B4 --strategies single $S4 $SINGLE4 $(q fp8)
 fi
 python3 - "$W" "$OUT" "$CALL" <<'PY'
 import json, pathlib, sys, tarfile

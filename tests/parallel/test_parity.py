@@ -23,10 +23,21 @@ def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "adapter" / "adapter_model.safetensors")
 
 
-ADAPTER_RTOL = 1e-4
-"""Adapters of a tensor-parallel run against one process's, relative L2 per tensor: tp sums row-wise products in
-parts, and Adam's first steps amplify those last bits on near-zero gradients (tests/parallel/test_tensor_parallel.py
-says what was measured)."""
+def assert_rounding_apart(
+    adapter: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], lr: float = 1e-3
+) -> None:
+    """Adapters that differ from the reference only as float32 rounding does under Adam (tensor parallelism sums
+    row-wise products in parts): every element within 1e-6, but at most one in a thousand of each tensor (at least
+    one), each within 2 x lr a step. Adam divides each gradient element by its own magnitude, so an element whose
+    gradient is rounding-sized follows the sign of the last bits of a sum done in another order
+    (tests/parallel/test_tensor_parallel.py says what was measured); a wrong gradient moves many elements."""
+    assert sorted(adapter) == sorted(reference)
+    steps = 3
+    for name, expected in reference.items():
+        off = (adapter[name] - expected).abs()
+        outliers = int((off > 1e-6).sum())
+        assert outliers <= max(1, expected.numel() // 1000), (name, outliers, float(off.max()))
+        assert float(off.max()) <= 2 * lr * steps, (name, float(off.max()))
 
 
 def _max_relative(adapter: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
@@ -49,22 +60,19 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # 4 stages of 1F1B run in tests/test_resume.py (resumed from 2 stages, against their continuation); 4 x gpipe
 # adds nothing new. pp=2 x tp=2 with tensor parallelism's own switches on: sequence parallelism, the
-# vocabulary-parallel fused loss, the fast LoRA path on split adapters (its adapter tolerance: ADAPTER_RTOL).
+# vocabulary-parallel fused loss, the fast LoRA path on split adapters (adapters: `assert_rounding_apart`).
 @pytest.mark.parametrize(
-    "overrides, adapter_rtol",
+    "overrides",
     [
-        pytest.param(['parallel.schedule="gpipe"'], 1e-5, id="pp2-gpipe"),
-        pytest.param(['parallel.schedule="1f1b"'], 1e-5, id="pp2-1f1b"),
+        pytest.param(['parallel.schedule="gpipe"'], id="pp2-gpipe"),
+        pytest.param(['parallel.schedule="1f1b"'], id="pp2-1f1b"),
         pytest.param(
             ["parallel.tp=2", "parallel.sequence_parallel=true", "train.fused_loss=true", "lora.fast_path=true"],
-            ADAPTER_RTOL,
             id="pp2-tp2",
         ),
     ],
 )
-def test_pipeline_matches_single_process(
-    reference: Path, tmp_path: Path, overrides: list[str], adapter_rtol: float
-) -> None:
+def test_pipeline_matches_single_process(reference: Path, tmp_path: Path, overrides: list[str]) -> None:
     run_dir = _train(tmp_path, "run", "parallel.pp=2", *overrides)
 
     expected, got = _losses(reference), _losses(run_dir)
@@ -72,14 +80,21 @@ def test_pipeline_matches_single_process(
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
 
     ref_adapter, adapter = _adapter(reference), _adapter(run_dir)
-    assert sorted(adapter) == sorted(ref_adapter)
-    for name, tensor in ref_adapter.items():
-        # Relative error of each tensor as a whole: Adam turns near-zero gradient noise into
-        # element-wise differences of ~1e-6 absolute, far below the tensor's norm.
-        relative = float((adapter[name] - tensor).norm() / tensor.norm())
-        assert relative < adapter_rtol, f"{name}: relative difference {relative:.2e}"
+    if "parallel.tp=2" in overrides:
+        assert_rounding_apart(adapter, ref_adapter)
+    else:
+        assert_close_per_tensor(adapter, ref_adapter)
     # The adapters really trained: lora_B started at zero.
     assert any(t.abs().max() > 0 for name, t in adapter.items() if "lora_B" in name)
+
+
+def assert_close_per_tensor(adapter: dict[str, torch.Tensor], ref_adapter: dict[str, torch.Tensor]) -> None:
+    """Each tensor within 1e-5 relative L2 of the reference's: Adam turns near-zero gradient noise into
+    element-wise differences of ~1e-6 absolute, far below the tensor's norm."""
+    assert sorted(adapter) == sorted(ref_adapter)
+    for name, tensor in ref_adapter.items():
+        relative = float((adapter[name] - tensor).norm() / tensor.norm())
+        assert relative < 1e-5, f"{name}: relative difference {relative:.2e}"
 
 
 @pytest.mark.parametrize("schedule", ["interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev"])
@@ -89,8 +104,4 @@ def test_multi_stage_schedules_match_single_process(reference: Path, tmp_path: P
     config = tiny_config(run_dir, f'parallel.schedule="{schedule}"', "parallel.stages_per_rank=2")
     run_cli("train", "--config", str(write_config(config, tmp_path / f"{schedule}.toml")), "--quiet")
     torch.testing.assert_close(torch.tensor(_losses(run_dir)), torch.tensor(_losses(reference)), rtol=1e-5, atol=0)
-    ref_adapter, adapter = _adapter(reference), _adapter(run_dir)
-    assert sorted(adapter) == sorted(ref_adapter)
-    for name, tensor in ref_adapter.items():
-        relative = float((adapter[name] - tensor).norm() / tensor.norm())
-        assert relative < 1e-5, f"{name}: relative difference {relative:.2e}"
+    assert_close_per_tensor(_adapter(run_dir), _adapter(reference))

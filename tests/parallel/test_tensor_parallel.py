@@ -4,9 +4,10 @@ tp splits every row-wise product (o_proj, down_proj, row-wise adapters) into tp 
 results differ from one process's in the last bits: losses and gradient norms agree to ~1e-7, gradients to
 ~2e-6 relative (measured on this model). Adam's first steps divide each gradient element by its own magnitude,
 which makes an element whose gradient is near zero sensitive to those bits: in the tp runs here one element of
-11,008 (layer 1's up_proj lora_B) ends 1e-5 away (lr 1e-3), all others within 1e-7, a relative difference of
-5.5e-5 for that tensor; hence ADAPTER_RTOL = 1e-4. pp x tp runs in tests/parallel/test_parity.py, dp x tp (as two
-torchrun nodes) in tests/parallel/test_multinode.py.
+11,008 (layer 1's up_proj lora_B) ends 1e-5 away (lr 1e-3), all others within 1e-7; in pp x tp with sequence
+parallelism one of 4,096 (layer 1's q_proj lora_B) 6.8e-5 away, a relative L2 difference of 6.6e-4 for that
+tensor alone. Adapters are therefore compared element by element (`assert_rounding_apart`). pp x tp runs in
+tests/parallel/test_parity.py, dp x tp (as two torchrun nodes) in tests/parallel/test_multinode.py.
 """
 
 from __future__ import annotations
@@ -28,18 +29,17 @@ from pipetune.preflight import preflight, prepare
 from tests.conftest import tiny_config
 from tests.parallel.test_data_parallel import EFFECTIVE_16
 from tests.parallel.test_fsdp import _metrics, _train
-from tests.parallel.test_parity import ADAPTER_RTOL, _adapter, _max_relative
+from tests.parallel.test_parity import _adapter, _max_relative, assert_rounding_apart
 
 TP2 = ['parallel.strategy="tp"', "parallel.pp=1", "parallel.tp=2", "train.batch_size=8"]
 
 
 def assert_matches_single(run: Path, single: Path) -> None:
-    """Loss and gradient norm of every step to 1e-5, adapters to ADAPTER_RTOL."""
+    """Loss and gradient norm of every step to 1e-5, adapters apart by rounding only."""
     expected, got = _metrics(single), _metrics(run)
     assert len(got) == len(expected) == 3
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
-    worst = _max_relative(_adapter(run), _adapter(single))
-    assert worst < ADAPTER_RTOL, worst
+    assert_rounding_apart(_adapter(run), _adapter(single))
 
 
 @pytest.mark.slow
