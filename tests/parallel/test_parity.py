@@ -27,14 +27,17 @@ def assert_rounding_apart(
     adapter: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], lr: float = 1e-3
 ) -> None:
     """Adapters that differ from the reference only as float32 rounding does under Adam (tensor parallelism sums
-    row-wise products in parts): every element within 1e-6, but at most one in a thousand of each tensor (at least
-    one), each within 2 x lr a step. Adam divides each gradient element by its own magnitude, so an element whose
-    gradient is rounding-sized follows the sign of the last bits of a sum done in another order
-    (tests/parallel/test_tensor_parallel.py says what was measured); a wrong gradient moves many elements."""
+    row-wise products in parts): each tensor within 1e-5 relative L2, or apart in at most one element in a
+    thousand (at least one) by more than 1e-6, each within 2 x lr a step. Adam divides each gradient element by its
+    own magnitude, so an element whose gradient is rounding-sized follows the sign of the last bits of a sum done
+    in another order (tests/parallel/test_tensor_parallel.py says what was measured); a wrong gradient moves many
+    elements."""
     assert sorted(adapter) == sorted(reference)
     steps = 3
     for name, expected in reference.items():
         off = (adapter[name] - expected).abs()
+        if float(off.norm() / expected.norm()) < 1e-5:
+            continue
         outliers = int((off > 1e-6).sum())
         assert outliers <= max(1, expected.numel() // 1000), (name, outliers, float(off.max()))
         assert float(off.max()) <= 2 * lr * steps, (name, float(off.max()))

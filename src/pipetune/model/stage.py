@@ -138,7 +138,8 @@ class StageModule(nn.Module):
         rank's part (all ranks measure together). On the meta device the forward allocates and computes nothing
         (a plan for any size, on any machine) and saves what CUDA's kernels save (`CudaKernelsOnMeta`)."""
         layer = self.layers[0]
-        frozen = next(p for p in layer.parameters() if not p.requires_grad)
+        # The hidden states' dtype is the frozen weights' compute dtype: a norm's, not an FP8 weight's (model.quantize).
+        frozen = next(p for p in layer.parameters() if not p.requires_grad and p.element_size() > 1)
         device, dtype = frozen.device, frozen.dtype
         positions = seq // self.sequence_shards  # this rank's share of them with sequence parallelism
         hidden = torch.zeros(batch, positions, self.rotary.config.hidden_size, dtype=dtype, device=device)
