@@ -9,6 +9,7 @@
 #      NF4 ddp of the 72B shape on both GPUs.
 #   3: the 72B shape tp=2; Qwen3-4B tp=2 with one microbatch of 16; fp8 pp at 72B; NF4 72B on one GPU.
 #   4 (ONE H200): the 72B shape in NF4 and in FP8 on one GPU (single); Qwen3-4B single bf16 against fp8.
+#   5 (ONE H200): the 72B shape in FP8 on one GPU again, after a fix that call 4 called for.
 # Each run is `pipetune bench` with its own --timeout; a run that would not fit the call's budget is skipped and
 # said so. Usage (device machine, repo root; carry .whl, .baselines and in call 1 .carry/smollm2.gguf.partaa, in
 # call 2 .carry/smollm2.gguf.partab): OUT=dir bash benchmarks/run_wave2_h200.sh 1|2|3
@@ -81,6 +82,8 @@ elif [ "$CALL" = 4 ]; then  # ONE H200 (when two were not lent): a quantized bas
     --set train.cuda_graphs=false"
   bench 4b-single-bf16 85 $B4 --strategies single $S4 $SINGLE4
   [ -n "$FP8" ] && bench 4b-single-fp8 85 $B4 --strategies single $S4 $SINGLE4 $(q fp8)
+elif [ "$CALL" = 5 ]; then  # ONE H200, after the fix to auto checkpointing's layer dtype: the 72B shape in FP8
+  bench 72b-single-fp8 220 $B72 --strategies single $S72 $(q fp8)
 fi
 python3 - "$W" "$OUT" "$CALL" <<'PY'
 import json, pathlib, sys, tarfile
