@@ -57,6 +57,7 @@ LONG16K = [
 ]
 REPLICAS = ["parallel.pp=1", "parallel.dp=2", "train.batch_size=2", "train.grad_accum=4", "parallel.n_microbatches=1"]
 EAGER = ["train.compile=false", "train.cuda_graphs=false"]
+SINGLE4 = ['parallel.strategy="single"', "parallel.pp=1", "parallel.n_microbatches=1", "train.cuda_graphs=false"]
 
 
 @dataclass
@@ -274,6 +275,38 @@ RUNS = [
         ],
         "ddp",
         "2026-11-30-big-partB-bench.json:long-ddp-ckpt:ddp",
+    ),
+    Run("wave2 1: 4B, ddp 2 x 8", B4, [], "ddp", "2026-11-30-wave2-call1-bench.json:4b-ddp:ddp"),
+    Run("wave2 1: 72B, 1F1B 8 x 2", B72, [], "pp", "2026-11-30-wave2-call1-bench.json:72b-pp:pp"),
+    Run(
+        "wave2 4: 4B, one GPU, 1 x 16", B4, SINGLE4, "single", "2026-11-30-wave2-call4-bench.json:4b-single-bf16:single"
+    ),
+    Run(
+        "wave2 4: 4B fp8, one GPU, 1 x 16",
+        B4,
+        [*SINGLE4, 'model.quantize="fp8"'],
+        "single",
+        "2026-11-30-wave2-call4-bench.json:4b-single-fp8:single",
+        note="the speed model knows no FP8 matmuls",
+        speed=False,
+    ),
+    Run(
+        "wave2 4: 72B nf4, one GPU, 8 x 2",
+        B72,
+        ['model.quantize="nf4"'],
+        "single",
+        "2026-11-30-wave2-72b-single-nf4-metrics.csv:2",
+        note="the speed model knows no NF4 dequantization",
+        speed=False,
+    ),
+    Run(
+        "wave2 5: 72B fp8, one GPU, 8 x 2",
+        B72,
+        ['model.quantize="fp8"'],
+        "single",
+        "2026-11-30-wave2-call5-bench.json:72b-single-fp8:single",
+        note="the speed model knows no FP8 matmuls",
+        speed=False,
     ),
 ]
 """Every pipetune training run on 2x H200 in benchmarks/results (the seed script and the baselines are not
