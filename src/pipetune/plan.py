@@ -453,8 +453,7 @@ def available_gpus(config: Config, nproc: int | None = None) -> int:
         return int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         return torch.cuda.device_count()
-    p = config.parallel
-    return p.pp * p.dp * getattr(p, "tp", 1)
+    return config.parallel.world_size
 
 
 def resolve_auto(config: Config, gpus: int, announce: bool = True) -> Config:

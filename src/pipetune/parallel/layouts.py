@@ -20,7 +20,6 @@ from pipetune.config import (
     V_SCHEDULES,
     Config,
     ConfigError,
-    ParallelConfig,
     validate,
     validate_against_model,
 )
@@ -54,7 +53,7 @@ class Layout:
             p.strategy,
             p.pp,
             p.dp,
-            getattr(p, "tp", 1),
+            p.tp,
             p.schedule,
             p.stages_per_rank,
             p.n_microbatches,
@@ -72,10 +71,8 @@ class Layout:
         """`config` run this way (a copy); a given layers_per_stage is kept where the stage count still matches."""
         variant = copy.deepcopy(config)
         p, t = variant.parallel, variant.train
-        p.strategy, p.pp, p.dp, p.dp_shard = self.strategy, self.pp, self.dp, self.dp_shard
+        p.strategy, p.pp, p.dp, p.tp, p.dp_shard = self.strategy, self.pp, self.dp, self.tp, self.dp_shard
         p.schedule, p.stages_per_rank, p.n_microbatches = self.schedule, self.stages_per_rank, self.n_microbatches
-        if hasattr(p, "tp"):
-            p.tp = self.tp
         if len(p.layers_per_stage) != p.n_stages:
             p.layers_per_stage = []
         t.batch_size, t.grad_accum = self.n_microbatches * self.microbatch, self.grad_accum
@@ -117,9 +114,8 @@ def candidate_layouts(
 
 
 def process_grids(gpus: int, model_config: PretrainedConfig) -> list[tuple[int, int, int]]:
-    """(pp, tp, dp) with pp x tp x dp = gpus. Tensor parallelism, where the config has it, takes the degrees that
-    divide the attention and key-value heads; the pipeline at most one stage per layer."""
-    tensor_parallel = "tp" in {f.name for f in dataclasses.fields(ParallelConfig)}
+    """(pp, tp, dp) with pp x tp x dp = gpus. Tensor parallelism takes the degrees that divide the attention and
+    key-value heads; the pipeline at most one stage per layer."""
     heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     grids = []
@@ -127,7 +123,7 @@ def process_grids(gpus: int, model_config: PretrainedConfig) -> list[tuple[int, 
         if pp > model_config.num_hidden_layers:
             continue
         for tp in _divisors(gpus // pp):
-            if tp > 1 and not (tensor_parallel and heads % tp == 0 and kv_heads % tp == 0):
+            if tp > 1 and not (heads % tp == 0 and kv_heads % tp == 0):
                 continue
             grids.append((pp, tp, gpus // pp // tp))
     return grids
@@ -167,13 +163,10 @@ def _shapes(model_config: PretrainedConfig, pp: int, tp: int, dp: int, per_repli
 def _accepted(variant: Config, model_config: PretrainedConfig, module_names: set[str]) -> bool:
     p = variant.parallel
     try:
-        validate(variant, p.pp * p.dp * getattr(p, "tp", 1))
+        validate(variant, p.world_size)
         heads = model_config.num_attention_heads
         kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
-        if hasattr(p, "tp"):
-            validate_against_model(variant, model_config.num_hidden_layers, module_names, heads, kv_heads)
-        else:
-            validate_against_model(variant, model_config.num_hidden_layers, module_names)
+        validate_against_model(variant, model_config.num_hidden_layers, module_names, heads, kv_heads)
     except ConfigError:
         return False
     return True
