@@ -17,7 +17,7 @@ import uuid
 import warnings
 from pathlib import Path
 
-from pipetune.config import Config, ConfigError, load_config, save_config
+from pipetune.config import Config, ConfigError, load_config, save_config, validate
 
 EXAMPLES = """\
 examples:
@@ -376,8 +376,10 @@ def launch_local(
 def run_data_inspect(config: Config, as_json: bool = False) -> int:
     """Print what the config's data looks like to the model: rows, skipped rows, lengths, truncation, padding."""
     from pipetune.data.inspect import format_report, inspect_data
+    from pipetune.preflight import prepare
 
-    report = inspect_data(config)
+    validate(config, config.parallel.world_size)
+    report = inspect_data(config, prepare(config).prompts)
     print(report.to_json() if as_json else format_report(report))
     return 0
 
@@ -415,7 +417,7 @@ def run_plan(args: argparse.Namespace) -> int:
     budget = args.gpu_memory * GB if args.gpu_memory is not None else None
     rates = None
     if args.calibrate:
-        from pipetune.parallel.calibrate import calibrate
+        from pipetune.calibrate import calibrate
 
         rates = calibrate(config, gpus, budget)
     plan = make_plan(config, gpus, budget, rates)

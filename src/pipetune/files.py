@@ -1,9 +1,11 @@
 """Files that survive crashes: written so that a reader sees the old one or the whole new one (a failure leaves
-no temporary file), and metrics.csv read back as a crash may have left it."""
+no temporary file), and metrics.csv read back as a crash may have left it; where pipetune caches what it builds
+once, and the content digest that keys those caches."""
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import os
 from pathlib import Path
 
@@ -30,6 +32,24 @@ def write_atomic(path: str | Path, data: bytes | str, sync: bool = False) -> Non
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def default_cache_dir() -> Path:
+    """``$PIPETUNE_CACHE``, else ``$XDG_CACHE_HOME/pipetune``, else ``~/.cache/pipetune``."""
+    if os.environ.get("PIPETUNE_CACHE"):
+        return Path(os.environ["PIPETUNE_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "pipetune"
+    return Path.home() / ".cache" / "pipetune"
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of the file's content, read in 16 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_metrics_rows(path: Path) -> tuple[list[dict], list[str], int]:

@@ -76,7 +76,7 @@ def test_layer_activations_on_meta_are_the_cpu_measurement() -> None:
 
 def test_calibration_times_a_layer_and_the_model_uses_the_times(tmp_path, monkeypatch) -> None:
     """--calibrate's path on a CPU (the figures are the CPU's): the timed shape's layer time replaces the model's."""
-    from pipetune.parallel import calibrate
+    from pipetune import calibrate
     from pipetune.parallel.speed import layer_seconds
     from pipetune.plan import make_plan
     from tests.conftest import tiny_config

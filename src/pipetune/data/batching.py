@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipetune.data.example import Example
 from pipetune.data.prompt import PromptBuilder, Sample
-from pipetune.data.sources import Example
 
 IGNORE = -100
 

@@ -29,7 +29,7 @@ import numpy as np
 from pipetune.config import DataConfig
 from pipetune.data.batching import SampleStore
 from pipetune.data.prompt import PromptBuilder
-from pipetune.model.gguf import file_digest
+from pipetune.files import default_cache_dir, file_digest
 
 CACHE_VERSION = 1
 """Part of the digest; bump it when the stored layout changes."""
@@ -73,8 +73,6 @@ def tokenized_data(
     `wait`: never build, wait for another process to finish the build (the other ranks of a node, while its
     local rank 0 builds).
     """
-    from pipetune.data.tokenizer import default_cache_dir
-
     root = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "data"
     target = root / data_digest(data, prompts, seed)
     while wait and not (target / "meta.json").is_file():

@@ -17,9 +17,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pipetune.config import Config, validate
+from pipetune.config import Config
+from pipetune.data.example import Example
 from pipetune.data.prompt import PromptBuilder
-from pipetune.data.sources import Example, load_dataset
+from pipetune.data.sources import load_dataset
 
 PERCENTILES = (50, 90, 99)
 
@@ -85,12 +86,8 @@ class DataReport:
         return json.dumps(self.to_dict(), indent=2)
 
 
-def inspect_data(config: Config, n_buckets: int = 4) -> DataReport:
-    """Validate the config, load its tokenizer (no process starts) and data, and measure every split."""
-    from pipetune.preflight import prepare
-
-    validate(config, config.parallel.world_size)
-    prepared = prepare(config)
+def inspect_data(config: Config, prompts: PromptBuilder, n_buckets: int = 4) -> DataReport:
+    """Load a validated config's data and measure every split as `prompts` (its model's tokenizer) builds it."""
     dataset = load_dataset(config.data, seed=config.train.seed)
     buckets = bucket_boundaries(config.data.max_length, n_buckets)
     return DataReport(
@@ -100,7 +97,7 @@ def inspect_data(config: Config, n_buckets: int = 4) -> DataReport:
         max_summary_tokens=config.data.max_summary_tokens,
         buckets=buckets,
         rows=dataset.summary(),
-        splits=[split_report(name, examples, prepared.prompts, buckets) for name, examples in dataset.splits.items()],
+        splits=[split_report(name, examples, prompts, buckets) for name, examples in dataset.splits.items()],
     )
 
 

@@ -17,6 +17,7 @@ from transformers import PreTrainedTokenizerFast
 
 from pipetune.data.prompt_text import SYSTEM_PROMPT
 from pipetune.data.synthetic import synthetic_splits
+from pipetune.files import default_cache_dir
 
 TOKENIZER_VERSION = 1
 """Part of the cache directory name; bump it whenever the training recipe below changes."""
@@ -31,15 +32,6 @@ CHATML_TEMPLATE = (
 )
 MODEL_MAX_LENGTH = 1_000_000
 """No practical limit: the model config and ``data.max_length`` bound sequence length instead."""
-
-
-def default_cache_dir() -> Path:
-    """``$PIPETUNE_CACHE``, else ``$XDG_CACHE_HOME/pipetune``, else ``~/.cache/pipetune``."""
-    if os.environ.get("PIPETUNE_CACHE"):
-        return Path(os.environ["PIPETUNE_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "pipetune"
-    return Path.home() / ".cache" / "pipetune"
 
 
 def tokenizer_dir(cache_dir: str | os.PathLike | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:
