@@ -345,7 +345,7 @@ def save_checkpoint(
         "rng": _python_rng_state(),
         "files": files,
     }
-    _write_atomic(path / f"state.rank{rank}.json", json.dumps(meta).encode())
+    write_atomic(path / f"state.rank{rank}.json", json.dumps(meta).encode(), sync=True)
 
     _barrier()  # every part is on disk before the marker
     if rank == 0:
@@ -354,7 +354,7 @@ def save_checkpoint(
             name: hashlib.sha256((path / name).read_bytes()).hexdigest()
             for name in (f"state.rank{k}.json" for k in range(world_size))
         }
-        _write_atomic(path / MARKER, json.dumps(marker, indent=1).encode())
+        write_atomic(path / MARKER, json.dumps(marker, indent=1).encode(), sync=True)
         prune_checkpoints(run_dir, config.train.keep_checkpoints)
     _barrier()  # nobody runs ahead of (or is killed before) the commit
     return path
@@ -418,12 +418,8 @@ def _python_rng_state() -> dict[str, Any]:
 
 def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
     data = save_tensors(dict(sorted(tensors.items())), metadata={"format": "pt"})
-    _write_atomic(path, data)
-    return hashlib.sha256(data).hexdigest()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
     write_atomic(path, data, sync=True)
+    return hashlib.sha256(data).hexdigest()
 
 
 def _barrier() -> None:

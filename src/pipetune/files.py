@@ -7,6 +7,9 @@ from __future__ import annotations
 import csv
 import hashlib
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -32,6 +35,26 @@ def write_atomic(path: str | Path, data: bytes | str, sync: bool = False) -> Non
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_atomic_dir(target: Path, build: Callable[[Path], None], complete: str) -> None:
+    """Make the directory `target` whole or not at all: `build(staging)` fills a private directory beside it,
+    which a rename (atomic) then turns into `target`.
+
+    When another process's build got there first the rename fails; its copy stays if it holds the file
+    `complete`, and this one is dropped. A failed build leaves nothing behind.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        staging.chmod(0o755)  # mkdtemp makes it owner-only
+        build(staging)
+        os.rename(staging, target)
+    except OSError:
+        if not (target / complete).is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def default_cache_dir() -> Path:

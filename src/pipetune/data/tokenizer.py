@@ -8,8 +8,6 @@ directory and rename it into place, so exactly one copy wins and the others load
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -17,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 
 from pipetune.data.prompt_text import SYSTEM_PROMPT
 from pipetune.data.synthetic import synthetic_splits
-from pipetune.files import default_cache_dir
+from pipetune.files import default_cache_dir, write_atomic_dir
 
 TOKENIZER_VERSION = 1
 """Part of the cache directory name; bump it whenever the training recipe below changes."""
@@ -79,19 +77,8 @@ def _wrap(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
 
 
 def _build_into(target: Path, vocab_size: int) -> None:
-    """Train and save into a private directory, then rename it to ``target`` unless another process won."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        staging.chmod(0o755)  # mkdtemp makes it owner-only
-        _wrap(_train(vocab_size)).save_pretrained(staging)
-        # rename() of a directory is atomic, and fails when target already holds another build.
-        os.rename(staging, target)
-    except OSError:
-        if not (target / "tokenizer.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    """Train and save into ``target``, whole (unless another process's build got there first)."""
+    write_atomic_dir(target, lambda staging: _wrap(_train(vocab_size)).save_pretrained(staging), "tokenizer.json")
 
 
 def demo_tokenizer(

@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import struct
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipetune.config import ConfigError
-from pipetune.files import default_cache_dir, file_digest
+from pipetune.files import default_cache_dir, file_digest, write_atomic_dir
 
 CONVERSION_VERSION = 1
 """Part of the cache directory name; bump it whenever the conversion below changes its output."""
@@ -109,18 +107,8 @@ def converted_checkpoint(gguf: Path, cache_dir: Path | None = None) -> Path:
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = root / "models" / f"{gguf.stem}-{file_digest(gguf)[:16]}-v{CONVERSION_VERSION}"
     if not (target / "model.safetensors").is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         print(f"pipetune: converting {gguf} into {target} (once)", file=sys.stderr, flush=True)
-        try:
-            staging.chmod(0o755)  # mkdtemp makes it owner-only
-            convert(gguf, staging)
-            os.rename(staging, target)  # atomic; fails when a concurrent conversion already put its copy there
-        except OSError:
-            if not (target / "model.safetensors").is_file():
-                raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        write_atomic_dir(target, lambda staging: convert(gguf, staging), complete="model.safetensors")
     return target
 
 
