@@ -28,7 +28,10 @@ ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
 """Schedules that split backward into input- and weight-gradient parts."""
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE = ("none", "nf4", "fp8")
-STRATEGIES = ("pp", "ddp", "fsdp", "tp", "single", "auto")
+RUN_STRATEGIES = ("pp", "ddp", "fsdp", "tp", "single")
+"""What a run (and `pipetune bench --strategies`) can be."""
+STRATEGIES = RUN_STRATEGIES + ("auto",)
+"""parallel.strategy's values: a run's, or "auto" (pipetune plan picks one before the run starts)."""
 RESUME_MODES = ("never", "auto")
 MAX_LENGTH = 2**20
 """The longest sample pipetune accepts (tokens); far beyond what any model here can attend to."""
