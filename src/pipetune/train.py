@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from pipetune.checkpoint import Position, find_resume_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
 from pipetune.config import V_SCHEDULES, Config, save_config
-from pipetune.data.batching import bucket_lengths, bucketed_epoch_batches, epoch_batches
+from pipetune.data.batching import bucket_lengths, bucketed_epoch_batches, epoch_batches, pad_fraction
 from pipetune.data.cache import tokenized_data
 from pipetune.export import PROMPT_FILE, write_prompt_settings
 from pipetune.loggers import open_loggers
@@ -215,10 +215,9 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         f"{t.batch_size} x grad_accum {t.grad_accum} x dp {p.dp} = {global_batch * t.grad_accum} sequences"
     )
     if config.data.buckets:
-        padded = int(sample_lengths.sum())
         print0(
-            f"length buckets {config.data.buckets}: pad fraction {1 - int(real_tokens.sum()) / padded:.1%} "
-            f"(one length {max_length}: {1 - int(real_tokens.sum()) / (len(train_split) * max_length):.1%})"
+            f"length buckets {config.data.buckets}: pad fraction {pad_fraction(real_tokens, config.data.buckets):.1%} "
+            f"(one length {max_length}: {pad_fraction(real_tokens, [max_length]):.1%})"
         )
 
     # ------------------------------------------------------------------ model: this rank's stage
