@@ -24,7 +24,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from pipetune.checkpoint import Position, find_resume_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
+from pipetune.checkpoint import (
+    Position,
+    TrainState,
+    find_resume_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from pipetune.config import V_SCHEDULES, Config, save_config
 from pipetune.data.batching import bucket_lengths, bucketed_epoch_batches, epoch_batches, pad_fraction
 from pipetune.data.cache import tokenized_data
@@ -319,11 +326,10 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     )
 
     # ------------------------------------------------------------------ resume: adapters, optimizer, RNG, data position
-    # Optimizer state is saved by full-model parameter name, so another pipeline layout can load it.
-    param_names = {param: name for name, param in peft_model.named_parameters() if param.requires_grad}
+    train_state = TrainState.of(peft_model, optimizer, scheduler)
     position = Position()
     if resume_from is not None:
-        position = load_checkpoint(resume_from, env.rank, peft_model, optimizer, scheduler, param_names)
+        position = load_checkpoint(resume_from, train_state, env.rank)
         print0(f"resumed from {resume_from.path} at step {position.step}")
 
     # ------------------------------------------------------------------ loop
@@ -450,9 +456,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
                 next_epoch, next_batch = (epoch + 1, 0) if epoch_end else (epoch, i + 1)
                 after = Position(step, next_epoch, next_batch, skipped_in_row)
                 started = time.perf_counter()
-                saved = save_checkpoint(
-                    config, after, env.rank, env.world_size, peft_model, optimizer, scheduler, param_names
-                )
+                saved = save_checkpoint(config, train_state, after, env.rank, env.world_size)
                 print0(f"checkpoint {saved} ({window.exclude_since(started):.1f} s)")  # not training time either
                 faults.after_step(step, saved=True)
     progress.close()
