@@ -32,7 +32,7 @@ from pipetune.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from pipetune.config import V_SCHEDULES, Config, save_config
+from pipetune.config import Config, save_config
 from pipetune.data.batching import bucket_lengths, bucketed_epoch_batches, epoch_batches, pad_fraction
 from pipetune.data.cache import tokenized_data
 from pipetune.export import PROMPT_FILE, write_prompt_settings
@@ -56,7 +56,7 @@ from pipetune.model.stage import StageModule
 from pipetune.parallel.fsdp import restore_gradients, shard_stages, stash_gradients
 from pipetune.parallel.memory import auto_checkpointing
 from pipetune.parallel.mesh import all_reduce_gradients, build_mesh, local
-from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, stage_ids, validation_loss
+from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, validation_loss
 from pipetune.parallel.process_group import (
     DistEnv,
     close_distributed,
@@ -69,6 +69,7 @@ from pipetune.parallel.tp import apply_tp, sum_partial_gradients
 from pipetune.preflight import check_optimizer_steps, preflight
 from pipetune.run_lock import lock_for_worker
 from pipetune.run_log import RunLog, finish_run, run_started
+from pipetune.schedules import SCHEDULES, ideal_bubble, stage_ids
 from pipetune.worker import (
     Stopped,
     disk_full_message,
@@ -208,7 +209,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     total_steps = steps_per_epoch * t.epochs if t.max_steps < 0 else min(t.max_steps, steps_per_epoch * t.epochs)
     supervised = train_split.supervised  # per sample, on the CPU: no device sync per step
     validation = None
-    if len(data.splits.get("validation", ())) and p.schedule in V_SCHEDULES:
+    if len(data.splits.get("validation", ())) and not SCHEDULES[p.schedule].has_eval:
         print0(f"note: no val_loss during training: torch's {p.schedule} schedule has no forward-only mode")
     elif len(data.splits.get("validation", ())):
         val_split = data.splits["validation"].dense(max_length, prepared.pad_id)
@@ -507,7 +508,7 @@ def save_timeline(timeline: StageTimeline, env: DistEnv, run_dir: Path, config: 
     if summary is None:
         return
     p = config.parallel
-    summary["expected_bubble"] = (p.pp - 1) / (p.stages_per_rank * p.n_microbatches + p.pp - 1)
+    summary["expected_bubble"] = ideal_bubble(p.pp, p.stages_per_rank, p.n_microbatches)
     (run_dir / "timeline.json").write_text(json.dumps(summary, indent=1))
 
 

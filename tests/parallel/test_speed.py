@@ -7,17 +7,18 @@ from collections import Counter
 import pytest
 import torch
 
-from pipetune.config import LOOPED_SCHEDULES, SCHEDULES, V_SCHEDULES, Config, ModelConfig, apply_override
+from pipetune.config import Config, ModelConfig, apply_override
 from pipetune.model.shapes import resolve_model
 from pipetune.parallel.memory import inflight_timeline, measure_layer_memory
-from pipetune.parallel.pipeline import schedule_actions, stage_ids
+from pipetune.parallel.pipeline import schedule_actions
 from pipetune.parallel.speed import replay_schedule
+from pipetune.schedules import SCHEDULES, stage_ids
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_every_schedule_runs_each_microbatch_once_forward_and_backward(schedule: str) -> None:
     pp, m = 2, 4
-    v = 2 if schedule in LOOPED_SCHEDULES + V_SCHEDULES else 1
+    v = SCHEDULES[schedule].min_stages_per_rank
     order = schedule_actions(schedule, pp, v, m)
     assert sorted(order) == list(range(pp))
     for rank, actions in order.items():

@@ -18,30 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, schedules
 
-from pipetune.config import V_SCHEDULES, ConfigError
+from pipetune.config import ConfigError
 from pipetune.data.batching import IGNORE
 from pipetune.model.loss import linear_cross_entropy
+from pipetune.schedules import SCHEDULES, stage_ids
 
 # Looked up by name: older torch releases lack the newest schedules (DualPipeV since 2.8).
-SCHEDULE_CLASSES = {
-    name: getattr(schedules, class_name, None)
-    for name, class_name in {
-        "gpipe": "ScheduleGPipe",
-        "1f1b": "Schedule1F1B",
-        "interleaved_1f1b": "ScheduleInterleaved1F1B",
-        "looped_bfs": "ScheduleLoopedBFS",
-        "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
-        "zbv": "ScheduleZBVZeroBubble",
-        "dualpipev": "ScheduleDualPipeV",
-    }.items()
-}
-
-
-def stage_ids(schedule: str, rank: int, pp: int, stages_per_rank: int) -> list[int]:
-    """The pipeline stages a rank runs, in order: looped (r, r + pp, ...) or V-shaped (r, 2 pp - 1 - r)."""
-    if schedule in V_SCHEDULES:
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + k * pp for k in range(stages_per_rank)]
+SCHEDULE_CLASSES = {name: getattr(schedules, spec.torch_class, None) for name, spec in SCHEDULES.items()}
 
 
 Action = tuple[str, int, int]
@@ -58,7 +41,7 @@ def schedule_actions(schedule: str, pp: int, stages_per_rank: int, n_microbatche
     Used to predict a schedule's memory (microbatches in flight) and its step time (pipetune plan); cached: the
     result is shared, not to be changed."""
     m = n_microbatches
-    if schedule in ("gpipe", "1f1b"):
+    if not SCHEDULES[schedule].multi_stage:
         order = {}
         for rank in range(pp):
             warmup = m if schedule == "gpipe" else min(m, pp - rank)
