@@ -318,6 +318,11 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
         return launch_local(config, world_size, quiet, max_restarts, started)
 
 
+WORKER_MODULE = "pipetune"
+"""What local workers run (`python -m WORKER_MODULE train ...`); the tests' entry names itself, so that its hooks
+are installed in the workers too."""
+
+
 def launch_local(
     config: Config, nproc: int, quiet: bool = False, max_restarts: int = 0, started: float | None = None
 ) -> int:
@@ -347,7 +352,7 @@ def launch_local(
         max_restarts=max_restarts,
         monitor_interval=0.5,
     )
-    argv = ["-m", "pipetune", "train", "--config", str(config_path)] + (["--quiet"] if quiet else [])
+    argv = ["-m", WORKER_MODULE, "train", "--config", str(config_path)] + (["--quiet"] if quiet else [])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # the workers die with this process and leave stops to it
     os.environ[STARTED_ENV] = f"{started:.3f}"  # the workers' wall time counts from here

@@ -13,8 +13,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -62,6 +60,7 @@ from pipetune.parallel.process_group import (
     close_distributed,
     exit_skipping_teardown,
     init_distributed,
+    restart_count,
     under_launcher,
 )
 from pipetune.parallel.timeline import StageTimeline, gather_timeline, plot_timeline
@@ -170,7 +169,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
 
     status = status or LoopStatus()
     prepared = preflight(config, env.world_size)
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # the launcher restarted the group
+    restarted = restart_count() > 0  # the launcher restarted the group
     resume_from = find_resume_checkpoint(config, restarted)
     t, p = config.train, config.parallel
     device = env.device
@@ -339,7 +338,8 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         writer = MetricsWriter(run_dir / "metrics.csv", env.world_size, position.step if resume_from else None)
     progress = ProgressReporter(total_steps, enabled=env.is_main and not quiet)
     loggers = open_loggers(config, run_dir, enabled=env.is_main)
-    faults = FaultInjection.from_env(env.rank, env.world_size)
+    hooks = HOOKS
+    hooks.start(env.rank, env.world_size)
     losses: list[float] = []
     step, skipped_in_row = position.step, position.skipped_in_row
     if validation is not None and resume_from is None:  # where the validation curve starts: the base model
@@ -389,7 +389,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
             if not p.sharded:  # FSDP reduce-scattered them during backward
                 status.phase = "gradient all-reduce over dp"
                 all_reduce_gradients(params, mesh)
-            faults.before_grad_norm(step + 1, params)
+            hooks.before_grad_norm(step + 1, params)
             status.phase = "gradient-norm all-reduce"
             grad_norm, bad_stages = clip_global_grad_norm(params, t.max_grad_norm, device, step_loss, p.dp * p.tp)
             lr = optimizer.param_groups[0]["lr"]
@@ -427,7 +427,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
                 n_supervised,
                 skipped=bool(bad_stages),
             )
-            faults.after_step(step, saved=False)
+            hooks.after_step(step, saved=False)
 
             epoch_end = i == steps_per_epoch - 1
             save = (t.save_every > 0 and step % t.save_every == 0) or epoch_end or step == total_steps
@@ -459,7 +459,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
                 started = time.perf_counter()
                 saved = save_checkpoint(config, train_state, after, env.rank, env.world_size)
                 print0(f"checkpoint {saved} ({window.exclude_since(started):.1f} s)")  # not training time either
-                faults.after_step(step, saved=True)
+                hooks.after_step(step, saved=True)
     progress.close()
     if env.rank == 0 and t.timeline_step:
         plot_saved_timeline(run_dir, config)
@@ -624,46 +624,22 @@ def peer_failure(error: RuntimeError, rank: int, status: LoopStatus, timeout_s: 
     return None
 
 
-class FaultInjection:
-    """Fault-injection hooks for tests, read from the environment; all off unless set (see docs/errors.md).
+class TrainHooks:
+    """Points of the loop where a caller may step in; these do nothing. Only the tests' entry (tests/faults.py)
+    installs others (`HOOKS`), to inject faults into real runs."""
 
-    PIPETUNE_TEST_KILL_AT_STEP=N[:saved]  the highest rank SIGKILLs itself right after optimizer step N, before
-                                          that step's checkpoint (":saved": after it is committed); only in the
-                                          first attempt of a worker group, so a restarted group runs through
-    PIPETUNE_TEST_NAN_AT=S:N[,N...]       stage S's gradients become NaN at steps N, ...
-    PIPETUNE_TEST_HANG_AT=R:N             rank R stops responding before the gradient-norm all-reduce of step N
-    """
-
-    def __init__(self, rank: int, kill_at: tuple[int, bool] | None, nan_at: set[int], hang_at: int | None) -> None:
-        self.rank, self.kill_at, self.nan_at, self.hang_at = rank, kill_at, nan_at, hang_at
-
-    @classmethod
-    def from_env(cls, rank: int, world_size: int) -> FaultInjection:
-        kill_at = None
-        kill = os.environ.get("PIPETUNE_TEST_KILL_AT_STEP", "")
-        first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
-        if kill and rank == world_size - 1 and first_attempt:
-            step, _, when = kill.partition(":")
-            kill_at = (int(step), when == "saved")
-        nan_at: set[int] = set()
-        stage, _, steps = os.environ.get("PIPETUNE_TEST_NAN_AT", "").partition(":")
-        if stage and int(stage) == rank:
-            nan_at = {int(s) for s in steps.split(",")}
-        hang_at = None
-        hang_rank, _, hang_step = os.environ.get("PIPETUNE_TEST_HANG_AT", "").partition(":")
-        if hang_rank and int(hang_rank) == rank:
-            hang_at = int(hang_step)
-        return cls(rank, kill_at, nan_at, hang_at)
+    def start(self, rank: int, world_size: int) -> None:
+        """The loop is about to start on `rank` of `world_size`."""
 
     def before_grad_norm(self, step: int, params: list[torch.Tensor]) -> None:
-        if step in self.nan_at:
-            params[0].grad = torch.full_like(params[0], float("nan"))
-        if step == self.hang_at:
-            time.sleep(3600)  # the peers' timeout ends the run; the launcher then ends this process
+        """Step `step`'s gradients are reduced; the global norm comes next."""
 
     def after_step(self, step: int, saved: bool) -> None:
-        if self.kill_at == (step, saved):
-            os.kill(os.getpid(), signal.SIGKILL)
+        """Optimizer step `step` is done; `saved`: its checkpoint is committed too."""
+
+
+HOOKS = TrainHooks()
+"""The hooks `train` calls."""
 
 
 class _Window:

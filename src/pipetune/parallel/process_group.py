@@ -28,6 +28,11 @@ class DistEnv:
         return self.world_size > 1
 
 
+def restart_count() -> int:
+    """How many times the launcher restarted this worker group (torch's elastic agent counts; 0: the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def under_launcher() -> bool:
     """True inside torchrun / the elastic launcher (it sets WORLD_SIZE and RANK)."""
     return "WORLD_SIZE" in os.environ and "RANK" in os.environ
@@ -71,7 +76,7 @@ def _attempt_store(rank: int, world: int, timeout_s: float) -> dist.Store | None
     torchrun shares its rendezvous store with the workers, and a restarted group would read the
     previous attempt's gloo addresses from it and hang or fail (pytorch/pytorch#135712).
     """
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restart = restart_count()
     if restart == 0:
         return None
     from torch.distributed.rendezvous import rendezvous
