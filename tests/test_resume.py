@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipetune.checkpoint import MARKER, committed_checkpoints
-from pipetune.train import keep_rng_out_of_no_grad_forwards
+from pipetune.parallel.torch_compat import keep_rng_out_of_no_grad_forwards
 from tests.conftest import run_cli, tiny_config, write_config
 
 RUN = ("train.epochs=2", "train.max_steps=-1", "train.save_every=3", "lora.dropout=0.1")

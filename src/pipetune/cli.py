@@ -297,7 +297,7 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
             print("pipetune: note: --max-restarts is the launcher's job under torchrun; use torchrun --max-restarts")
         run_training(config, quiet)  # a group restarted by torchrun resumes from the newest checkpoint
         if config.parallel.sharded:
-            from pipetune.parallel.process_group import exit_skipping_teardown
+            from pipetune.parallel.torch_compat import exit_skipping_teardown
 
             exit_skipping_teardown()
         return 0

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 class Schedule:
     name: str
     torch_class: str
-    """Its class in torch.distributed.pipelining.schedules, looked up by name (older torch lacks the newest)."""
+    """Its class in torch.distributed.pipelining.schedules (all exist from torch 2.8 on)."""
     placement: str
     """"looped": rank r holds stages r, r + pp, r + 2 pp, ...; "v": rank r holds stages r and 2 pp - 1 - r."""
     min_stages_per_rank: int

@@ -51,19 +51,24 @@ from pipetune.model.lora import adapter_state, apply_lora, save_adapter, use_fas
 from pipetune.model.quantize import quantize_linears
 from pipetune.model.split import run_split, stage_costs
 from pipetune.model.stage import StageModule
-from pipetune.parallel.fsdp import restore_gradients, shard_stages, stash_gradients
+from pipetune.parallel.fsdp import shard_stages
 from pipetune.parallel.memory import auto_checkpointing
 from pipetune.parallel.mesh import all_reduce_gradients, build_mesh, local
 from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, validation_loss
 from pipetune.parallel.process_group import (
     DistEnv,
     close_distributed,
-    exit_skipping_teardown,
     init_distributed,
     restart_count,
     under_launcher,
 )
 from pipetune.parallel.timeline import StageTimeline, gather_timeline, plot_timeline
+from pipetune.parallel.torch_compat import (
+    exit_skipping_teardown,
+    keep_rng_out_of_no_grad_forwards,
+    restore_gradients,
+    stash_gradients,
+)
 from pipetune.parallel.tp import apply_tp, sum_partial_gradients
 from pipetune.preflight import check_optimizer_steps, preflight
 from pipetune.run_lock import lock_for_worker
@@ -581,31 +586,6 @@ def shard_count(tensor: torch.Tensor) -> int:
         return 1
     # Not `is_shard()`: FSDP over tensor-parallel shards places them as a _StridedShard, which is not a Shard.
     return math.prod(tensor.device_mesh.size(i) for i, p in enumerate(tensor.placements) if not p.is_replicate())
-
-
-def keep_rng_out_of_no_grad_forwards(module: torch.nn.Module, device: torch.device) -> None:
-    """A forward under no_grad leaves the random streams as it found them.
-
-    torch < 2.12's PipelineStage infers shapes with one real no_grad forward at the first schedule
-    step, whose LoRA dropout draws from the training stream: at step 1 of a fresh run but at the first
-    step after a resume, so a resumed run would draw other masks. Training forwards run with grad.
-    """
-    saved: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-
-    def before(_module: torch.nn.Module, _args: tuple) -> None:
-        if not torch.is_grad_enabled():
-            cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-            saved.append((torch.get_rng_state(), cuda))
-
-    def after(_module: torch.nn.Module, _args: tuple, _output: object) -> None:
-        if saved:
-            cpu, cuda = saved.pop()
-            torch.set_rng_state(cpu)
-            if cuda is not None:
-                torch.cuda.set_rng_state(cuda, device)
-
-    module.register_forward_pre_hook(before)
-    module.register_forward_hook(after)
 
 
 def peer_failure(error: RuntimeError, rank: int, status: LoopStatus, timeout_s: float) -> str | None:

@@ -10,7 +10,6 @@ and its gradient is the gradient of that mean, whatever the microbatching. Hence
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
 import torch.distributed as dist
@@ -18,13 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, schedules
 
-from pipetune.config import ConfigError
 from pipetune.data.batching import IGNORE
 from pipetune.model.loss import linear_cross_entropy
+from pipetune.parallel.torch_compat import schedule_step_options
 from pipetune.schedules import SCHEDULES, stage_ids
 
-# Looked up by name: older torch releases lack the newest schedules (DualPipeV since 2.8).
-SCHEDULE_CLASSES = {name: getattr(schedules, spec.torch_class, None) for name, spec in SCHEDULES.items()}
+SCHEDULE_CLASSES = {name: getattr(schedules, spec.torch_class) for name, spec in SCHEDULES.items()}
 
 
 Action = tuple[str, int, int]
@@ -52,8 +50,6 @@ def schedule_actions(schedule: str, pp: int, stages_per_rank: int, n_microbatche
             order[rank] = actions
         return order
     schedule_class = SCHEDULE_CLASSES[schedule]
-    if schedule_class is None:
-        raise ConfigError(f"parallel.schedule = {schedule!r} is not in torch {torch.__version__}; upgrade torch")
     n_stages = pp * stages_per_rank
     stages = [
         _StandInStage(stage, n_stages, pp, rank)
@@ -136,13 +132,9 @@ class PipelineRunner:
             for module, index in zip(modules, stage_ids, strict=True)
         ]
         schedule_class = SCHEDULE_CLASSES[schedule]
-        if schedule_class is None:
-            raise ConfigError(f"parallel.schedule = {schedule!r} is not in torch {torch.__version__}; upgrade torch")
         stages = self.stages[0] if issubclass(schedule_class, schedules.PipelineScheduleSingle) else self.stages
         self.schedule = schedule_class(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-        # torch >= 2.12 can skip merging the last stage's outputs (full logits) after each step.
-        accepts = inspect.signature(self.schedule.step).parameters
-        self._step_options = {"return_outputs": False} if "return_outputs" in accepts else {}
+        self._step_options = schedule_step_options(self.schedule.step)
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         return self._run(self.schedule.step, input_ids, labels, **self._step_options)
