@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from pipetune import cli, train
+from pipetune import cli, launch, train
 from pipetune.parallel.process_group import restart_count
 
 
@@ -52,5 +52,5 @@ class FaultInjection(train.TrainHooks):
 
 if __name__ == "__main__":
     train.HOOKS = FaultInjection()
-    cli.WORKER_MODULE = "tests.faults"
+    launch.WORKER_MODULE = "tests.faults"
     sys.exit(cli.main())

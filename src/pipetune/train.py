@@ -10,7 +10,6 @@ step's global supervised-token count, which normalizes the loss (see parallel/pi
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import sys
@@ -57,31 +56,17 @@ from pipetune.parallel.mesh import all_reduce_gradients, build_mesh, local
 from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, validation_loss
 from pipetune.parallel.process_group import (
     DistEnv,
-    close_distributed,
-    init_distributed,
     restart_count,
-    under_launcher,
 )
 from pipetune.parallel.timeline import StageTimeline, gather_timeline, plot_timeline
 from pipetune.parallel.torch_compat import (
-    exit_skipping_teardown,
     keep_rng_out_of_no_grad_forwards,
     restore_gradients,
     stash_gradients,
 )
 from pipetune.parallel.tp import apply_tp, sum_partial_gradients
 from pipetune.preflight import check_optimizer_steps, preflight
-from pipetune.run_lock import lock_for_worker
-from pipetune.run_log import RunLog, finish_run, run_started
 from pipetune.schedules import SCHEDULES, ideal_bubble, stage_ids
-from pipetune.worker import (
-    Stopped,
-    disk_full_message,
-    end_with_launcher,
-    has_launcher,
-    raise_on_stop_signals,
-    restore_signals,
-)
 
 
 @dataclass
@@ -103,64 +88,6 @@ class LoopStatus:
 
     step: int = 0
     phase: str = "setup"
-
-
-def run_training(config: Config, quiet: bool = False) -> RunResult:
-    """Train in this process (one rank). A TrainingError, a lost peer, a full disk or a stop signal ends it with
-    one line (none from a worker whose pipetune launcher reports the stop) and a non-zero exit code.
-
-    Rank 0's output also goes to <run>/train.log, and a finished run ends with its summary (run_log.py)."""
-    started = run_started()
-    if under_launcher():
-        end_with_launcher()  # a worker never trains on after its launcher died
-    previous_handlers = raise_on_stop_signals()
-    env = init_distributed(config.parallel.timeout_s, config.parallel.p2p_channels)
-    status = LoopStatus()
-    lock = None
-    with contextlib.ExitStack() as log:  # closed after the messages below: they go to train.log too
-        try:
-            try:
-                lock = lock_for_worker(config.output.dir, env.rank)
-                log.enter_context(RunLog(Path(config.output.dir) / "train.log", enabled=env.is_main))
-                result = train(config, env, quiet, status)
-                if env.is_main:
-                    print(finish_run(result.run_dir, started, result.resumed_from, full=not quiet), flush=True)
-                return result
-            except TrainingError as e:  # every rank reached the same verdict: one of them says it
-                if env.is_main:
-                    print(f"pipetune: error: {e}", file=sys.stderr, flush=True)
-                raise SystemExit(1) from None
-            except RuntimeError as e:
-                message = peer_failure(e, env.rank, status, config.parallel.timeout_s)
-                if message is None:
-                    raise
-                print(f"pipetune: error: {message}", file=sys.stderr, flush=True)
-                raise SystemExit(1) from None
-            except OSError as e:
-                message = disk_full_message(e, env.rank)
-                if message is None:
-                    raise
-                print(f"pipetune: error: {message}", file=sys.stderr, flush=True)
-                raise SystemExit(1) from None
-        except Stopped as e:  # the files being written were removed on the way here; committed ones stay
-            if env.is_main and not has_launcher():
-                where = f"the {status.phase} of step {status.step}" if status.step else f"the {status.phase}"
-                print(
-                    f"pipetune: error: stopped by {e} in {where}; committed checkpoints are kept: continue with "
-                    "--resume",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            if env.distributed:  # a peer blocked in a collective with this rank returns only once this process is gone
-                if lock is not None:
-                    lock.release()
-                exit_skipping_teardown(128 + e.signum)
-            raise SystemExit(128 + e.signum) from None
-        finally:
-            if lock is not None:
-                lock.release()
-            close_distributed()
-            restore_signals(previous_handlers)
 
 
 def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus | None = None) -> RunResult:
@@ -586,22 +513,6 @@ def shard_count(tensor: torch.Tensor) -> int:
         return 1
     # Not `is_shard()`: FSDP over tensor-parallel shards places them as a _StridedShard, which is not a Shard.
     return math.prod(tensor.device_mesh.size(i) for i, p in enumerate(tensor.placements) if not p.is_replicate())
-
-
-def peer_failure(error: RuntimeError, rank: int, status: LoopStatus, timeout_s: float) -> str | None:
-    """One line for a collective that failed because a peer timed out or died (gloo raises both), else None."""
-    text = str(error)
-    detail = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
-    where = f"the {status.phase} of step {status.step}" if status.step else f"the {status.phase}"
-    if "Timed out" in text or "timed out" in text:
-        return (
-            f"rank {rank} waited {timeout_s:g} s for a peer in {where} and gave up ({detail}). A peer stopped "
-            "responding: check the other ranks' output for a crash or hang, or raise parallel.timeout_s if a "
-            "step legitimately takes longer"
-        )
-    if "Connection closed by peer" in text or "Connection reset by peer" in text or "Broken pipe" in text:
-        return f"rank {rank} lost a peer in {where}: another rank exited; its output says why ({detail})"
-    return None
 
 
 class TrainHooks:
