@@ -16,8 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from pipetune.checkpoint import committed_checkpoints, verify_files
+from pipetune.metrics import MetricsWindow
+from pipetune.parallel.mesh import clip_global_grad_norm
 from pipetune.parallel.process_group import DistEnv
-from pipetune.train import _Window, clip_global_grad_norm
 from tests.conftest import run_cli, tiny_config, write_config
 
 
@@ -109,7 +110,7 @@ def test_validation_and_checkpoint_time_stay_out_of_the_step_time(monkeypatch: p
     """The row after a validation (or a checkpoint) reports training alone in step_time_sec and tokens/s."""
     now = [100.0]
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
-    env, window = DistEnv(0, 1, 0, torch.device("cpu")), _Window(torch.device("cpu"))
+    env, window = DistEnv(0, 1, 0, torch.device("cpu")), MetricsWindow(torch.device("cpu"))
 
     def step() -> None:
         now[0] += 2.0

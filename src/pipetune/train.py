@@ -10,7 +10,6 @@ step's global supervised-token count, which normalizes the loss (see parallel/pi
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
@@ -19,7 +18,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from pipetune.checkpoint import (
     Position,
@@ -35,13 +33,12 @@ from pipetune.data.cache import tokenized_data
 from pipetune.export import PROMPT_FILE, write_prompt_settings
 from pipetune.loggers import open_loggers
 from pipetune.metrics import (
+    MetricsWindow,
     MetricsWriter,
     PhaseLog,
     ProgressReporter,
-    alloc_retries,
     host_peak_gb,
     peak_memory_gb,
-    peak_reserved_gb,
     reset_peak_memory,
 )
 from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory
@@ -52,13 +49,13 @@ from pipetune.model.split import run_split, stage_costs
 from pipetune.model.stage import StageModule
 from pipetune.parallel.fsdp import shard_stages
 from pipetune.parallel.memory import auto_checkpointing
-from pipetune.parallel.mesh import all_reduce_gradients, build_mesh, local
-from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, validation_loss
+from pipetune.parallel.mesh import all_reduce_gradients, build_mesh, clip_global_grad_norm
+from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, evaluate_validation
 from pipetune.parallel.process_group import (
     DistEnv,
     restart_count,
 )
-from pipetune.parallel.timeline import StageTimeline, gather_timeline, plot_timeline
+from pipetune.parallel.timeline import StageTimeline, plot_saved_timeline, save_timeline
 from pipetune.parallel.torch_compat import (
     keep_rng_out_of_no_grad_forwards,
     restore_gradients,
@@ -66,7 +63,7 @@ from pipetune.parallel.torch_compat import (
 )
 from pipetune.parallel.tp import apply_tp, sum_partial_gradients
 from pipetune.preflight import check_optimizer_steps, preflight
-from pipetune.schedules import SCHEDULES, ideal_bubble, stage_ids
+from pipetune.schedules import SCHEDULES, stage_ids
 
 
 @dataclass
@@ -285,7 +282,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
             writer.write(row)
             loggers.write(row)
         print0(f"step 0/{total_steps} | val_loss {row['val_loss']:.4f} (before fine-tuning)")
-    window = _Window(device)
+    window = MetricsWindow(device)
     reset_peak_memory(device)
     for epoch in range(position.epoch, t.epochs):
         if step >= total_steps:
@@ -415,104 +412,12 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     return RunResult(run_dir, losses, position.step if resume_from is not None else None)
 
 
-def evaluate_validation(
-    runner: PipelineRunner | SingleRunner,
-    module: torch.nn.Module,
-    validation: tuple[torch.Tensor, torch.Tensor],
-    batch_size: int,
-    loss_fn: TokenLoss,
-    device: torch.device,
-    replicas: int = 1,
-) -> float:
-    """Validation loss, computed on the last stage and shared with every rank (one all-reduce).
-
-    Each of the `replicas` (dp x tp) ranks holding the last stage computes it over the whole split."""
-    loss = validation_loss(runner, module, *validation, batch_size, loss_fn)
-    value = loss if loss is not None else torch.zeros((), device=device)
-    if dist.is_initialized():
-        dist.all_reduce(value)
-    return float(value) / replicas
-
-
-def save_timeline(timeline: StageTimeline, env: DistEnv, run_dir: Path, config: Config) -> None:
-    """Gather one schedule step's actions to rank 0 and write timeline.json (plot_saved_timeline draws it)."""
-    summary = gather_timeline(*timeline.stop(), env.world_size)
-    if summary is None:
-        return
-    p = config.parallel
-    summary["expected_bubble"] = ideal_bubble(p.pp, p.stages_per_rank, p.n_microbatches)
-    (run_dir / "timeline.json").write_text(json.dumps(summary, indent=1))
-
-
-def plot_saved_timeline(run_dir: Path, config: Config) -> None:
-    """timeline.png from timeline.json, after the last step: drawing it takes longer than a step."""
-    path = run_dir / "timeline.json"
-    if not path.exists():
-        return
-    summary = json.loads(path.read_text())
-    p = config.parallel
-    m = p.n_microbatches
-    title = (
-        f"{p.schedule}, pp={p.pp}, {m} microbatches: step {summary['step_ms']:.1f} ms, bubble "
-        + ", ".join(f"{b:.0%}" for b in summary["bubble"])
-        + f" (ideal {summary['expected_bubble']:.0%})"
-    )
-    plot_timeline(summary, run_dir / "timeline.png", title)
-
-
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     """Linear warmup to 1, then cosine decay to min_ratio at `total`."""
     if step < warmup:
         return (step + 1) / (warmup + 1)
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-def clip_global_grad_norm(
-    params: list[torch.Tensor],
-    max_norm: float,
-    device: torch.device,
-    loss: torch.Tensor | None = None,
-    stage_ranks: int = 1,
-) -> tuple[torch.Tensor, list[int]]:
-    """The L2 norm of all stages' gradients together, and the ranks that saw a non-finite loss or gradient norm.
-
-    One all-reduce over the world carries the squared norms and one flag per rank. Each of a stage's
-    `stage_ranks` (dp x tp) ranks adds its gradients' squares divided by the number of ranks holding the same
-    values: all of them for a plain (replicated) gradient, fewer for a DTensor split over some of them (by tp:
-    the dp replicas; by FSDP over dp: one), so every value counts once. Clips by the norm when all are finite,
-    scaling each rank's own tensors (shards included).
-    """
-    grads = [param.grad for param in params if param.grad is not None]
-    by_copies: dict[int, list[torch.Tensor]] = {}
-    for grad in grads:
-        by_copies.setdefault(stage_ranks // shard_count(grad), []).append(local(grad))
-    squared = torch.zeros((), device=device)
-    for copies, tensors in sorted(by_copies.items()):
-        squared = squared + torch.nn.utils.get_total_norm(tensors, 2.0).float().pow(2) / copies
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    finite = torch.isfinite(squared)
-    if loss is not None:
-        finite &= torch.isfinite(loss)
-    packed = torch.zeros(1 + world, device=device)
-    packed[0] = squared
-    packed[1 + rank] = (~finite).float()
-    if dist.is_initialized():
-        dist.all_reduce(packed)
-    flags = packed[1:].cpu()  # the one host sync of a step: skipping must be decided on the host
-    bad_ranks = [r for r in range(world) if flags[r] > 0]
-    total = packed[0].sqrt()
-    if max_norm > 0 and not bad_ranks and grads:
-        torch._foreach_mul_([local(grad) for grad in grads], torch.clamp(max_norm / (total + 1e-6), max=1.0))
-    return total, bad_ranks
-
-
-def shard_count(tensor: torch.Tensor) -> int:
-    """Into how many disjoint parts a DTensor is split over its mesh (1 for a plain tensor)."""
-    if not isinstance(tensor, DTensor):
-        return 1
-    # Not `is_shard()`: FSDP over tensor-parallel shards places them as a _StridedShard, which is not a Shard.
-    return math.prod(tensor.device_mesh.size(i) for i, p in enumerate(tensor.placements) if not p.is_replicate())
 
 
 class TrainHooks:
@@ -531,79 +436,3 @@ class TrainHooks:
 
 HOOKS = TrainHooks()
 """The hooks `train` calls."""
-
-
-class _Window:
-    """Sums since the last metrics row; device tensors stay on the device until the row is written."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._reset()
-
-    def _reset(self) -> None:
-        self.loss = torch.zeros((), device=self.device)
-        self.grad_norm = torch.zeros((), device=self.device)
-        self.steps = self.skipped = self.tokens = self.real_tokens = self.supervised = 0
-        self.start = time.perf_counter()
-
-    def add(
-        self, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: int, real: int, supervised: int, skipped: bool
-    ) -> None:
-        if skipped:  # a skipped step's non-finite loss stays out of the row's mean
-            self.skipped += 1
-        else:
-            self.loss += loss
-        self.grad_norm = grad_norm.detach()
-        self.steps += 1
-        self.tokens += tokens
-        self.real_tokens += real
-        self.supervised += supervised
-
-    def exclude_since(self, started: float) -> float:
-        """Keep the time since `started` (validation, a checkpoint) out of this window; returns it in seconds."""
-        seconds = time.perf_counter() - started
-        self.start += seconds
-        return seconds
-
-    def flush(self, env: DistEnv, holds_loss: bool) -> dict:
-        """One row: loss from the last stage, peak memory from every rank, in one all_gather."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - self.start
-        local = torch.stack(
-            [
-                self._mean_loss() if holds_loss else torch.zeros((), device=self.device),
-                self.grad_norm.float(),
-                torch.tensor(peak_memory_gb(self.device), device=self.device),
-                torch.tensor(peak_reserved_gb(self.device), device=self.device),
-                torch.tensor(alloc_retries(self.device), device=self.device),
-            ]
-        ).float()
-        rows = [local]
-        if env.distributed:
-            rows = [torch.empty_like(local) for _ in range(env.world_size)]
-            dist.all_gather(rows, local)
-        values = torch.stack(rows).cpu()
-        peaks = values[:, 2].tolist()
-        row = {
-            "loss": float(values[:, 0].sum()),  # only the rank holding the last stage reports one
-            "grad_norm": float(values[0, 1]),
-            "tokens_per_sec": self.tokens / elapsed,
-            "real_tokens_per_sec": self.real_tokens / elapsed,
-            "step_time_sec": elapsed / self.steps,
-            "peak_vram_gb": max(peaks),
-            "supervised_tokens": self.supervised,
-            **{f"peak_gb_rank{i}": peak for i, peak in enumerate(peaks)},
-        }
-        if self.device.type == "cuda":
-            row.update({f"reserved_gb_rank{i}": float(reserved) for i, reserved in enumerate(values[:, 3])})
-            # Allocations that failed at first and succeeded after the allocator freed its cache (a slow,
-            # synchronizing path): a sign that the rank runs at the edge of its memory.
-            row["alloc_retries"] = int(values[:, 4].max())
-        reset_peak_memory(self.device)
-        self._reset()
-        return row
-
-    def _mean_loss(self) -> torch.Tensor:
-        counted = self.steps - self.skipped
-        return self.loss / counted if counted else torch.full((), float("nan"), device=self.device)

@@ -222,3 +222,22 @@ def validation_loss(
     if not runner.is_last:
         return None
     return total / max(int((labels != IGNORE).sum()), 1)
+
+
+def evaluate_validation(
+    runner: PipelineRunner | SingleRunner,
+    module: torch.nn.Module,
+    validation: tuple[torch.Tensor, torch.Tensor],
+    batch_size: int,
+    loss_fn: TokenLoss,
+    device: torch.device,
+    replicas: int = 1,
+) -> float:
+    """Validation loss, computed on the last stage and shared with every rank (one all-reduce).
+
+    Each of the `replicas` (dp x tp) ranks holding the last stage computes it over the whole split."""
+    loss = validation_loss(runner, module, *validation, batch_size, loss_fn)
+    value = loss if loss is not None else torch.zeros((), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(value)
+    return float(value) / replicas
