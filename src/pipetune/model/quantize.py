@@ -144,8 +144,8 @@ def _nf4_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _nf4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear with an NF4 weight, run outside compiled graphs. Eagerly, torchao's autograd function keeps the
     NF4 weight for backward and dequantizes it again there; traced into a compiled layer, the partitioner keeps
-    the dequantized weight instead (2 bytes a weight, per layer and microbatch in flight: the 72B shape in NF4
-    ran out of 150 GB on one H200 where the eager layer's plan needed 93 GB)."""
+    the dequantized weight instead: 2 bytes a weight, per layer and microbatch in flight, which undoes what NF4
+    saves (the 72B shape in NF4 needs 93 GB on one H200 this way, more than 150 GB compiled)."""
     return nn.functional.linear(x, weight, bias)
 
 
