@@ -15,9 +15,10 @@ import argparse
 import math
 import random
 
-from pipetune.data.inspect import bucket_boundaries, split_report
+from pipetune.data.batching import bucket_boundaries
+from pipetune.data.example import Example
+from pipetune.data.inspect import split_report
 from pipetune.data.prompt import PromptBuilder
-from pipetune.data.sources import Example
 from pipetune.data.tokenizer import demo_tokenizer
 
 TRANSCRIPT_MEAN, SUMMARY_MEAN = 6000, 300

@@ -17,7 +17,7 @@ cfg("ref"); cfg("kill")
 cfg("big",'model.name="qwen3-4b"','model.dtype="bfloat16"','data.max_length=512','data.max_summary_tokens=128','data.synthetic_train=64','train.batch_size=8','parallel.n_microbatches=8','train.max_steps=4','train.save_every=2','train.epochs=1')
 PY
 python -m pipetune train --config /tmp/g/ref.toml --quiet 2>&1 | grep -v warn
-PIPETUNE_TEST_KILL_AT_STEP=6 python -m pipetune train --config /tmp/g/kill.toml --quiet 2>&1 | grep "pipetune:"
+PIPETUNE_TEST_KILL_AT_STEP=6 python -m tests.faults train --config /tmp/g/kill.toml --quiet 2>&1 | grep "pipetune:"
 python -m pipetune train --config /tmp/g/kill.toml --resume 2>&1 | grep -i "resumed\|error"
 diff <(cut -d, -f2-4 /tmp/g/ref/metrics.csv) <(cut -d, -f2-4 /tmp/g/kill/metrics.csv) && echo LOSSES_SAME
 cmp /tmp/g/ref/adapter/adapter_model.safetensors /tmp/g/kill/adapter/adapter_model.safetensors && echo ADAPTER_SAME

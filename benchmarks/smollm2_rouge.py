@@ -43,8 +43,9 @@ def main() -> int:
     parser.add_argument("--convert-only", metavar="DIR", help="only convert smollm2-135m's GGUF into DIR, and stop")
     args = parser.parse_args()
 
-    from pipetune.cli import demo_config, run_train
+    from pipetune.cli import demo_config
     from pipetune.evaluate import evaluate, rouge_scorer
+    from pipetune.launch import run_train
 
     if args.convert_only:
         from pipetune.model.gguf import converted_checkpoint, gguf_source

@@ -71,11 +71,12 @@ def write_config(config: Config, path: Path) -> Path:
     return path
 
 
-def run_cli(*args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-    """Run `python -m pipetune ARGS` in a subprocess (it starts its own workers when --nproc > 1)."""
+def run_cli(*args: str, timeout: float = 600, check: bool = True, faults: bool = False) -> subprocess.CompletedProcess:
+    """Run `python -m pipetune ARGS` in a subprocess (it starts its own workers when --nproc > 1); `faults`: through
+    the tests' entry instead, which injects the faults PIPETUNE_TEST_* ask for (tests/faults.py)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     result = subprocess.run(
-        [sys.executable, "-m", "pipetune", *args],
+        [sys.executable, "-m", "tests.faults" if faults else "pipetune", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

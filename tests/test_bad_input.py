@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipetune.checkpoint import MARKER, Position, committed_checkpoints, find_resume_checkpoint, save_checkpoint
+from pipetune.checkpoint import (
+    MARKER,
+    Position,
+    TrainState,
+    committed_checkpoints,
+    find_resume_checkpoint,
+    save_checkpoint,
+)
 from pipetune.cli import main
 from pipetune.config import ConfigError, validate
 from pipetune.model.load import build_model
@@ -40,7 +47,7 @@ def saved_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
             param.grad = torch.ones_like(param)
         optimizer.step()
         scheduler.step()
-        save_checkpoint(config, Position(step, 0, step), 0, 1, model, optimizer, scheduler, names)
+        save_checkpoint(config, TrainState.of(model, optimizer, scheduler), Position(step, 0, step), 0, 1)
     return run_dir
 
 

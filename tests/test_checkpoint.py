@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from pipetune.checkpoint import (
     MARKER,
     Position,
+    TrainState,
     checkpoint_dir,
     committed_checkpoints,
     latest_checkpoint,
@@ -60,7 +61,7 @@ def test_round_trip_restores_adapter_optimizer_scheduler_rng_and_position(config
     random.seed(5)
     torch.manual_seed(5)
     position = Position(step=7, epoch=1, batch=3, skipped_in_row=1)
-    path = save_checkpoint(config, position, 0, 1, model, optimizer, scheduler, names)
+    path = save_checkpoint(config, TrainState.of(model, optimizer, scheduler), position, 0, 1)
     expected_draws = (torch.rand(3), random.random())
 
     assert (path / MARKER).is_file() and latest_checkpoint(Path(config.output.dir)).step == 7
@@ -72,9 +73,8 @@ def test_round_trip_restores_adapter_optimizer_scheduler_rng_and_position(config
     fresh, fresh_optimizer, fresh_scheduler, fresh_names = _stage(config, layers, True, True, seed=2)
     torch.manual_seed(99)
     random.seed(99)
-    restored = load_checkpoint(
-        latest_checkpoint(Path(config.output.dir)), 0, fresh, fresh_optimizer, fresh_scheduler, fresh_names
-    )
+    fresh_state = TrainState.of(fresh, fresh_optimizer, fresh_scheduler)
+    restored = load_checkpoint(latest_checkpoint(Path(config.output.dir)), fresh_state, 0)
 
     assert restored == position
     for name, tensor in adapter_state(model).items():
@@ -99,13 +99,13 @@ def test_optimizer_state_follows_parameter_names_into_another_layout(config, tmp
         _train_a_little(*stage)
         parts.append(stage)
     position = Position(step=2, epoch=0, batch=2)
-    for rank, (model, optimizer, scheduler, names) in reversed(list(enumerate(parts))):  # rank 0 commits last
-        save_checkpoint(two_stage, position, rank, 2, model, optimizer, scheduler, names)
+    for rank, (model, optimizer, scheduler, _) in reversed(list(enumerate(parts))):  # rank 0 commits last
+        save_checkpoint(two_stage, TrainState.of(model, optimizer, scheduler), position, rank, 2)
     marker = json.loads((checkpoint_dir(tmp_path / "run", 2) / MARKER).read_text())
     assert (marker["world_size"], marker["pp"], marker["model"], marker["lora"]["r"]) == (2, 2, "tiny-qwen3", 16)
 
     whole, optimizer, scheduler, names = _stage(two_stage, range(0, 4), True, True, seed=3)
-    load_checkpoint(latest_checkpoint(tmp_path / "run"), 0, whole, optimizer, scheduler, names)
+    load_checkpoint(latest_checkpoint(tmp_path / "run"), TrainState.of(whole, optimizer, scheduler), 0)
     saved = {name: param for _, _, _, stage_names in parts for param, name in stage_names.items()}
     saved_state = {name: opt.state[p] for _, opt, _, stage_names in parts for p, name in stage_names.items()}
     assert sorted(names.values()) == sorted(saved)

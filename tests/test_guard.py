@@ -1,6 +1,6 @@
 """Guards: a non-finite step is skipped by every stage together; a peer that stops responding ends the run.
 
-Faults come from the test hooks of train.FaultInjection: PIPETUNE_TEST_NAN_AT poisons one stage's
+Faults come from the tests' entry (tests/faults.py): PIPETUNE_TEST_NAN_AT poisons one stage's
 gradients, PIPETUNE_TEST_HANG_AT makes one rank stop responding.
 """
 
@@ -16,8 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from pipetune.checkpoint import committed_checkpoints, verify_files
+from pipetune.metrics import MetricsWindow
+from pipetune.parallel.mesh import clip_global_grad_norm
 from pipetune.parallel.process_group import DistEnv
-from pipetune.train import _Window, clip_global_grad_norm
 from tests.conftest import run_cli, tiny_config, write_config
 
 
@@ -59,7 +60,9 @@ def test_nan_on_a_middle_stage_is_skipped_by_all_then_stops_the_run(
     )
     # Stage 1 of 4 gets NaN gradients at step 2 (once), then at steps 4, 5, 6 (three in a row: stop).
     monkeypatch.setenv("PIPETUNE_TEST_NAN_AT", "1:2,4,5,6")
-    result = run_cli("train", "--config", str(write_config(config, tmp_path / "c.toml")), "--quiet", check=False)
+    result = run_cli(
+        "train", "--config", str(write_config(config, tmp_path / "c.toml")), "--quiet", check=False, faults=True
+    )
 
     assert result.returncode != 0
     assert "step 2: non-finite loss or gradient norm on stage 1; optimizer step skipped (1 in a row" in result.stderr
@@ -94,7 +97,9 @@ def test_a_peer_that_stops_responding_ends_the_run_with_rank_and_collective(
 ) -> None:
     config = tiny_config(tmp_path / "run", "parallel.timeout_s=10")
     monkeypatch.setenv("PIPETUNE_TEST_HANG_AT", "1:2")  # rank 1 sleeps before step 2's gradient-norm all-reduce
-    result = run_cli("train", "--config", str(write_config(config, tmp_path / "c.toml")), "--quiet", check=False)
+    result = run_cli(
+        "train", "--config", str(write_config(config, tmp_path / "c.toml")), "--quiet", check=False, faults=True
+    )
 
     assert result.returncode != 0
     assert "rank 0 waited 10 s for a peer in the gradient-norm all-reduce of step 2 and gave up" in result.stderr
@@ -105,7 +110,7 @@ def test_validation_and_checkpoint_time_stay_out_of_the_step_time(monkeypatch: p
     """The row after a validation (or a checkpoint) reports training alone in step_time_sec and tokens/s."""
     now = [100.0]
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
-    env, window = DistEnv(0, 1, 0, torch.device("cpu")), _Window(torch.device("cpu"))
+    env, window = DistEnv(0, 1, 0, torch.device("cpu")), MetricsWindow(torch.device("cpu"))
 
     def step() -> None:
         now[0] += 2.0

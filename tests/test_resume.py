@@ -2,7 +2,7 @@
 
 Runs have 2 epochs of 4 optimizer steps, a checkpoint every 3 steps and at epoch ends (3, 4, 6, 8),
 and LoRA dropout, so an exact match needs the dropout RNG of every rank restored.
-PIPETUNE_TEST_KILL_AT_STEP makes the highest rank SIGKILL itself (see train.FaultInjection).
+PIPETUNE_TEST_KILL_AT_STEP makes the highest rank SIGKILL itself (the tests' entry, tests/faults.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipetune.checkpoint import MARKER, committed_checkpoints
-from pipetune.train import keep_rng_out_of_no_grad_forwards
+from pipetune.parallel.torch_compat import keep_rng_out_of_no_grad_forwards
 from tests.conftest import run_cli, tiny_config, write_config
 
 RUN = ("train.epochs=2", "train.max_steps=-1", "train.save_every=3", "lora.dropout=0.1")
@@ -38,7 +38,7 @@ def _config_file(tmp: Path, name: str, *overrides: str) -> str:
 
 
 def _train(config_file: str, *args: str, check: bool = True):
-    return run_cli("train", "--config", config_file, "--quiet", *args, check=check)
+    return run_cli("train", "--config", config_file, "--quiet", *args, check=check, faults=True)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +83,7 @@ def test_max_restarts_finishes_a_run_whose_rank_was_killed(
 ) -> None:
     """Killed mid-epoch, right after step 3's checkpoint is committed; the restarted group resumes from it."""
     monkeypatch.setenv("PIPETUNE_TEST_KILL_AT_STEP", "3:saved")  # fires in the first attempt only
-    result = run_cli("train", "--config", _config_file(tmp_path, "run"), "--max-restarts", "1")
+    result = run_cli("train", "--config", _config_file(tmp_path, "run"), "--max-restarts", "1", faults=True)
     assert "exitcode: -9" in result.stderr  # a rank really died
     assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step-3'} at step 3" in result.stdout
     assert _metrics(tmp_path / "run") == _metrics(reference)

@@ -191,7 +191,7 @@ def test_export_reproduces_summarize_with_plain_transformers_and_peft(
 def test_real_model_is_prompted_exactly_as_trained(smollm2: Path, tmp_path: Path) -> None:
     """`summarize` feeds the real model, left-padded, exactly the prompt tokens training fed it for the same rows."""
     from pipetune.data.batching import tokenize_split
-    from pipetune.data.sources import Example
+    from pipetune.data.example import Example
     from pipetune.model.load import build_model
     from pipetune.preflight import prepare
 

@@ -23,13 +23,12 @@ import sys
 import time
 from pathlib import Path
 
-from pipetune.config import Config, ConfigError, save_config
+from pipetune.config import RUN_STRATEGIES, Config, ConfigError, save_config
 from pipetune.files import read_metrics_rows
 from pipetune.metrics import read_phases
 from pipetune.model.split import estimate_costs
 from pipetune.preflight import prepare
-
-STRATEGIES = ("pp", "tp", "ddp", "fsdp", "single")
+from pipetune.report import plot_bench
 
 
 def strategy_config(config: Config, strategy: str, steps: int, warmup: int, out_dir: Path) -> Config:
@@ -82,9 +81,9 @@ def run_bench(
 ) -> list[dict]:
     """Each strategy in turn, saying live where it is; `timeout_s` > 0 ends a strategy that runs longer (it is
     reported as timed out, with its last phase, and the next one runs)."""
-    unknown = [s for s in strategies if s not in STRATEGIES]
+    unknown = [s for s in strategies if s not in RUN_STRATEGIES]
     if unknown:
-        raise ConfigError(f"--strategies {unknown} unknown; available: {', '.join(STRATEGIES)}")
+        raise ConfigError(f"--strategies {unknown} unknown; available: {', '.join(RUN_STRATEGIES)}")
     prepared = prepare(config)
     costs = estimate_costs(prepared.model.config, config.data.max_length)
     flops_per_token = prepared.n_layers * costs.layer + costs.head
@@ -105,7 +104,7 @@ def run_bench(
         results.append({**result, **run})
     (out_dir / "bench.json").write_text(json.dumps(results, indent=1))
     print_table(results)
-    plot_bench(results, out_dir / "bench.png")
+    plot_bench(results, out_dir / "bench.png", "pipetune bench")
     return results
 
 
@@ -269,30 +268,3 @@ def print_table(results: list[dict]) -> None:
 
 def _timing_cells(result: dict) -> list[str]:
     return [f"{result[key]:.0f}" if key in result else "" for key in ("load_s", "first_step_s")]
-
-
-def plot_bench(results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in results if "error" not in r]
-    if not ok:
-        return
-    fig, ax = plt.subplots(figsize=(2 + 1.5 * len(ok), 4))
-    bars = ax.bar([r["strategy"] for r in ok], [r["tokens_per_sec"] for r in ok], color="#4C72B0")
-    for bar, r in zip(bars, ok, strict=True):
-        ax.text(
-            bar.get_x() + bar.get_width() / 2,
-            bar.get_height(),
-            f"{r['tokens_per_sec']:,.0f}\nMFU {r['mfu']:.0%}",
-            ha="center",
-            va="bottom",
-            fontsize=8,
-        )
-    ax.set_ylabel("tokens/s (all GPUs)")
-    ax.set_title("pipetune bench")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)

@@ -83,6 +83,31 @@ class Position:
 
 
 @dataclass
+class TrainState:
+    """One rank's resumable state: what a checkpoint writes, and restores in place."""
+
+    adapters: dict[str, torch.Tensor]
+    """The adapter parameters themselves (DTensor shards under FSDP) under PEFT's saved, full-model names."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    param_names: dict[torch.Tensor, str]
+    """Each trained parameter's full-model name: optimizer state is saved by name, so another layout can load it."""
+
+    @classmethod
+    def of(
+        cls,
+        peft_model: peft.PeftModel,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+    ) -> TrainState:
+        """The state of a LoRA-wrapped model (a stage, or the whole model) trained by `optimizer`."""
+        from pipetune.model import lora
+
+        names = {param: name for name, param in peft_model.named_parameters() if param.requires_grad}
+        return cls(lora.adapter_parameters(peft_model), optimizer, scheduler, names)
+
+
+@dataclass
 class Checkpoint:
     path: Path
     marker: dict[str, Any]
@@ -305,17 +330,9 @@ def _read_verified(checkpoint: Checkpoint, name: str, digest: str) -> dict[str, 
 # --------------------------------------------------------------------------- saving
 
 
-def save_checkpoint(
-    config: Config,
-    position: Position,
-    rank: int,
-    world_size: int,
-    peft_model: peft.PeftModel,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    param_names: dict[torch.Tensor, str],
-) -> Path:
-    """Write this rank's part of step `position.step`; rank 0 commits after all parts are on disk.
+def save_checkpoint(config: Config, state: TrainState, position: Position, rank: int, world_size: int) -> Path:
+    """Write this rank's part of step `position.step` under config.output.dir; rank 0 commits after all parts are
+    on disk, recording the config it must be resumed with.
 
     Collective: every rank must call it. Returns once the checkpoint is committed.
     """
@@ -327,25 +344,27 @@ def save_checkpoint(
     if rank == 0:
         (path / MARKER).unlink(missing_ok=True)
 
-    tensors, extra = _optimizer_tensors(optimizer, param_names)
+    tensors, extra = _optimizer_tensors(state.optimizer, state.param_names)
     tensors.update(_torch_rng_tensors())
     files = {
         f"adapter.rank{rank}.safetensors": _write_safetensors(
-            path / f"adapter.rank{rank}.safetensors", lora.adapter_state(peft_model)
+            path / f"adapter.rank{rank}.safetensors", lora.whole_on_cpu(state.adapters)
         ),
         f"state.rank{rank}.safetensors": _write_safetensors(path / f"state.rank{rank}.safetensors", tensors),
     }
-    scheduler_state = {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"}
+    scheduler_state = {k: v for k, v in state.scheduler.state_dict().items() if k != "lr_lambdas"}
     meta = {
         "rank": rank,
         "position": asdict(position),
         "scheduler": scheduler_state,
-        "optimizer_groups": [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups],
+        "optimizer_groups": [
+            {k: v for k, v in group.items() if k != "params"} for group in state.optimizer.param_groups
+        ],
         "optimizer_extra": extra,
         "rng": _python_rng_state(),
         "files": files,
     }
-    _write_atomic(path / f"state.rank{rank}.json", json.dumps(meta).encode())
+    write_atomic(path / f"state.rank{rank}.json", json.dumps(meta).encode(), sync=True)
 
     _barrier()  # every part is on disk before the marker
     if rank == 0:
@@ -354,7 +373,7 @@ def save_checkpoint(
             name: hashlib.sha256((path / name).read_bytes()).hexdigest()
             for name in (f"state.rank{k}.json" for k in range(world_size))
         }
-        _write_atomic(path / MARKER, json.dumps(marker, indent=1).encode())
+        write_atomic(path / MARKER, json.dumps(marker, indent=1).encode(), sync=True)
         prune_checkpoints(run_dir, config.train.keep_checkpoints)
     _barrier()  # nobody runs ahead of (or is killed before) the commit
     return path
@@ -418,12 +437,8 @@ def _python_rng_state() -> dict[str, Any]:
 
 def _write_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> str:
     data = save_tensors(dict(sorted(tensors.items())), metadata={"format": "pt"})
-    _write_atomic(path, data)
-    return hashlib.sha256(data).hexdigest()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
     write_atomic(path, data, sync=True)
+    return hashlib.sha256(data).hexdigest()
 
 
 def _barrier() -> None:
@@ -434,14 +449,7 @@ def _barrier() -> None:
 # --------------------------------------------------------------------------- loading
 
 
-def load_checkpoint(
-    checkpoint: Checkpoint,
-    rank: int,
-    peft_model: peft.PeftModel,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
-    param_names: dict[torch.Tensor, str],
-) -> Position:
+def load_checkpoint(checkpoint: Checkpoint, state: TrainState, rank: int) -> Position:
     """Restore this rank's adapters, optimizer, scheduler and RNG from every rank's part; returns the position.
 
     The optimizer's and scheduler's hyper-parameters are the config's (the optimizer and scheduler passed in are
@@ -462,9 +470,10 @@ def load_checkpoint(
                 elif saved_rank == rank:  # RNG states are per rank
                     rng[key] = tensor
 
-    _load_adapter(checkpoint, peft_model, adapters)
+    optimizer, scheduler = state.optimizer, state.scheduler
+    _load_adapter(checkpoint, state.adapters, adapters)
     try:
-        _load_optimizer(checkpoint, optimizer, param_names, optim, metas)
+        _load_optimizer(checkpoint, optimizer, state.param_names, optim, metas)
         scheduler.last_epoch = int(metas[0]["scheduler"]["last_epoch"])
         if rank < len(metas):  # a rank the saved layout did not have keeps its fresh seed
             _set_rng(rng, metas[rank]["rng"])
@@ -478,12 +487,7 @@ def load_checkpoint(
     return position
 
 
-def _load_adapter(checkpoint: Checkpoint, peft_model: peft.PeftModel, adapters: dict[str, torch.Tensor]) -> None:
-    import peft
-
-    from pipetune.model import lora
-
-    wanted = lora.adapter_parameters(peft_model)
+def _load_adapter(checkpoint: Checkpoint, wanted: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> None:
     missing = sorted(name for name in wanted if name not in adapters)
     if missing:
         raise CheckpointError(
@@ -496,7 +500,9 @@ def _load_adapter(checkpoint: Checkpoint, peft_model: peft.PeftModel, adapters: 
             f"checkpoint {checkpoint.path}: {mismatched[0]} has shape {tuple(adapters[mismatched[0]].shape)}, "
             f"the model's is {tuple(wanted[mismatched[0]].shape)}; resume with the LoRA settings it was written with"
         )
-    peft.set_peft_model_state_dict(peft_model, {name: shard_like(adapters[name], wanted[name]) for name in wanted})
+    with torch.no_grad():
+        for name, param in wanted.items():
+            param.copy_(shard_like(adapters[name], param))
 
 
 def _load_optimizer(

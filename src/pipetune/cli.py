@@ -1,23 +1,19 @@
 """Command line: `pipetune demo`, `train`, `eval`, `summarize`, `report`, `export`, `config`, `data`, `bench`, `plan`.
 
-Outside torchrun, `train --nproc N` (N > 1) starts N local workers through torch's elastic
-launcher; under torchrun (WORLD_SIZE set) it just runs. Multi-node runs use torchrun's c10d
-rendezvous directly. torch and transformers are imported inside the commands that need them, so
-`--help`, `--version` and `config` answer at once.
+Arguments and dispatch; `train` is launch.py's (local workers, torchrun, restarts). torch and transformers are
+imported inside the commands that need them, so `--help`, `--version` and `config` answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
-import uuid
 import warnings
 from pathlib import Path
 
-from pipetune.config import Config, ConfigError, load_config, save_config
+from pipetune.config import Config, ConfigError, load_config, validate
 
 EXAMPLES = """\
 examples:
@@ -242,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(args.config, args.set)
         if args.resume:
             config.train.resume = "auto"
+        from pipetune.launch import run_train
+
         return run_train(config, args.nproc, args.quiet, args.max_restarts)
     except ConfigError as e:
         print(f"pipetune: error: {e}", file=sys.stderr)
@@ -275,109 +273,13 @@ def run_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max_restarts: int = 0) -> int:
-    """Validate, then train here (under torchrun, or one process) or start nproc local workers."""
-    from pipetune.checkpoint import find_resume_checkpoint
-    from pipetune.parallel.process_group import under_launcher
-    from pipetune.preflight import check_optimizer_steps, preflight
-    from pipetune.run_lock import lock_run_dir
-
-    started = time.time()
-    if max_restarts < 0:
-        raise ConfigError(f"--max-restarts {max_restarts} must be >= 0")
-    if config.parallel.strategy == "auto":
-        from pipetune.plan import available_gpus, resolve_auto
-
-        config = resolve_auto(config, available_gpus(config, nproc))
-        nproc = None  # the pick's own process count
-    if under_launcher():
-        from pipetune.train import run_training
-
-        if max_restarts:
-            print("pipetune: note: --max-restarts is the launcher's job under torchrun; use torchrun --max-restarts")
-        run_training(config, quiet)  # a group restarted by torchrun resumes from the newest checkpoint
-        if config.parallel.sharded:
-            from pipetune.parallel.process_group import exit_skipping_teardown
-
-            exit_skipping_teardown()
-        return 0
-    world_size = nproc or config.parallel.world_size
-    prepared = preflight(config, world_size)  # fail here, once, before any process starts
-    with lock_run_dir(config.output.dir):  # held until the workers are done; they run inside it
-        find_resume_checkpoint(config)  # a checkpoint that cannot be resumed, or a run a fresh start would clobber
-        if world_size == 1 and max_restarts == 0:
-            from pipetune.train import run_training
-
-            run_training(config, quiet)
-            return 0
-        from pipetune.data.cache import tokenized_data
-
-        # A data error once, here, not once per worker; and the workers find the data tokenized.
-        data = tokenized_data(config.data, prepared.prompts, config.train.seed)
-        check_optimizer_steps(config, len(data.splits.get("train", ())), data.skipped_line())
-        return launch_local(config, world_size, quiet, max_restarts, started)
-
-
-def launch_local(
-    config: Config, nproc: int, quiet: bool = False, max_restarts: int = 0, started: float | None = None
-) -> int:
-    """Start nproc workers on this machine through torch's elastic launcher (torchrun --standalone)."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
-    from pipetune.run_log import STARTED_ENV
-
-    started = time.time() if started is None else started
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    from pipetune.checkpoint import latest_checkpoint
-    from pipetune.worker import LAUNCHER_ENV
-
-    run_dir = Path(config.output.dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    config_path = run_dir / "config.toml"
-    save_config(config, config_path)
-    launch = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=nproc,
-        run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",
-        max_restarts=max_restarts,
-        monitor_interval=0.5,
-    )
-    argv = ["-m", "pipetune", "train", "--config", str(config_path)] + (["--quiet"] if quiet else [])
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the workers die with this process and leave stops to it
-    os.environ[STARTED_ENV] = f"{started:.3f}"  # the workers' wall time counts from here
-    try:
-        elastic_launch(launch, sys.executable)(*argv)
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        print(
-            f"pipetune: worker {rank} failed (exit code {failure.exitcode}); its output is above",
-            file=sys.stderr,
-        )
-        return 1
-    except SignalException as e:  # the elastic agent stopped the workers (SIGTERM first) before raising this
-        newest = latest_checkpoint(run_dir)
-        kept = f"the newest committed checkpoint, {newest.path}, is kept" if newest else "no checkpoint was committed"
-        print(
-            f"pipetune: error: stopped by {e.sigval.name}; {kept}: continue with --resume",
-            file=sys.stderr,
-        )
-        return 128 + int(e.sigval)
-    finally:
-        del os.environ[LAUNCHER_ENV]
-    return 0
-
-
 def run_data_inspect(config: Config, as_json: bool = False) -> int:
     """Print what the config's data looks like to the model: rows, skipped rows, lengths, truncation, padding."""
     from pipetune.data.inspect import format_report, inspect_data
+    from pipetune.preflight import prepare
 
-    report = inspect_data(config)
+    validate(config, config.parallel.world_size)
+    report = inspect_data(config, prepare(config).prompts)
     print(report.to_json() if as_json else format_report(report))
     return 0
 
@@ -415,7 +317,7 @@ def run_plan(args: argparse.Namespace) -> int:
     budget = args.gpu_memory * GB if args.gpu_memory is not None else None
     rates = None
     if args.calibrate:
-        from pipetune.parallel.calibrate import calibrate
+        from pipetune.calibrate import calibrate
 
         rates = calibrate(config, gpus, budget)
     plan = make_plan(config, gpus, budget, rates)
@@ -440,6 +342,8 @@ def run_demo(model: str, out: str | None, steps: int | None, nproc: int) -> int:
         prepare(config)  # a missing model package fails now; the first call converts the GGUF file once
     print(intro(config), flush=True)
     started = time.perf_counter()
+    from pipetune.launch import run_train
+
     code = run_train(config, nproc)
     if code != 0:
         return code

@@ -16,19 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from pipetune.data.prompt_text import SYSTEM_PROMPT
+from pipetune.schedules import SCHEDULES
 
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
-"""One stage per rank."""
-LOOPED_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble")
-"""parallel.stages_per_rank stages per rank, rank r holding stages r, r + pp, r + 2 pp, ..."""
-V_SCHEDULES = ("zbv", "dualpipev")
-"""Exactly 2 stages per rank in V order: rank r holds stages r and 2 pp - 1 - r."""
-SCHEDULES = SINGLE_STAGE_SCHEDULES + LOOPED_SCHEDULES + V_SCHEDULES
-ZERO_BUBBLE_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
-"""Schedules that split backward into input- and weight-gradient parts."""
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE = ("none", "nf4", "fp8")
-STRATEGIES = ("pp", "ddp", "fsdp", "tp", "single", "auto")
+RUN_STRATEGIES = ("pp", "ddp", "fsdp", "tp", "single")
+"""What a run (and `pipetune bench --strategies`) can be."""
+STRATEGIES = RUN_STRATEGIES + ("auto",)
+"""parallel.strategy's values: a run's, or "auto" (pipetune plan picks one before the run starts)."""
 RESUME_MODES = ("never", "auto")
 MAX_LENGTH = 2**20
 """The longest sample pipetune accepts (tokens); far beyond what any model here can attend to."""
@@ -617,9 +612,11 @@ def validate_against_model(
 
 
 def _check_schedule(p: ParallelConfig, compiled: bool, checkpointed: bool) -> None:
-    """Each schedule's constraints on stages per rank and microbatches (torch's own, stated up front)."""
+    """Each schedule's constraints on stages per rank and microbatches (torch's own, stated up front; the rules
+    of each schedule are in pipetune/schedules.py)."""
     s, v, m = p.schedule, p.stages_per_rank, p.n_microbatches
-    if s in SINGLE_STAGE_SCHEDULES:
+    spec = SCHEDULES[s]
+    if not spec.multi_stage:
         _check(
             v == 1,
             f"parallel.stages_per_rank = {v}: schedule {s!r} runs one stage per rank; set stages_per_rank = 1 "
@@ -627,30 +624,33 @@ def _check_schedule(p: ParallelConfig, compiled: bool, checkpointed: bool) -> No
         )
     else:
         _check(p.pp >= 2, f"parallel.schedule = {s!r} needs parallel.pp >= 2; use 1f1b with pp = {p.pp}")
-    if s in LOOPED_SCHEDULES:
-        _check(v >= 2, f"parallel.schedule = {s!r} needs parallel.stages_per_rank >= 2 (got {v}); e.g. 2")
-    if s in V_SCHEDULES:
-        _check(v == 2, f"parallel.schedule = {s!r} runs exactly 2 stages per rank; set parallel.stages_per_rank = 2")
-    if s == "1f1b":
+        if spec.max_stages_per_rank is None:
+            _check(
+                v >= spec.min_stages_per_rank,
+                f"parallel.schedule = {s!r} needs parallel.stages_per_rank >= {spec.min_stages_per_rank} (got {v}); "
+                f"e.g. {spec.min_stages_per_rank}",
+            )
+        else:
+            _check(
+                v == spec.max_stages_per_rank,
+                f"parallel.schedule = {s!r} runs exactly {spec.max_stages_per_rank} stages per rank; set "
+                f"parallel.stages_per_rank = {spec.max_stages_per_rank}",
+            )
+    if spec.one_microbatch_per_stage:
+        n_stages = p.pp * v
         _check(
-            m >= p.pp,
-            f"parallel.n_microbatches = {m} < parallel.pp = {p.pp}: 1F1B needs at least one microbatch per "
-            f"stage; raise n_microbatches to {p.pp} or more",
+            m >= n_stages,
+            f"parallel.n_microbatches = {m} < {f'parallel.pp = {p.pp}' if v == 1 else f'{n_stages} stages'}: {s} "
+            f"needs at least one microbatch per stage; raise n_microbatches to {n_stages} or more",
         )
-    if s in ("interleaved_1f1b", "interleaved_zero_bubble"):
+    if spec.microbatch_rounds:
         rounds = max(1, m // p.pp)
         _check(
             m % rounds == 0,
             f"parallel.n_microbatches = {m}: {s} runs microbatches in rounds of parallel.pp = {p.pp}; "
             f"use a multiple of {p.pp}",
         )
-    if s == "dualpipev":
-        _check(
-            m >= 2 * p.pp,
-            f"parallel.n_microbatches = {m} < {2 * p.pp} stages: dualpipev needs at least one microbatch per "
-            f"stage; raise n_microbatches to {2 * p.pp}",
-        )
-    if s in ZERO_BUBBLE_SCHEDULES:
+    if spec.splits_backward:
         _check(
             not checkpointed,
             f"parallel.schedule = {s!r} splits each backward in two, which recomputed (checkpointed) layers do not "

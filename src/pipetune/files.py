@@ -1,10 +1,15 @@
 """Files that survive crashes: written so that a reader sees the old one or the whole new one (a failure leaves
-no temporary file), and metrics.csv read back as a crash may have left it."""
+no temporary file), and metrics.csv read back as a crash may have left it; where pipetune caches what it builds
+once, and the content digest that keys those caches."""
 
 from __future__ import annotations
 
 import csv
+import hashlib
 import os
+import shutil
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -30,6 +35,44 @@ def write_atomic(path: str | Path, data: bytes | str, sync: bool = False) -> Non
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def write_atomic_dir(target: Path, build: Callable[[Path], None], complete: str) -> None:
+    """Make the directory `target` whole or not at all: `build(staging)` fills a private directory beside it,
+    which a rename (atomic) then turns into `target`.
+
+    When another process's build got there first the rename fails; its copy stays if it holds the file
+    `complete`, and this one is dropped. A failed build leaves nothing behind.
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        staging.chmod(0o755)  # mkdtemp makes it owner-only
+        build(staging)
+        os.rename(staging, target)
+    except OSError:
+        if not (target / complete).is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def default_cache_dir() -> Path:
+    """``$PIPETUNE_CACHE``, else ``$XDG_CACHE_HOME/pipetune``, else ``~/.cache/pipetune``."""
+    if os.environ.get("PIPETUNE_CACHE"):
+        return Path(os.environ["PIPETUNE_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "pipetune"
+    return Path.home() / ".cache" / "pipetune"
+
+
+def file_digest(path: Path) -> str:
+    """SHA-256 of the file's content, read in 16 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def read_metrics_rows(path: Path) -> tuple[list[dict], list[str], int]:

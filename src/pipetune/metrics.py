@@ -18,11 +18,16 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 
 from pipetune.files import read_metrics_rows, write_atomic
 from pipetune.run_log import log_only, terminal
+
+if TYPE_CHECKING:
+    from pipetune.parallel.process_group import DistEnv
 
 SEED_COLUMNS = ["strategy", "epoch", "step", "loss", "tokens_per_sec", "step_time_sec", "peak_vram_gb", "lr"]
 EXTRA_COLUMNS = ["real_tokens_per_sec", "grad_norm", "supervised_tokens", "val_loss", "val_time_sec"]
@@ -271,3 +276,80 @@ class TaskProgress:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class MetricsWindow:
+    """The training loop's sums since the last metrics row; device tensors stay on the device until the row is
+    written."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._reset()
+
+    def _reset(self) -> None:
+        self.loss = torch.zeros((), device=self.device)
+        self.grad_norm = torch.zeros((), device=self.device)
+        self.steps = self.skipped = self.tokens = self.real_tokens = self.supervised = 0
+        self.start = time.perf_counter()
+
+    def add(
+        self, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: int, real: int, supervised: int, skipped: bool
+    ) -> None:
+        if skipped:  # a skipped step's non-finite loss stays out of the row's mean
+            self.skipped += 1
+        else:
+            self.loss += loss
+        self.grad_norm = grad_norm.detach()
+        self.steps += 1
+        self.tokens += tokens
+        self.real_tokens += real
+        self.supervised += supervised
+
+    def exclude_since(self, started: float) -> float:
+        """Keep the time since `started` (validation, a checkpoint) out of this window; returns it in seconds."""
+        seconds = time.perf_counter() - started
+        self.start += seconds
+        return seconds
+
+    def flush(self, env: DistEnv, holds_loss: bool) -> dict:
+        """One row: loss from the last stage, peak memory from every rank, in one all_gather."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elapsed = time.perf_counter() - self.start
+        local = torch.stack(
+            [
+                self._mean_loss() if holds_loss else torch.zeros((), device=self.device),
+                self.grad_norm.float(),
+                torch.tensor(peak_memory_gb(self.device), device=self.device),
+                torch.tensor(peak_reserved_gb(self.device), device=self.device),
+                torch.tensor(alloc_retries(self.device), device=self.device),
+            ]
+        ).float()
+        rows = [local]
+        if env.distributed:
+            rows = [torch.empty_like(local) for _ in range(env.world_size)]
+            dist.all_gather(rows, local)
+        values = torch.stack(rows).cpu()
+        peaks = values[:, 2].tolist()
+        row = {
+            "loss": float(values[:, 0].sum()),  # only the rank holding the last stage reports one
+            "grad_norm": float(values[0, 1]),
+            "tokens_per_sec": self.tokens / elapsed,
+            "real_tokens_per_sec": self.real_tokens / elapsed,
+            "step_time_sec": elapsed / self.steps,
+            "peak_vram_gb": max(peaks),
+            "supervised_tokens": self.supervised,
+            **{f"peak_gb_rank{i}": peak for i, peak in enumerate(peaks)},
+        }
+        if self.device.type == "cuda":
+            row.update({f"reserved_gb_rank{i}": float(reserved) for i, reserved in enumerate(values[:, 3])})
+            # Allocations that failed at first and succeeded after the allocator freed its cache (a slow,
+            # synchronizing path): a sign that the rank runs at the edge of its memory.
+            row["alloc_retries"] = int(values[:, 4].max())
+        reset_peak_memory(self.device)
+        self._reset()
+        return row
+
+    def _mean_loss(self) -> torch.Tensor:
+        counted = self.steps - self.skipped
+        return self.loss / counted if counted else torch.full((), float("nan"), device=self.device)

@@ -39,7 +39,7 @@ from pipetune.parallel.memory import (
     rank_timeline,
     rank_weight_bytes,
 )
-from pipetune.parallel.pipeline import schedule_actions, stage_ids
+from pipetune.parallel.pipeline import schedule_actions
 from pipetune.parallel.speed import (
     GpuRates,
     LayerWork,
@@ -51,6 +51,7 @@ from pipetune.parallel.speed import (
     replay_schedule,
 )
 from pipetune.preflight import linear_layer_names
+from pipetune.schedules import stage_ids
 
 H200_MEMORY = 143_771 * 2**20
 """Bytes of an H200 as torch reports them: the budget when there is no GPU here and no --gpu-memory."""

@@ -132,7 +132,7 @@ def _figure(width: float = 7.0, height: float = 4.0) -> Any:
         from matplotlib.figure import Figure
     except ImportError:
         raise ConfigError(
-            "pipetune report needs matplotlib, which is not installed: pip install 'pipetune[plots]'"
+            "pipetune's charts need matplotlib, which is not installed: pip install 'pipetune[plots]'"
         ) from None
     figure = Figure(figsize=(width, height), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
@@ -235,9 +235,10 @@ def plot_memory(runs: list[RunData], path: Path) -> Path | None:
     return path
 
 
-def plot_bench(run: RunData, path: Path) -> Path | None:
-    """bench.json as bars: tokens/s of each benchmarked setting, and its peak memory when recorded."""
-    entries = [entry for entry in run.bench if _is_number(_float(entry.get("tokens_per_sec")))]
+def plot_bench(bench: list[dict[str, Any]], path: Path, title: str) -> Path | None:
+    """bench.json as bars: tokens/s of each benchmarked setting (with its MFU when recorded), and its peak memory
+    when recorded. Entries without a throughput (a failed strategy) are left out; None when none remains."""
+    entries = [entry for entry in bench if _is_number(_float(entry.get("tokens_per_sec")))]
     if not entries:
         return None
     names = [bench_label(entry, index) for index, entry in enumerate(entries)]
@@ -246,8 +247,8 @@ def plot_bench(run: RunData, path: Path) -> Path | None:
     figure = _figure(width=4.0 + 0.6 * len(entries), height=4.0 * (2 if with_memory else 1))
     panels = figure.subplots(2 if with_memory else 1, 1, squeeze=False)[:, 0]
     bars = panels[0].bar(names, [float(entry["tokens_per_sec"]) for entry in entries], color=COLORS[0])
-    panels[0].bar_label(bars, fmt="{:,.0f}")
-    panels[0].set(ylabel="tokens/s", title=f"Benchmark: {run.label}")
+    panels[0].bar_label(bars, labels=[_throughput_label(entry) for entry in entries], fontsize=8)
+    panels[0].set(ylabel="tokens/s (all GPUs)", title=title)
     if with_memory:
         bars = panels[1].bar(names, [peak if _is_number(peak) else 0.0 for peak in peaks], color=COLORS[1])
         panels[1].bar_label(bars, fmt="{:.1f}")
@@ -257,6 +258,11 @@ def plot_bench(run: RunData, path: Path) -> Path | None:
         axes.grid(alpha=0.3, axis="y")
     figure.savefig(path)
     return path
+
+
+def _throughput_label(entry: dict[str, Any]) -> str:
+    mfu = _float(entry.get("mfu"))
+    return f"{float(entry['tokens_per_sec']):,.0f}" + (f"\nMFU {mfu:.0%}" if _is_number(mfu) else "")
 
 
 def bench_peak_gb(entry: dict[str, Any]) -> float | None:
@@ -460,7 +466,9 @@ def build_report(run_dirs: list[str | Path], out: str | Path | None = None) -> P
     ]
     bench_charts = {}
     for index, run in enumerate(runs):
-        chart = plot_bench(run, out / (f"bench_{index}.png" if len(runs) > 1 else "bench.png"))
+        chart = plot_bench(
+            run.bench, out / (f"bench_{index}.png" if len(runs) > 1 else "bench.png"), f"Benchmark: {run.label}"
+        )
         if chart is not None:
             bench_charts[run.label] = chart
     return write_index(runs, charts, bench_charts, out)

@@ -10,66 +10,62 @@ step's global supervised-token count, which normalizes the loss (see parallel/pi
 
 from __future__ import annotations
 
-import contextlib
-import json
 import math
-import os
-import signal
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from peft import PeftModel
 
-from pipetune.checkpoint import Position, find_resume_checkpoint, latest_checkpoint, load_checkpoint, save_checkpoint
-from pipetune.config import V_SCHEDULES, Config, save_config
-from pipetune.data.batching import bucket_lengths, bucketed_epoch_batches, epoch_batches
+from pipetune.checkpoint import (
+    Position,
+    TrainState,
+    find_resume_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
+from pipetune.config import Config, save_config
+from pipetune.data.batching import SampleStore, bucket_lengths, bucketed_epoch_batches, epoch_batches, pad_fraction
 from pipetune.data.cache import tokenized_data
 from pipetune.export import PROMPT_FILE, write_prompt_settings
 from pipetune.loggers import open_loggers
 from pipetune.metrics import (
+    MetricsWindow,
     MetricsWriter,
     PhaseLog,
     ProgressReporter,
-    alloc_retries,
     host_peak_gb,
     peak_memory_gb,
-    peak_reserved_gb,
     reset_peak_memory,
 )
 from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory
 from pipetune.model.load import DTYPES, build_meta, materialize
 from pipetune.model.lora import adapter_state, apply_lora, save_adapter, use_fast_path
 from pipetune.model.quantize import quantize_linears
-from pipetune.model.split import run_split, stage_costs
+from pipetune.model.split import StageCosts, run_split, stage_costs
 from pipetune.model.stage import StageModule
-from pipetune.parallel.fsdp import restore_gradients, shard_stages, stash_gradients
+from pipetune.parallel.fsdp import shard_stages
 from pipetune.parallel.memory import auto_checkpointing
-from pipetune.parallel.mesh import all_reduce_gradients, build_mesh, local
-from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, stage_ids, validation_loss
+from pipetune.parallel.mesh import Mesh, all_reduce_gradients, build_mesh, clip_global_grad_norm
+from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, evaluate_validation
 from pipetune.parallel.process_group import (
     DistEnv,
-    close_distributed,
-    exit_skipping_teardown,
-    init_distributed,
-    under_launcher,
+    restart_count,
 )
-from pipetune.parallel.timeline import StageTimeline, gather_timeline, plot_timeline
+from pipetune.parallel.timeline import StageTimeline, plot_saved_timeline, save_timeline
+from pipetune.parallel.torch_compat import (
+    keep_rng_out_of_no_grad_forwards,
+    restore_gradients,
+    stash_gradients,
+)
 from pipetune.parallel.tp import apply_tp, sum_partial_gradients
-from pipetune.preflight import check_optimizer_steps, preflight
-from pipetune.run_lock import lock_for_worker
-from pipetune.run_log import RunLog, finish_run, run_started
-from pipetune.worker import (
-    Stopped,
-    disk_full_message,
-    end_with_launcher,
-    has_launcher,
-    raise_on_stop_signals,
-    restore_signals,
-)
+from pipetune.preflight import Prepared, check_optimizer_steps, preflight
+from pipetune.schedules import SCHEDULES, stage_ids
 
 
 @dataclass
@@ -93,64 +89,6 @@ class LoopStatus:
     phase: str = "setup"
 
 
-def run_training(config: Config, quiet: bool = False) -> RunResult:
-    """Train in this process (one rank). A TrainingError, a lost peer, a full disk or a stop signal ends it with
-    one line (none from a worker whose pipetune launcher reports the stop) and a non-zero exit code.
-
-    Rank 0's output also goes to <run>/train.log, and a finished run ends with its summary (run_log.py)."""
-    started = run_started()
-    if under_launcher():
-        end_with_launcher()  # a worker never trains on after its launcher died
-    previous_handlers = raise_on_stop_signals()
-    env = init_distributed(config.parallel.timeout_s, config.parallel.p2p_channels)
-    status = LoopStatus()
-    lock = None
-    with contextlib.ExitStack() as log:  # closed after the messages below: they go to train.log too
-        try:
-            try:
-                lock = lock_for_worker(config.output.dir, env.rank)
-                log.enter_context(RunLog(Path(config.output.dir) / "train.log", enabled=env.is_main))
-                result = train(config, env, quiet, status)
-                if env.is_main:
-                    print(finish_run(result.run_dir, started, result.resumed_from, full=not quiet), flush=True)
-                return result
-            except TrainingError as e:  # every rank reached the same verdict: one of them says it
-                if env.is_main:
-                    print(f"pipetune: error: {e}", file=sys.stderr, flush=True)
-                raise SystemExit(1) from None
-            except RuntimeError as e:
-                message = peer_failure(e, env.rank, status, config.parallel.timeout_s)
-                if message is None:
-                    raise
-                print(f"pipetune: error: {message}", file=sys.stderr, flush=True)
-                raise SystemExit(1) from None
-            except OSError as e:
-                message = disk_full_message(e, env.rank)
-                if message is None:
-                    raise
-                print(f"pipetune: error: {message}", file=sys.stderr, flush=True)
-                raise SystemExit(1) from None
-        except Stopped as e:  # the files being written were removed on the way here; committed ones stay
-            if env.is_main and not has_launcher():
-                where = f"the {status.phase} of step {status.step}" if status.step else f"the {status.phase}"
-                print(
-                    f"pipetune: error: stopped by {e} in {where}; committed checkpoints are kept: continue with "
-                    "--resume",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            if env.distributed:  # a peer blocked in a collective with this rank returns only once this process is gone
-                if lock is not None:
-                    lock.release()
-                exit_skipping_teardown(128 + e.signum)
-            raise SystemExit(128 + e.signum) from None
-        finally:
-            if lock is not None:
-                lock.release()
-            close_distributed()
-            restore_signals(previous_handlers)
-
-
 def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus | None = None) -> RunResult:
     def print0(*args: object) -> None:
         if env.is_main and not quiet:
@@ -162,7 +100,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
 
     status = status or LoopStatus()
     prepared = preflight(config, env.world_size)
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # the launcher restarted the group
+    restarted = restart_count() > 0  # the launcher restarted the group
     resume_from = find_resume_checkpoint(config, restarted)
     t, p = config.train, config.parallel
     device = env.device
@@ -177,56 +115,256 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     mesh = build_mesh(env, p.pp, p.dp, p.tp)
     # LoRA dropout: a different stream per stage and replica, one per tp group (parallel/tp.py: equal masks).
     torch.manual_seed(t.seed + mesh.replica_rank)
-    global_batch = t.batch_size * p.dp  # samples per schedule step over all replicas; rank takes its columns
 
-    # ------------------------------------------------------------------ data
-    # Tokenized once into a memory-mapped cache (local rank 0 builds it, the node's other ranks wait);
-    # each step's batch is cut from it on the host, so no rank holds the whole training set on its device.
+    data = build_data(config, env, prepared, run_dir, print0)
+    stages = build_stages(config, env, mesh, prepared, phases, print0, quiet)
+    runners = build_runners(config, env, mesh, prepared, stages)
+    optimizer, scheduler = build_optimizer(config, stages.params, data.total_steps, device)
+    train_state = TrainState.of(stages.peft_model, optimizer, scheduler)
+    position = Position()
+    if resume_from is not None:  # adapters, optimizer, RNG and the data position
+        position = load_checkpoint(resume_from, train_state, env.rank)
+        print0(f"resumed from {resume_from.path} at step {position.step}")
+
+    # ------------------------------------------------------------------ loop
+    writer = None
+    if env.is_main:  # a resumed run continues metrics.csv from its checkpoint's step
+        writer = MetricsWriter(run_dir / "metrics.csv", env.world_size, position.step if resume_from else None)
+    progress = ProgressReporter(data.total_steps, enabled=env.is_main and not quiet)
+    loggers = open_loggers(config, run_dir, enabled=env.is_main)
+    hooks = HOOKS
+    hooks.start(env.rank, env.world_size)
+    losses: list[float] = []
+    total_steps, steps_per_epoch = data.total_steps, data.steps_per_epoch
+    step, skipped_in_row = position.step, position.skipped_in_row
+
+    def validate(step: int, replicas: int) -> float:
+        status.phase = "validation"
+        phases.mark("validation", step=step)
+        runner, batch_size = runners.validation, t.batch_size
+        return evaluate_validation(
+            runner, stages.peft_model, data.validation, batch_size, runners.loss_fn, device, replicas
+        )
+
+    if data.validation is not None and resume_from is None:  # where the validation curve starts: the base model
+        row: dict = {"strategy": p.strategy, "epoch": 0, "step": 0}
+        started = time.perf_counter()
+        row["val_loss"] = validate(0, p.dp)
+        row["val_time_sec"] = time.perf_counter() - started
+        if writer is not None:
+            writer.write(row)
+            loggers.write(row)
+        print0(f"step 0/{total_steps} | val_loss {row['val_loss']:.4f} (before fine-tuning)")
+    window = MetricsWindow(device)
+    reset_peak_memory(device)
+    for epoch in range(position.epoch, t.epochs):
+        if step >= total_steps:
+            break
+        batches, lengths = data.epoch_plan(epoch)
+        # This replica's share of every schedule step: its batch_size columns of the global batch.
+        replica_batches = batches[:, mesh.dp_rank * t.batch_size : (mesh.dp_rank + 1) * t.batch_size]
+        for i in range(position.batch if epoch == position.epoch else 0, steps_per_epoch):
+            if step >= total_steps:
+                break
+            status.step, status.phase = step + 1, "pipeline send/recv"
+            phases.mark("step", step=step + 1)
+            group = slice(i * t.grad_accum, (i + 1) * t.grad_accum)
+            n_supervised = int(data.supervised[batches[group].flatten()].sum())
+            runners.loss_fn.normalizer = max(n_supervised, 1)  # all-masked step: loss 0, never 0/0
+            step_loss = torch.zeros((), device=device)
+            for j, (index, length) in enumerate(zip(replica_batches[group], lengths[group].tolist(), strict=True)):
+                timeline = runners.timelines.get(length) if step + 1 == t.timeline_step and j == 0 else None
+                if timeline is not None:
+                    timeline.start()
+                # A sharded pipeline stage may drop earlier gradients on its first step (see restore_gradients).
+                stashed = stash_gradients(stages.params) if p.sharded and p.n_stages > 1 and j > 0 else None
+                input_ids, labels = data.split.batch(index, length, prepared.pad_id)
+                out = runners.by_length[length].step(input_ids.to(device), labels.to(device))
+                if stashed is not None:
+                    restore_gradients(stages.params, stashed)
+                if out is not None:
+                    step_loss += out
+                if timeline is not None:
+                    save_timeline(timeline, env, run_dir, config)
+            grad_norm, bad_stages = reduce_gradients(
+                stages.params, mesh, config, device, step_loss, status, hooks, step
+            )
+            lr = optimizer.param_groups[0]["lr"]
+            if bad_stages:  # every rank got the same flags from the all-reduce: all skip together
+                optimizer.zero_grad(set_to_none=not runners.cuda_graphs)
+                skipped_in_row += 1
+                warn0(
+                    f"step {step + 1}: non-finite loss or gradient norm on stage {', '.join(map(str, bad_stages))}; "
+                    f"optimizer step skipped ({skipped_in_row} in a row, the run stops at {t.max_skipped_steps})"
+                )
+                if skipped_in_row >= t.max_skipped_steps:
+                    raise too_many_skipped(run_dir, skipped_in_row, step + 1)
+            else:
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=not runners.cuda_graphs)
+                skipped_in_row = 0
+            step += 1
+            window.add(
+                step_loss,
+                grad_norm,
+                data.global_batch * int(lengths[group].sum()),
+                int(data.real_tokens[batches[group].flatten()].sum()),
+                n_supervised,
+                skipped=bool(bad_stages),
+            )
+            hooks.after_step(step, saved=False)
+
+            epoch_end = i == steps_per_epoch - 1
+            log, evaluate, save = cadence(config, step, total_steps, epoch_end, data.validation is not None)
+            if log:
+                status.phase = "metrics all-gather"
+                row = window.flush(env, runners.validation.is_last and mesh.tp_rank == 0)  # one loss per replica
+                row.update(strategy=p.strategy, epoch=epoch, step=step, lr=lr)
+                if evaluate:  # timed in its own column, and kept out of the next row's step time and tokens/s
+                    started = time.perf_counter()
+                    row["val_loss"] = validate(step, p.dp * p.tp)
+                    row["val_time_sec"] = window.exclude_since(started)
+                if writer is not None:
+                    writer.write(row)
+                    loggers.write(row)
+                    losses.append(row["loss"])
+                progress.update(step, row)
+            if save:
+                status.phase = "checkpoint barrier"
+                phases.mark("checkpoint", step=step)
+                next_epoch, next_batch = (epoch + 1, 0) if epoch_end else (epoch, i + 1)
+                after = Position(step, next_epoch, next_batch, skipped_in_row)
+                started = time.perf_counter()
+                saved = save_checkpoint(config, train_state, after, env.rank, env.world_size)
+                print0(f"checkpoint {saved} ({window.exclude_since(started):.1f} s)")  # not training time either
+                hooks.after_step(step, saved=True)
+    progress.close()
+    if env.rank == 0 and t.timeline_step:
+        plot_saved_timeline(run_dir, config)
+    loggers.close()
+    if writer is not None:
+        writer.close()
+
+    status.phase = "adapter gather"
+    phases.mark("adapter", step=step)
+    save_gathered_adapter(config, env, stages.peft_model, run_dir, print0)
+    phases.mark("done", step=step)
+    return RunResult(run_dir, losses, position.step if resume_from is not None else None)
+
+
+# --------------------------------------------------------------------------- what the loop is built from
+
+
+@dataclass
+class TrainData:
+    """The training split and its epoch plans, the step counts, and the validation split on the device (None
+    without one, or under a schedule with no forward-only mode)."""
+
+    split: SampleStore
+    real_tokens: torch.Tensor
+    """Per sample, on the CPU: its tokens, and (next) its supervised tokens; read once, no device sync per step."""
+    supervised: torch.Tensor
+    padded_lengths: torch.Tensor
+    """Per sample: the length it is padded to (its bucket, or data.max_length)."""
+    buckets: list[int]
+    max_length: int
+    global_batch: int
+    """Samples per schedule step over all replicas; each rank takes its replica's columns."""
+    seed: int
+    steps_per_epoch: int
+    total_steps: int
+    validation: tuple[torch.Tensor, torch.Tensor] | None
+
+    def epoch_plan(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This epoch's batches (sample indices) and the padded length of each: the same on every (re)start."""
+        if self.buckets:
+            return bucketed_epoch_batches(self.padded_lengths, self.global_batch, self.seed, epoch)
+        batches = epoch_batches(len(self.split), self.global_batch, self.seed, epoch)
+        return batches, torch.full((len(batches),), self.max_length, dtype=torch.long)
+
+
+def build_data(
+    config: Config, env: DistEnv, prepared: Prepared, run_dir: Path, say: Callable[[str], None]
+) -> TrainData:
+    """The token cache's splits (local rank 0 builds it, the node's other ranks wait), counted and planned.
+
+    Each step's batch is cut from the memory-mapped cache on the host, so no rank holds the whole training set
+    on its device."""
+    t, p = config.train, config.parallel
     data = tokenized_data(config.data, prepared.prompts, t.seed, wait=env.local_rank != 0)
     if env.is_main:
         data.write_summary(run_dir / "data.json")
     train_split = data.splits["train"]
     real_tokens = train_split.lengths  # per sample, on the CPU
     max_length = config.data.max_length
-    sample_lengths = bucket_lengths(real_tokens, config.data.buckets or [max_length])
-
-    def epoch_plan(epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """This epoch's batches (sample indices) and the padded length of each: the same on every (re)start."""
-        if config.data.buckets:
-            return bucketed_epoch_batches(sample_lengths, global_batch, t.seed, epoch)
-        batches = epoch_batches(len(train_split), global_batch, t.seed, epoch)
-        return batches, torch.full((len(batches),), max_length, dtype=torch.long)
-
-    steps_per_epoch = check_optimizer_steps(config, len(train_split), data.skipped_line(), len(epoch_plan(0)[0]))
-    total_steps = steps_per_epoch * t.epochs if t.max_steps < 0 else min(t.max_steps, steps_per_epoch * t.epochs)
-    supervised = train_split.supervised  # per sample, on the CPU: no device sync per step
-    validation = None
-    if len(data.splits.get("validation", ())) and p.schedule in V_SCHEDULES:
-        print0(f"note: no val_loss during training: torch's {p.schedule} schedule has no forward-only mode")
+    planned = TrainData(
+        split=train_split,
+        real_tokens=real_tokens,
+        supervised=train_split.supervised,
+        padded_lengths=bucket_lengths(real_tokens, config.data.buckets or [max_length]),
+        buckets=config.data.buckets,
+        max_length=max_length,
+        global_batch=t.batch_size * p.dp,
+        seed=t.seed,
+        steps_per_epoch=0,
+        total_steps=0,
+        validation=None,
+    )
+    planned.steps_per_epoch = check_optimizer_steps(
+        config, len(train_split), data.skipped_line(), len(planned.epoch_plan(0)[0])
+    )
+    in_all = planned.steps_per_epoch * t.epochs
+    planned.total_steps = in_all if t.max_steps < 0 else min(t.max_steps, in_all)
+    if len(data.splits.get("validation", ())) and not SCHEDULES[p.schedule].has_eval:
+        say(f"note: no val_loss during training: torch's {p.schedule} schedule has no forward-only mode")
     elif len(data.splits.get("validation", ())):
         val_split = data.splits["validation"].dense(max_length, prepared.pad_id)
-        validation = (val_split.input_ids.to(device), val_split.labels.to(device))
-    print0(
+        planned.validation = (val_split.input_ids.to(env.device), val_split.labels.to(env.device))
+    say(
         f"data: {'tokenized into' if data.built else 'token cache'} {data.path}; "
         f"{len(train_split)} training samples, {train_split.truncated} cut to fit data.max_length {max_length} "
         "(the transcript's middle elided, the summary capped at data.max_summary_tokens); "
         f"{data.skipped_line()}; "
-        f"{steps_per_epoch} optimizer steps/epoch, {total_steps} in all; effective batch "
-        f"{t.batch_size} x grad_accum {t.grad_accum} x dp {p.dp} = {global_batch * t.grad_accum} sequences"
+        f"{planned.steps_per_epoch} optimizer steps/epoch, {planned.total_steps} in all; effective batch "
+        f"{t.batch_size} x grad_accum {t.grad_accum} x dp {p.dp} = {planned.global_batch * t.grad_accum} sequences"
     )
     if config.data.buckets:
-        padded = int(sample_lengths.sum())
-        print0(
-            f"length buckets {config.data.buckets}: pad fraction {1 - int(real_tokens.sum()) / padded:.1%} "
-            f"(one length {max_length}: {1 - int(real_tokens.sum()) / (len(train_split) * max_length):.1%})"
+        say(
+            f"length buckets {config.data.buckets}: pad fraction {pad_fraction(real_tokens, config.data.buckets):.1%} "
+            f"(one length {max_length}: {pad_fraction(real_tokens, [max_length]):.1%})"
         )
+    return planned
 
-    # ------------------------------------------------------------------ model: this rank's stage
+
+@dataclass
+class Stages:
+    """This rank's pipeline stages (several for interleaved schedules), in one pruned model with one PEFT wrapper."""
+
+    peft_model: PeftModel
+    modules: list[StageModule]
+    ids: list[int]
+    params: list[torch.Tensor]
+    """The trained (LoRA) parameters."""
+    costs: StageCosts
+
+
+def build_stages(
+    config: Config,
+    env: DistEnv,
+    mesh: Mesh,
+    prepared: Prepared,
+    phases: PhaseLog,
+    say: Callable[[str], None],
+    quiet: bool,
+) -> Stages:
+    """Build this rank's stages on the meta device, split (tp) and shard (FSDP) them there, then allocate and fill
+    only this rank's part."""
+    t, p = config.train, config.parallel
+    device = env.device
     n_stages = p.n_stages
     costs, ranges = run_split(config, prepared.model.config)
-    # This rank's stages (several for interleaved schedules) live in one pruned model, one PEFT wrapper.
     my_stages = stage_ids(p.schedule, mesh.pp_rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
-    # Built on the meta device and sharded there (FSDP), then each rank allocates and fills only its part.
     phases.mark("load")
     load_started = time.perf_counter()
     model = build_meta(
@@ -255,7 +393,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     phases.mark("ready", load_s=round(time.perf_counter() - load_started, 2), peak_gb=round(peak_memory_gb(device), 2))
     params = [param for param in peft_model.parameters() if param.requires_grad]
     estimated = stage_costs(ranges, costs)
-    print0(
+    say(
         "stages: "
         + ", ".join(
             f"{i}: layers {r.start}-{r.stop - 1} (est. {cost / 1e9:.2f} layer-GFLOP/token)"
@@ -274,8 +412,27 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
             + (f", peak GPU {peak_memory_gb(device):.2f} GB" if device.type == "cuda" else ""),
             flush=True,
         )
+    return Stages(peft_model, modules, my_stages, params, costs)
 
-    # One runner per padded length: a pipeline stage fixes its shapes at its first step.
+
+@dataclass
+class Runners:
+    """What runs a schedule step: one runner per padded length (a pipeline stage fixes its shapes at its first
+    step), the loss they share, and the timelines that record a step."""
+
+    by_length: dict[int, PipelineRunner | SingleRunner]
+    timelines: dict[int, StageTimeline]
+    loss_fn: TokenLoss
+    validation: PipelineRunner | SingleRunner
+    """The full-length runner, which validation uses."""
+    cuda_graphs: bool
+
+
+def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, stages: Stages) -> Runners:
+    """The loss and the runners of every padded length; then checkpointing ("auto": planned for the longest shape,
+    with the schedule's microbatches), CUDA graphs and compilation (which happens at the first forward)."""
+    t, p = config.train, config.parallel
+    device, modules, max_length = env.device, stages.modules, config.data.max_length
     loss_fn = TokenLoss()
     last_stage = next((module for module in modules if module.is_last), None)
     if t.fused_loss and last_stage is not None:
@@ -284,188 +441,107 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     runners: dict[int, PipelineRunner | SingleRunner] = {}
     timelines: dict[int, StageTimeline] = {}
     for length in config.data.buckets or [max_length]:
-        if n_stages == 1:
+        if p.n_stages == 1:
             runners[length] = SingleRunner(modules[0], p.n_microbatches, loss_fn)
             continue
         runners[length] = PipelineRunner(
-            modules, my_stages, n_stages, device, mesh.pp_group, p.schedule, p.n_microbatches, loss_fn
+            modules, stages.ids, p.n_stages, device, mesh.pp_group, p.schedule, p.n_microbatches, loss_fn
         )
         if t.timeline_step:
             timelines[length] = StageTimeline(runners[length].stages, runners[length].schedule, env.rank, device)
-    runner = runners[max_length]  # validation runs at full length
-    if t.activation_checkpointing == "auto":  # planned for the longest shape, with the schedule's microbatches
-        plan = auto_checkpointing(modules, my_stages, mesh.pp_rank, config, prepared.model, device, mesh.tp_mesh)
+    if t.activation_checkpointing == "auto":
+        plan = auto_checkpointing(modules, stages.ids, mesh.pp_rank, config, prepared.model, device, mesh.tp_mesh)
         for module, count in zip(modules, plan.layers, strict=True):
             module.checkpoint_layers = count
-        print(f"rank {env.rank}: {plan.describe(my_stages, [len(m.layers) for m in modules])}", flush=True)
+        print(f"rank {env.rank}: {plan.describe(stages.ids, [len(m.layers) for m in modules])}", flush=True)
     cuda_graphs = t.compile and t.cuda_graphs and device.type == "cuda"
     if cuda_graphs:
         checkpointed = any(module.checkpoint_layers for module in modules)
         layers_here = sum(len(module.layers) for module in modules)
         cuda_graphs, note = choose_cuda_graphs(
-            costs, layers_here, checkpointed, p.n_microbatches, config.microbatch_size, max_length, p.tp
+            stages.costs, layers_here, checkpointed, p.n_microbatches, config.microbatch_size, max_length, p.tp
         )
         if note:
             print(f"rank {env.rank}: note: {note}", flush=True)
     if cuda_graphs:
-        give_gradients_own_memory(params)
-    if t.compile:  # compilation itself happens at the first forward
+        give_gradients_own_memory(stages.params)
+    if t.compile:
         for module in modules:
             module.compile_layers(cuda_graphs=cuda_graphs)
+    return Runners(runners, timelines, loss_fn, runners[max_length], cuda_graphs)
+
+
+def build_optimizer(
+    config: Config, params: list[torch.Tensor], total_steps: int, device: torch.device
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over the LoRA parameters, and its learning-rate schedule (lr_factor) over the run's steps."""
+    t = config.train
     optimizer = torch.optim.AdamW(
         params, lr=t.lr, betas=(0.9, 0.999), weight_decay=t.weight_decay, fused=device.type == "cuda"
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, t.warmup_steps, total_steps, t.min_lr_ratio)
     )
+    return optimizer, scheduler
 
-    # ------------------------------------------------------------------ resume: adapters, optimizer, RNG, data position
-    # Optimizer state is saved by full-model parameter name, so another pipeline layout can load it.
-    param_names = {param: name for name, param in peft_model.named_parameters() if param.requires_grad}
-    position = Position()
-    if resume_from is not None:
-        position = load_checkpoint(resume_from, env.rank, peft_model, optimizer, scheduler, param_names)
-        print0(f"resumed from {resume_from.path} at step {position.step}")
 
-    # ------------------------------------------------------------------ loop
-    writer = None
-    if env.is_main:  # a resumed run continues metrics.csv from its checkpoint's step
-        writer = MetricsWriter(run_dir / "metrics.csv", env.world_size, position.step if resume_from else None)
-    progress = ProgressReporter(total_steps, enabled=env.is_main and not quiet)
-    loggers = open_loggers(config, run_dir, enabled=env.is_main)
-    faults = FaultInjection.from_env(env.rank, env.world_size)
-    losses: list[float] = []
-    step, skipped_in_row = position.step, position.skipped_in_row
-    if validation is not None and resume_from is None:  # where the validation curve starts: the base model
-        status.phase = "validation"
-        phases.mark("validation", step=0)
-        row: dict = {"strategy": p.strategy, "epoch": 0, "step": 0}
-        started = time.perf_counter()
-        row["val_loss"] = evaluate_validation(runner, peft_model, validation, t.batch_size, loss_fn, device, p.dp)
-        row["val_time_sec"] = time.perf_counter() - started
-        if writer is not None:
-            writer.write(row)
-            loggers.write(row)
-        print0(f"step 0/{total_steps} | val_loss {row['val_loss']:.4f} (before fine-tuning)")
-    window = _Window(device)
-    reset_peak_memory(device)
-    for epoch in range(position.epoch, t.epochs):
-        if step >= total_steps:
-            break
-        batches, lengths = epoch_plan(epoch)
-        # This replica's share of every schedule step: its batch_size columns of the global batch.
-        replica_batches = batches[:, mesh.dp_rank * t.batch_size : (mesh.dp_rank + 1) * t.batch_size]
-        for i in range(position.batch if epoch == position.epoch else 0, steps_per_epoch):
-            if step >= total_steps:
-                break
-            status.step, status.phase = step + 1, "pipeline send/recv"
-            phases.mark("step", step=step + 1)
-            group = slice(i * t.grad_accum, (i + 1) * t.grad_accum)
-            n_supervised = int(supervised[batches[group].flatten()].sum())
-            loss_fn.normalizer = max(n_supervised, 1)  # all-masked step: loss 0, never 0/0
-            step_loss = torch.zeros((), device=device)
-            for j, (index, length) in enumerate(zip(replica_batches[group], lengths[group].tolist(), strict=True)):
-                timeline = timelines.get(length) if step + 1 == t.timeline_step and j == 0 else None
-                if timeline is not None:
-                    timeline.start()
-                # A sharded pipeline stage may drop earlier gradients on its first step (see restore_gradients).
-                stashed = stash_gradients(params) if p.sharded and n_stages > 1 and j > 0 else None
-                input_ids, labels = train_split.batch(index, length, prepared.pad_id)
-                out = runners[length].step(input_ids.to(device), labels.to(device))
-                if stashed is not None:
-                    restore_gradients(params, stashed)
-                if out is not None:
-                    step_loss += out
-                if timeline is not None:
-                    save_timeline(timeline, env, run_dir, config)
-            if mesh.tp_mesh is not None:
-                sum_partial_gradients(params)
-            if not p.sharded:  # FSDP reduce-scattered them during backward
-                status.phase = "gradient all-reduce over dp"
-                all_reduce_gradients(params, mesh)
-            faults.before_grad_norm(step + 1, params)
-            status.phase = "gradient-norm all-reduce"
-            grad_norm, bad_stages = clip_global_grad_norm(params, t.max_grad_norm, device, step_loss, p.dp * p.tp)
-            lr = optimizer.param_groups[0]["lr"]
-            if bad_stages:  # every rank got the same flags from the all-reduce: all skip together
-                optimizer.zero_grad(set_to_none=not cuda_graphs)
-                skipped_in_row += 1
-                warn0(
-                    f"step {step + 1}: non-finite loss or gradient norm on stage {', '.join(map(str, bad_stages))}; "
-                    f"optimizer step skipped ({skipped_in_row} in a row, the run stops at {t.max_skipped_steps})"
-                )
-                if skipped_in_row >= t.max_skipped_steps:
-                    last = latest_checkpoint(run_dir)
-                    kept = (
-                        f"The newest committed checkpoint, {last.path}, holds weights from before them (those of "
-                        f"step {last.weights_step}: a skipped step changes no weight)"
-                        if last
-                        else "No checkpoint was committed"
-                    )
-                    raise TrainingError(
-                        f"{skipped_in_row} optimizer steps in a row (up to step {step + 1}) had a non-finite loss or "
-                        f"gradient norm; stopping. {kept}. Lower train.lr (applied on resume, like the schedule), "
-                        "check the data, or raise train.max_skipped_steps, then continue with --resume"
-                    )
-            else:
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=not cuda_graphs)
-                skipped_in_row = 0
-            step += 1
-            window.add(
-                step_loss,
-                grad_norm,
-                global_batch * int(lengths[group].sum()),
-                int(real_tokens[batches[group].flatten()].sum()),
-                n_supervised,
-                skipped=bool(bad_stages),
-            )
-            faults.after_step(step, saved=False)
+# --------------------------------------------------------------------------- the loop's steps
 
-            epoch_end = i == steps_per_epoch - 1
-            save = (t.save_every > 0 and step % t.save_every == 0) or epoch_end or step == total_steps
-            evaluate = validation is not None and (
-                (t.eval_every > 0 and step % t.eval_every == 0) or epoch_end or step == total_steps
-            )
-            if step % t.log_every == 0 or save or evaluate:  # a row at every checkpoint: resumed runs log the same
-                status.phase = "metrics all-gather"
-                row = window.flush(env, runner.is_last and mesh.tp_rank == 0)  # one loss per replica
-                row.update(strategy=p.strategy, epoch=epoch, step=step, lr=lr)
-                if evaluate:  # timed in its own column, and kept out of the next row's step time and tokens/s
-                    status.phase = "validation"
-                    phases.mark("validation", step=step)
-                    started = time.perf_counter()
-                    row["val_loss"] = evaluate_validation(
-                        runner, peft_model, validation, t.batch_size, loss_fn, device, p.dp * p.tp
-                    )
-                    row["val_time_sec"] = window.exclude_since(started)
-                if writer is not None:
-                    writer.write(row)
-                    loggers.write(row)
-                    losses.append(row["loss"])
-                progress.update(step, row)
-            if save:
-                status.phase = "checkpoint barrier"
-                phases.mark("checkpoint", step=step)
-                next_epoch, next_batch = (epoch + 1, 0) if epoch_end else (epoch, i + 1)
-                after = Position(step, next_epoch, next_batch, skipped_in_row)
-                started = time.perf_counter()
-                saved = save_checkpoint(
-                    config, after, env.rank, env.world_size, peft_model, optimizer, scheduler, param_names
-                )
-                print0(f"checkpoint {saved} ({window.exclude_since(started):.1f} s)")  # not training time either
-                faults.after_step(step, saved=True)
-    progress.close()
-    if env.rank == 0 and t.timeline_step:
-        plot_saved_timeline(run_dir, config)
-    loggers.close()
-    if writer is not None:
-        writer.close()
 
-    # ------------------------------------------------------------------ adapter: one PEFT directory from all stages
-    status.phase = "adapter gather"
-    phases.mark("adapter", step=step)
+def reduce_gradients(
+    params: list[torch.Tensor],
+    mesh: Mesh,
+    config: Config,
+    device: torch.device,
+    step_loss: torch.Tensor,
+    status: LoopStatus,
+    hooks: TrainHooks,
+    step: int,
+) -> tuple[torch.Tensor, list[int]]:
+    """Sum the step's gradients over tp shards and dp replicas, then clip them by their global norm; returns the
+    norm and the ranks that saw a non-finite loss or norm."""
+    p = config.parallel
+    if mesh.tp_mesh is not None:
+        sum_partial_gradients(params)
+    if not p.sharded:  # FSDP reduce-scattered them during backward
+        status.phase = "gradient all-reduce over dp"
+        all_reduce_gradients(params, mesh)
+    hooks.before_grad_norm(step + 1, params)
+    status.phase = "gradient-norm all-reduce"
+    return clip_global_grad_norm(params, config.train.max_grad_norm, device, step_loss, p.dp * p.tp)
+
+
+def cadence(config: Config, step: int, total_steps: int, epoch_end: bool, has_validation: bool) -> tuple[bool, ...]:
+    """(log, evaluate, save) after optimizer step `step`: a checkpoint every train.save_every steps, at each
+    epoch's end and at the last step; validation every train.eval_every steps and at the same ends; a metrics row
+    every train.log_every steps and with every checkpoint and validation (so a resumed run logs the same rows)."""
+    t = config.train
+    save = (t.save_every > 0 and step % t.save_every == 0) or epoch_end or step == total_steps
+    evaluate = has_validation and ((t.eval_every > 0 and step % t.eval_every == 0) or epoch_end or step == total_steps)
+    log = step % t.log_every == 0 or save or evaluate
+    return log, evaluate, save
+
+
+def too_many_skipped(run_dir: Path, skipped_in_row: int, step: int) -> TrainingError:
+    """The error that stops a run after train.max_skipped_steps non-finite steps in a row, up to `step`."""
+    last = latest_checkpoint(run_dir)
+    kept = (
+        f"The newest committed checkpoint, {last.path}, holds weights from before them (those of "
+        f"step {last.weights_step}: a skipped step changes no weight)"
+        if last
+        else "No checkpoint was committed"
+    )
+    return TrainingError(
+        f"{skipped_in_row} optimizer steps in a row (up to step {step}) had a non-finite loss or "
+        f"gradient norm; stopping. {kept}. Lower train.lr (applied on resume, like the schedule), "
+        "check the data, or raise train.max_skipped_steps, then continue with --resume"
+    )
+
+
+def save_gathered_adapter(
+    config: Config, env: DistEnv, peft_model: PeftModel, run_dir: Path, say: Callable[[str], None]
+) -> None:
+    """One PEFT adapter directory from every stage's tensors (gathered to rank 0)."""
     state = adapter_state(peft_model)
     if env.distributed:
         gathered: list[dict] | None = [None] * env.world_size if env.is_main else None
@@ -474,54 +550,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
             state = {name: tensor for part in gathered for name, tensor in part.items()}
     if env.is_main:
         save_adapter(state, config.lora, config.model.name, run_dir / "adapter")
-        print0(f"adapter ({len(state)} tensors) -> {run_dir / 'adapter'}")
-    phases.mark("done", step=step)
-    return RunResult(run_dir, losses, position.step if resume_from is not None else None)
-
-
-def evaluate_validation(
-    runner: PipelineRunner | SingleRunner,
-    module: torch.nn.Module,
-    validation: tuple[torch.Tensor, torch.Tensor],
-    batch_size: int,
-    loss_fn: TokenLoss,
-    device: torch.device,
-    replicas: int = 1,
-) -> float:
-    """Validation loss, computed on the last stage and shared with every rank (one all-reduce).
-
-    Each of the `replicas` (dp x tp) ranks holding the last stage computes it over the whole split."""
-    loss = validation_loss(runner, module, *validation, batch_size, loss_fn)
-    value = loss if loss is not None else torch.zeros((), device=device)
-    if dist.is_initialized():
-        dist.all_reduce(value)
-    return float(value) / replicas
-
-
-def save_timeline(timeline: StageTimeline, env: DistEnv, run_dir: Path, config: Config) -> None:
-    """Gather one schedule step's actions to rank 0 and write timeline.json (plot_saved_timeline draws it)."""
-    summary = gather_timeline(*timeline.stop(), env.world_size)
-    if summary is None:
-        return
-    p = config.parallel
-    summary["expected_bubble"] = (p.pp - 1) / (p.stages_per_rank * p.n_microbatches + p.pp - 1)
-    (run_dir / "timeline.json").write_text(json.dumps(summary, indent=1))
-
-
-def plot_saved_timeline(run_dir: Path, config: Config) -> None:
-    """timeline.png from timeline.json, after the last step: drawing it takes longer than a step."""
-    path = run_dir / "timeline.json"
-    if not path.exists():
-        return
-    summary = json.loads(path.read_text())
-    p = config.parallel
-    m = p.n_microbatches
-    title = (
-        f"{p.schedule}, pp={p.pp}, {m} microbatches: step {summary['step_ms']:.1f} ms, bubble "
-        + ", ".join(f"{b:.0%}" for b in summary["bubble"])
-        + f" (ideal {summary['expected_bubble']:.0%})"
-    )
-    plot_timeline(summary, run_dir / "timeline.png", title)
+        say(f"adapter ({len(state)} tensors) -> {run_dir / 'adapter'}")
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -532,207 +561,19 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def clip_global_grad_norm(
-    params: list[torch.Tensor],
-    max_norm: float,
-    device: torch.device,
-    loss: torch.Tensor | None = None,
-    stage_ranks: int = 1,
-) -> tuple[torch.Tensor, list[int]]:
-    """The L2 norm of all stages' gradients together, and the ranks that saw a non-finite loss or gradient norm.
+class TrainHooks:
+    """Points of the loop where a caller may step in; these do nothing. Only the tests' entry (tests/faults.py)
+    installs others (`HOOKS`), to inject faults into real runs."""
 
-    One all-reduce over the world carries the squared norms and one flag per rank. Each of a stage's
-    `stage_ranks` (dp x tp) ranks adds its gradients' squares divided by the number of ranks holding the same
-    values: all of them for a plain (replicated) gradient, fewer for a DTensor split over some of them (by tp:
-    the dp replicas; by FSDP over dp: one), so every value counts once. Clips by the norm when all are finite,
-    scaling each rank's own tensors (shards included).
-    """
-    grads = [param.grad for param in params if param.grad is not None]
-    by_copies: dict[int, list[torch.Tensor]] = {}
-    for grad in grads:
-        by_copies.setdefault(stage_ranks // shard_count(grad), []).append(local(grad))
-    squared = torch.zeros((), device=device)
-    for copies, tensors in sorted(by_copies.items()):
-        squared = squared + torch.nn.utils.get_total_norm(tensors, 2.0).float().pow(2) / copies
-    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    finite = torch.isfinite(squared)
-    if loss is not None:
-        finite &= torch.isfinite(loss)
-    packed = torch.zeros(1 + world, device=device)
-    packed[0] = squared
-    packed[1 + rank] = (~finite).float()
-    if dist.is_initialized():
-        dist.all_reduce(packed)
-    flags = packed[1:].cpu()  # the one host sync of a step: skipping must be decided on the host
-    bad_ranks = [r for r in range(world) if flags[r] > 0]
-    total = packed[0].sqrt()
-    if max_norm > 0 and not bad_ranks and grads:
-        torch._foreach_mul_([local(grad) for grad in grads], torch.clamp(max_norm / (total + 1e-6), max=1.0))
-    return total, bad_ranks
-
-
-def shard_count(tensor: torch.Tensor) -> int:
-    """Into how many disjoint parts a DTensor is split over its mesh (1 for a plain tensor)."""
-    if not isinstance(tensor, DTensor):
-        return 1
-    # Not `is_shard()`: FSDP over tensor-parallel shards places them as a _StridedShard, which is not a Shard.
-    return math.prod(tensor.device_mesh.size(i) for i, p in enumerate(tensor.placements) if not p.is_replicate())
-
-
-def keep_rng_out_of_no_grad_forwards(module: torch.nn.Module, device: torch.device) -> None:
-    """A forward under no_grad leaves the random streams as it found them.
-
-    torch < 2.12's PipelineStage infers shapes with one real no_grad forward at the first schedule
-    step, whose LoRA dropout draws from the training stream: at step 1 of a fresh run but at the first
-    step after a resume, so a resumed run would draw other masks. Training forwards run with grad.
-    """
-    saved: list[tuple[torch.Tensor, torch.Tensor | None]] = []
-
-    def before(_module: torch.nn.Module, _args: tuple) -> None:
-        if not torch.is_grad_enabled():
-            cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-            saved.append((torch.get_rng_state(), cuda))
-
-    def after(_module: torch.nn.Module, _args: tuple, _output: object) -> None:
-        if saved:
-            cpu, cuda = saved.pop()
-            torch.set_rng_state(cpu)
-            if cuda is not None:
-                torch.cuda.set_rng_state(cuda, device)
-
-    module.register_forward_pre_hook(before)
-    module.register_forward_hook(after)
-
-
-def peer_failure(error: RuntimeError, rank: int, status: LoopStatus, timeout_s: float) -> str | None:
-    """One line for a collective that failed because a peer timed out or died (gloo raises both), else None."""
-    text = str(error)
-    detail = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
-    where = f"the {status.phase} of step {status.step}" if status.step else f"the {status.phase}"
-    if "Timed out" in text or "timed out" in text:
-        return (
-            f"rank {rank} waited {timeout_s:g} s for a peer in {where} and gave up ({detail}). A peer stopped "
-            "responding: check the other ranks' output for a crash or hang, or raise parallel.timeout_s if a "
-            "step legitimately takes longer"
-        )
-    if "Connection closed by peer" in text or "Connection reset by peer" in text or "Broken pipe" in text:
-        return f"rank {rank} lost a peer in {where}: another rank exited; its output says why ({detail})"
-    return None
-
-
-class FaultInjection:
-    """Fault-injection hooks for tests, read from the environment; all off unless set (see docs/errors.md).
-
-    PIPETUNE_TEST_KILL_AT_STEP=N[:saved]  the highest rank SIGKILLs itself right after optimizer step N, before
-                                          that step's checkpoint (":saved": after it is committed); only in the
-                                          first attempt of a worker group, so a restarted group runs through
-    PIPETUNE_TEST_NAN_AT=S:N[,N...]       stage S's gradients become NaN at steps N, ...
-    PIPETUNE_TEST_HANG_AT=R:N             rank R stops responding before the gradient-norm all-reduce of step N
-    """
-
-    def __init__(self, rank: int, kill_at: tuple[int, bool] | None, nan_at: set[int], hang_at: int | None) -> None:
-        self.rank, self.kill_at, self.nan_at, self.hang_at = rank, kill_at, nan_at, hang_at
-
-    @classmethod
-    def from_env(cls, rank: int, world_size: int) -> FaultInjection:
-        kill_at = None
-        kill = os.environ.get("PIPETUNE_TEST_KILL_AT_STEP", "")
-        first_attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
-        if kill and rank == world_size - 1 and first_attempt:
-            step, _, when = kill.partition(":")
-            kill_at = (int(step), when == "saved")
-        nan_at: set[int] = set()
-        stage, _, steps = os.environ.get("PIPETUNE_TEST_NAN_AT", "").partition(":")
-        if stage and int(stage) == rank:
-            nan_at = {int(s) for s in steps.split(",")}
-        hang_at = None
-        hang_rank, _, hang_step = os.environ.get("PIPETUNE_TEST_HANG_AT", "").partition(":")
-        if hang_rank and int(hang_rank) == rank:
-            hang_at = int(hang_step)
-        return cls(rank, kill_at, nan_at, hang_at)
+    def start(self, rank: int, world_size: int) -> None:
+        """The loop is about to start on `rank` of `world_size`."""
 
     def before_grad_norm(self, step: int, params: list[torch.Tensor]) -> None:
-        if step in self.nan_at:
-            params[0].grad = torch.full_like(params[0], float("nan"))
-        if step == self.hang_at:
-            time.sleep(3600)  # the peers' timeout ends the run; the launcher then ends this process
+        """Step `step`'s gradients are reduced; the global norm comes next."""
 
     def after_step(self, step: int, saved: bool) -> None:
-        if self.kill_at == (step, saved):
-            os.kill(os.getpid(), signal.SIGKILL)
+        """Optimizer step `step` is done; `saved`: its checkpoint is committed too."""
 
 
-class _Window:
-    """Sums since the last metrics row; device tensors stay on the device until the row is written."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._reset()
-
-    def _reset(self) -> None:
-        self.loss = torch.zeros((), device=self.device)
-        self.grad_norm = torch.zeros((), device=self.device)
-        self.steps = self.skipped = self.tokens = self.real_tokens = self.supervised = 0
-        self.start = time.perf_counter()
-
-    def add(
-        self, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: int, real: int, supervised: int, skipped: bool
-    ) -> None:
-        if skipped:  # a skipped step's non-finite loss stays out of the row's mean
-            self.skipped += 1
-        else:
-            self.loss += loss
-        self.grad_norm = grad_norm.detach()
-        self.steps += 1
-        self.tokens += tokens
-        self.real_tokens += real
-        self.supervised += supervised
-
-    def exclude_since(self, started: float) -> float:
-        """Keep the time since `started` (validation, a checkpoint) out of this window; returns it in seconds."""
-        seconds = time.perf_counter() - started
-        self.start += seconds
-        return seconds
-
-    def flush(self, env: DistEnv, holds_loss: bool) -> dict:
-        """One row: loss from the last stage, peak memory from every rank, in one all_gather."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        elapsed = time.perf_counter() - self.start
-        local = torch.stack(
-            [
-                self._mean_loss() if holds_loss else torch.zeros((), device=self.device),
-                self.grad_norm.float(),
-                torch.tensor(peak_memory_gb(self.device), device=self.device),
-                torch.tensor(peak_reserved_gb(self.device), device=self.device),
-                torch.tensor(alloc_retries(self.device), device=self.device),
-            ]
-        ).float()
-        rows = [local]
-        if env.distributed:
-            rows = [torch.empty_like(local) for _ in range(env.world_size)]
-            dist.all_gather(rows, local)
-        values = torch.stack(rows).cpu()
-        peaks = values[:, 2].tolist()
-        row = {
-            "loss": float(values[:, 0].sum()),  # only the rank holding the last stage reports one
-            "grad_norm": float(values[0, 1]),
-            "tokens_per_sec": self.tokens / elapsed,
-            "real_tokens_per_sec": self.real_tokens / elapsed,
-            "step_time_sec": elapsed / self.steps,
-            "peak_vram_gb": max(peaks),
-            "supervised_tokens": self.supervised,
-            **{f"peak_gb_rank{i}": peak for i, peak in enumerate(peaks)},
-        }
-        if self.device.type == "cuda":
-            row.update({f"reserved_gb_rank{i}": float(reserved) for i, reserved in enumerate(values[:, 3])})
-            # Allocations that failed at first and succeeded after the allocator freed its cache (a slow,
-            # synchronizing path): a sign that the rank runs at the edge of its memory.
-            row["alloc_retries"] = int(values[:, 4].max())
-        reset_peak_memory(self.device)
-        self._reset()
-        return row
-
-    def _mean_loss(self) -> torch.Tensor:
-        counted = self.steps - self.skipped
-        return self.loss / counted if counted else torch.full((), float("nan"), device=self.device)
+HOOKS = TrainHooks()
+"""The hooks `train` calls."""

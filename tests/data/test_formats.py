@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from pipetune.config import ConfigError, DataConfig
+from pipetune.config import ConfigError, DataConfig, validate
+from pipetune.data.example import Example
 from pipetune.data.inspect import format_report, inspect_data
-from pipetune.data.sources import CHAT_COLUMNS, Example, load_dataset
+from pipetune.data.sources import CHAT_COLUMNS, load_dataset
+from pipetune.preflight import prepare
 from tests.conftest import tiny_config
 from tests.data.test_sources import GOOD, write_jsonl
 
@@ -107,7 +109,8 @@ def test_hub_dataset_is_read_from_the_local_cache_offline(tmp_path: Path, monkey
 def test_inspect_says_which_columns_it_read(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "chats.jsonl", CHATS * 4 + [chat(("user", "x"))])
     config = tiny_config(tmp_path / "run", f'data.source="{path}"', "data.max_length=256")
-    report = inspect_data(config)
+    validate(config, config.parallel.world_size)
+    report = inspect_data(config, prepare(config).prompts)
     text = format_report(report)
     assert f"read as: {CHAT_COLUMNS} (12 rows)" in text
     assert f"1  no assistant message  (train 1; first: {path}:13)" in text

@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipetune.cli import main, run_data_inspect
-from pipetune.data.batching import tokenize_split
-from pipetune.data.inspect import bucket_boundaries, bucketed_pad_fraction, pad_fraction, percentile
+from pipetune.data.batching import bucket_boundaries, pad_fraction, tokenize_split
+from pipetune.data.inspect import percentile
 from pipetune.data.sources import load_dataset
 from pipetune.preflight import prepare
 from tests.conftest import tiny_config, write_config
@@ -19,9 +20,9 @@ def test_percentiles_buckets_and_pad_fractions_by_hand() -> None:
     assert [percentile(list(range(1, 101)), q) for q in (50, 90, 99)] == [50, 90, 99]
     assert percentile([7], 99) == 7 and percentile([], 50) == 0
     assert bucket_boundaries(8192) == [2048, 4096, 6144, 8192]
-    assert pad_fraction([100, 300], 400) == pytest.approx(1 - 400 / 800)
+    assert pad_fraction(torch.tensor([100, 300]), [400]) == pytest.approx(1 - 400 / 800)
     # 100 -> bucket 100, 150 -> 200, 400 -> 400: 650 real of 700
-    assert bucketed_pad_fraction([100, 150, 400], [100, 200, 300, 400]) == pytest.approx(1 - 650 / 700)
+    assert pad_fraction(torch.tensor([100, 150, 400]), [100, 200, 300, 400]) == pytest.approx(1 - 650 / 700)
 
 
 def test_inspect_synthetic_counts_and_pad_fraction(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

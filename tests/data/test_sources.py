@@ -14,7 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipetune.config import Config, ConfigError, DataConfig, validate
-from pipetune.data.sources import Example, load_dataset
+from pipetune.data.example import Example
+from pipetune.data.sources import load_dataset
 
 GOOD = [{"dialogue": f"A: point {i}. B: agreed.", "summary": f"They agreed on point {i}."} for i in range(5)]
 

@@ -10,10 +10,10 @@ from pipetune.data.synthetic import generate_meetings
 from pipetune.data.tokenizer import (
     CHATML_TEMPLATE,
     SPECIAL_TOKENS,
-    default_cache_dir,
     demo_tokenizer,
     tokenizer_dir,
 )
+from pipetune.files import default_cache_dir
 
 
 @pytest.fixture(scope="module")

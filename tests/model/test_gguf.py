@@ -10,8 +10,8 @@ import torch
 
 from pipetune.config import ConfigError, ModelConfig
 from pipetune.data.batching import IGNORE, tokenize_split
+from pipetune.data.example import Example
 from pipetune.data.prompt import PromptBuilder
-from pipetune.data.sources import Example
 from pipetune.model import gguf
 from pipetune.model.load import build_model
 from pipetune.model.shapes import resolve_model

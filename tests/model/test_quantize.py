@@ -135,7 +135,7 @@ def test_a_compiled_nf4_layer_keeps_the_nf4_weight_for_backward_not_its_dequanti
     quantize_linears(model, "nf4")
     model.to_empty(device="cpu")
     (writer,) = weight_writers(model).values()
-    writer(torch.randn(128, 256))
+    writer(torch.randn(128, 256), slice(None))  # all rows: the weight is not sharded
     saved = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipetune.train import run_training
+from pipetune.launch import run_training
 from tests.conftest import run_cli, tiny_config, write_config
 from tests.parallel.test_parity import _adapter, _losses
 

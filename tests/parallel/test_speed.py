@@ -7,17 +7,18 @@ from collections import Counter
 import pytest
 import torch
 
-from pipetune.config import LOOPED_SCHEDULES, SCHEDULES, V_SCHEDULES, Config, ModelConfig, apply_override
+from pipetune.config import Config, ModelConfig, apply_override
 from pipetune.model.shapes import resolve_model
 from pipetune.parallel.memory import inflight_timeline, measure_layer_memory
-from pipetune.parallel.pipeline import schedule_actions, stage_ids
+from pipetune.parallel.pipeline import schedule_actions
 from pipetune.parallel.speed import replay_schedule
+from pipetune.schedules import SCHEDULES, stage_ids
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_every_schedule_runs_each_microbatch_once_forward_and_backward(schedule: str) -> None:
     pp, m = 2, 4
-    v = 2 if schedule in LOOPED_SCHEDULES + V_SCHEDULES else 1
+    v = SCHEDULES[schedule].min_stages_per_rank
     order = schedule_actions(schedule, pp, v, m)
     assert sorted(order) == list(range(pp))
     for rank, actions in order.items():
@@ -76,7 +77,7 @@ def test_layer_activations_on_meta_are_the_cpu_measurement() -> None:
 
 def test_calibration_times_a_layer_and_the_model_uses_the_times(tmp_path, monkeypatch) -> None:
     """--calibrate's path on a CPU (the figures are the CPU's): the timed shape's layer time replaces the model's."""
-    from pipetune.parallel import calibrate
+    from pipetune import calibrate
     from pipetune.parallel.speed import layer_seconds
     from pipetune.plan import make_plan
     from tests.conftest import tiny_config

@@ -1,8 +1,9 @@
-"""Static-shape batches: every sample padded to max_length, labels shifted, a deterministic order per epoch.
+"""Static-shape batches: every sample padded to max_length (or to its length bucket), labels shifted, a
+deterministic order per epoch; bucketing and the pad fraction it leaves.
 
 `PipelineStage` fixes its shapes at the first step, so every batch has exactly the shape
-[batch_size, max_length]. Labels are already shifted (labels[t] is the target of position t),
-so the loss needs no copy of the logits; pads and prompt positions carry IGNORE.
+[batch_size, max_length] (with data.buckets, one such shape per bucket). Labels are already shifted (labels[t]
+is the target of position t), so the loss needs no copy of the logits; pads and prompt positions carry IGNORE.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipetune.data.example import Example
 from pipetune.data.prompt import PromptBuilder, Sample
-from pipetune.data.sources import Example
 
 IGNORE = -100
 
@@ -110,6 +111,17 @@ def bucket_lengths(real_tokens: torch.Tensor, buckets: list[int]) -> torch.Tenso
     """[n] padded length of each sample: the smallest bucket that holds it."""
     bounds = torch.tensor(buckets)
     return bounds[torch.searchsorted(bounds, real_tokens)]
+
+
+def bucket_boundaries(max_length: int, n_buckets: int = 4) -> list[int]:
+    """Lengths max_length * k / n for k = 1..n (the last is max_length itself)."""
+    return sorted({max(1, max_length * k // n_buckets) for k in range(1, n_buckets + 1)})
+
+
+def pad_fraction(real_tokens: torch.Tensor, buckets: list[int]) -> float:
+    """Share of pad tokens when every sample is padded to the smallest bucket that holds it (buckets =
+    [max_length]: the one static shape)."""
+    return 1 - int(real_tokens.sum()) / int(bucket_lengths(real_tokens, buckets).sum())
 
 
 def bucketed_epoch_batches(

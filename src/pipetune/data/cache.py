@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +26,7 @@ import numpy as np
 from pipetune.config import DataConfig
 from pipetune.data.batching import SampleStore
 from pipetune.data.prompt import PromptBuilder
-from pipetune.model.gguf import file_digest
+from pipetune.files import default_cache_dir, file_digest, write_atomic, write_atomic_dir
 
 CACHE_VERSION = 1
 """Part of the digest; bump it when the stored layout changes."""
@@ -59,10 +56,7 @@ class TokenizedData:
 
     def write_summary(self, path: str | Path) -> None:
         """The summary as JSON (a run's data.json), through a temporary file and a rename."""
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(self.summary, indent=2) + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(self.summary, indent=2) + "\n")
 
 
 def tokenized_data(
@@ -73,8 +67,6 @@ def tokenized_data(
     `wait`: never build, wait for another process to finish the build (the other ranks of a node, while its
     local rank 0 builds).
     """
-    from pipetune.data.tokenizer import default_cache_dir
-
     root = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "data"
     target = root / data_digest(data, prompts, seed)
     while wait and not (target / "meta.json").is_file():
@@ -131,19 +123,13 @@ def _build_into(target: Path, data: DataConfig, prompts: PromptBuilder, seed: in
 
     started = time.perf_counter()
     dataset = load_dataset(data, seed=seed)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        staging.chmod(0o755)  # mkdtemp makes it owner-only
+
+    def build(staging: Path) -> None:
         splits = {name: _write_split(staging, name, examples, prompts) for name, examples in dataset.splits.items()}
         meta = {"summary": dataset.summary(), "splits": splits, "seconds": round(time.perf_counter() - started, 1)}
         (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")  # last: marks the build complete
-        os.rename(staging, target)  # atomic; fails when a concurrent build already put its copy there
-    except OSError:
-        if not (target / "meta.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+
+    write_atomic_dir(target, build, complete="meta.json")
     n = sum(len(examples) for examples in dataset.splits.values())
     print(f"pipetune: tokenized {n} samples in {time.perf_counter() - started:.1f} s -> {target}", file=sys.stderr)
 

@@ -17,9 +17,13 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from pipetune.config import Config, validate
+import torch
+
+from pipetune.config import Config
+from pipetune.data.batching import bucket_boundaries, bucket_lengths, pad_fraction
+from pipetune.data.example import Example
 from pipetune.data.prompt import PromptBuilder
-from pipetune.data.sources import Example, load_dataset
+from pipetune.data.sources import load_dataset
 
 PERCENTILES = (50, 90, 99)
 
@@ -85,12 +89,8 @@ class DataReport:
         return json.dumps(self.to_dict(), indent=2)
 
 
-def inspect_data(config: Config, n_buckets: int = 4) -> DataReport:
-    """Validate the config, load its tokenizer (no process starts) and data, and measure every split."""
-    from pipetune.preflight import prepare
-
-    validate(config, config.parallel.world_size)
-    prepared = prepare(config)
+def inspect_data(config: Config, prompts: PromptBuilder, n_buckets: int = 4) -> DataReport:
+    """Load a validated config's data and measure every split as `prompts` (its model's tokenizer) builds it."""
     dataset = load_dataset(config.data, seed=config.train.seed)
     buckets = bucket_boundaries(config.data.max_length, n_buckets)
     return DataReport(
@@ -100,7 +100,7 @@ def inspect_data(config: Config, n_buckets: int = 4) -> DataReport:
         max_summary_tokens=config.data.max_summary_tokens,
         buckets=buckets,
         rows=dataset.summary(),
-        splits=[split_report(name, examples, prepared.prompts, buckets) for name, examples in dataset.splits.items()],
+        splits=[split_report(name, examples, prompts, buckets) for name, examples in dataset.splits.items()],
     )
 
 
@@ -110,6 +110,8 @@ def split_report(name: str, examples: list[Example], builder: PromptBuilder, buc
     summary_lengths = _token_counts(builder, [e.summary for e in examples])
     samples = builder.build_many([(e.transcript, e.summary) for e in examples])
     lengths = [len(s.input_ids) for s in samples]
+    real_tokens = torch.tensor(lengths, dtype=torch.long)
+    padded = bucket_lengths(real_tokens, buckets).tolist()
     transcript_cuts = [s.transcript_tokens_cut for s in samples if s.transcript_tokens_cut]
     summary_cuts = [s.summary_tokens_cut for s in samples if s.summary_tokens_cut]
     return SplitReport(
@@ -123,9 +125,9 @@ def split_report(name: str, examples: list[Example], builder: PromptBuilder, buc
         transcript_cut_max=max(transcript_cuts, default=0),
         summaries_capped=len(summary_cuts),
         summary_cut_max=max(summary_cuts, default=0),
-        pad_fraction=pad_fraction(lengths, builder.max_length) if lengths else None,
-        bucket_pad_fraction=bucketed_pad_fraction(lengths, buckets) if lengths else None,
-        bucket_samples=[sum(bucket_for(n, buckets) == b for n in lengths) for b in buckets],
+        pad_fraction=pad_fraction(real_tokens, [builder.max_length]) if lengths else None,
+        bucket_pad_fraction=pad_fraction(real_tokens, buckets) if lengths else None,
+        bucket_samples=[padded.count(b) for b in buckets],
     )
 
 
@@ -138,29 +140,6 @@ def percentile(ordered: list[int], q: float) -> int:
     if not ordered:
         return 0
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
-
-
-def bucket_boundaries(max_length: int, n_buckets: int = 4) -> list[int]:
-    """Lengths max_length * k / n for k = 1..n (the last is max_length itself)."""
-    return sorted({max(1, max_length * k // n_buckets) for k in range(1, n_buckets + 1)})
-
-
-def bucket_for(length: int, buckets: list[int]) -> int:
-    """The smallest bucket that holds `length`."""
-    for bucket in buckets:
-        if length <= bucket:
-            return bucket
-    raise ValueError(f"a sample of {length} tokens exceeds the largest bucket {buckets[-1]}")
-
-
-def pad_fraction(lengths: list[int], max_length: int) -> float:
-    """Share of pad tokens when every sample is padded to max_length."""
-    return 1 - sum(lengths) / (len(lengths) * max_length)
-
-
-def bucketed_pad_fraction(lengths: list[int], buckets: list[int]) -> float:
-    """Share of pad tokens when every sample is padded to the smallest bucket that holds it."""
-    return 1 - sum(lengths) / sum(bucket_for(n, buckets) for n in lengths)
 
 
 # --------------------------------------------------------------------------- text

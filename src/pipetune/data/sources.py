@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from pipetune.config import ConfigError, DataConfig
+from pipetune.data.example import Example
+from pipetune.data.synthetic import synthetic_splits
 from pipetune.files import write_atomic
 
 SYNTHETIC = "synthetic"
@@ -44,16 +46,6 @@ LOCATED_PER_REASON = 5
 """Skipped rows located per reason in data.json: enough to find the pattern, never the whole file."""
 CHARS_PER_TOKEN = 64
 """A bound on the characters one token covers: text beyond data.max_length x this is cut before tokenizing."""
-
-
-@dataclass(frozen=True)
-class Example:
-    """One transcript and its reference summary, whatever the source (a synthetic meeting is one too)."""
-
-    transcript: str
-    """The meeting transcript (for AMI and the synthetic corpus: speaker-tagged turns, one per line)."""
-    summary: str
-    """The reference summary."""
 
 
 @dataclass(frozen=True)
@@ -136,8 +128,6 @@ def load_dataset(data: DataConfig, seed: int = 0) -> Dataset:
     every caller of the same config holds out the same rows.
     """
     if data.source == SYNTHETIC:
-        from pipetune.data.synthetic import synthetic_splits
-
         splits = synthetic_splits(seed=0, n_train=data.synthetic_train, n_validation=data.synthetic_validation)
         dataset = Dataset(
             {name: list(rows) for name, rows in splits.items()},

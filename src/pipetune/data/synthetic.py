@@ -13,7 +13,7 @@ import random
 import re
 from dataclasses import dataclass
 
-from pipetune.data.sources import Example
+from pipetune.data.example import Example
 
 ROLES = ("Project Manager", "Marketing Expert", "User Interface Designer", "Industrial Designer")
 PROJECT_MANAGER = ROLES[0]

@@ -8,8 +8,6 @@ directory and rename it into place, so exactly one copy wins and the others load
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -17,6 +15,7 @@ from transformers import PreTrainedTokenizerFast
 
 from pipetune.data.prompt_text import SYSTEM_PROMPT
 from pipetune.data.synthetic import synthetic_splits
+from pipetune.files import default_cache_dir, write_atomic_dir
 
 TOKENIZER_VERSION = 1
 """Part of the cache directory name; bump it whenever the training recipe below changes."""
@@ -31,15 +30,6 @@ CHATML_TEMPLATE = (
 )
 MODEL_MAX_LENGTH = 1_000_000
 """No practical limit: the model config and ``data.max_length`` bound sequence length instead."""
-
-
-def default_cache_dir() -> Path:
-    """``$PIPETUNE_CACHE``, else ``$XDG_CACHE_HOME/pipetune``, else ``~/.cache/pipetune``."""
-    if os.environ.get("PIPETUNE_CACHE"):
-        return Path(os.environ["PIPETUNE_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "pipetune"
-    return Path.home() / ".cache" / "pipetune"
 
 
 def tokenizer_dir(cache_dir: str | os.PathLike | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE) -> Path:
@@ -87,19 +77,8 @@ def _wrap(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
 
 
 def _build_into(target: Path, vocab_size: int) -> None:
-    """Train and save into a private directory, then rename it to ``target`` unless another process won."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        staging.chmod(0o755)  # mkdtemp makes it owner-only
-        _wrap(_train(vocab_size)).save_pretrained(staging)
-        # rename() of a directory is atomic, and fails when target already holds another build.
-        os.rename(staging, target)
-    except OSError:
-        if not (target / "tokenizer.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    """Train and save into ``target``, whole (unless another process's build got there first)."""
+    write_atomic_dir(target, lambda staging: _wrap(_train(vocab_size)).save_pretrained(staging), "tokenizer.json")
 
 
 def demo_tokenizer(

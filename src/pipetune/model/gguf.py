@@ -13,17 +13,15 @@ cut ("a  2" -> a, Ġ, Ġ, 2 instead of a, ĠĠ, 2). `PRE_TOKENIZERS` restores th
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
-import shutil
 import struct
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from pipetune.config import ConfigError
+from pipetune.files import default_cache_dir, file_digest, write_atomic_dir
 
 CONVERSION_VERSION = 1
 """Part of the cache directory name; bump it whenever the conversion below changes its output."""
@@ -106,33 +104,12 @@ def _packaged_file(name: str) -> Path:
 
 def converted_checkpoint(gguf: Path, cache_dir: Path | None = None) -> Path:
     """The checkpoint directory converted from `gguf`: made once (per content hash), found after."""
-    from pipetune.data.tokenizer import default_cache_dir
-
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     target = root / "models" / f"{gguf.stem}-{file_digest(gguf)[:16]}-v{CONVERSION_VERSION}"
     if not (target / "model.safetensors").is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         print(f"pipetune: converting {gguf} into {target} (once)", file=sys.stderr, flush=True)
-        try:
-            staging.chmod(0o755)  # mkdtemp makes it owner-only
-            convert(gguf, staging)
-            os.rename(staging, target)  # atomic; fails when a concurrent conversion already put its copy there
-        except OSError:
-            if not (target / "model.safetensors").is_file():
-                raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        write_atomic_dir(target, lambda staging: convert(gguf, staging), complete="model.safetensors")
     return target
-
-
-def file_digest(path: Path) -> str:
-    """SHA-256 of the file's content, read in 16 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def convert(gguf: Path, out: Path) -> None:

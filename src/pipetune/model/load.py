@@ -147,8 +147,15 @@ def local_slices(param: torch.Tensor) -> tuple[slice, ...] | None:
     return tuple(slice(start, start + size) for start, size in zip(offset, shape, strict=True))
 
 
-Writers = dict[int, Callable[[torch.Tensor], None]]
-"""model/quantize.py's `weight_writers`: for a quantized weight (by id), what stores a whole tensor of its values."""
+Writers = dict[int, Callable[[torch.Tensor, slice], None]]
+"""model/quantize.py's `weight_writers`: for a quantized weight (by id), what stores a whole tensor of its values
+given the rows this rank holds (`local_rows`)."""
+
+
+def local_rows(param: torch.Tensor) -> slice:
+    """The rows of the whole tensor that this rank holds (all, unless FSDP sharded the parameter)."""
+    slices = local_slices(param)
+    return slice(None) if slices is None else slices[0]
 
 
 def fill(
@@ -160,7 +167,7 @@ def fill(
     local = param.to_local() if isinstance(param, DTensor) else param
     whole = make_whole(param.shape, local.device)
     if quantized and id(param) in quantized:
-        quantized[id(param)](whole)
+        quantized[id(param)](whole, local_rows(param))
         return
     slices = local_slices(param)
     local.copy_(whole if slices is None else whole[slices])
@@ -237,7 +244,7 @@ def _load_safetensors(
                         )
                     if id(param) in quantized:
                         part = f.get_tensor(source).to(_local(param).device)
-                        quantized[id(param)](part)
+                        quantized[id(param)](part, local_rows(param))
                     elif slices is not None:
                         part = view[slices]
                         _local(param).copy_(part)

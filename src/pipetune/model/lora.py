@@ -64,8 +64,12 @@ def adapter_state(peft_model: peft.PeftModel) -> dict[str, torch.Tensor]:
 
     With FSDP (parallel.dp_shard) each one is gathered from its dp shards: a collective over the dp
     replicas, which must all call this (they hold the same tensors in the same order)."""
-    state = adapter_parameters(peft_model)
-    return {name: full_tensor(tensor).detach().to("cpu", copy=True).contiguous() for name, tensor in state.items()}
+    return whole_on_cpu(adapter_parameters(peft_model))
+
+
+def whole_on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached CPU copies of the whole tensors (DTensors gathered: a collective over their mesh)."""
+    return {name: full_tensor(tensor).detach().to("cpu", copy=True).contiguous() for name, tensor in tensors.items()}
 
 
 def adapter_parameters(peft_model: peft.PeftModel) -> dict[str, torch.Tensor]:

@@ -17,8 +17,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from pipetune.data.batching import IGNORE
-
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -29,13 +27,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         bias: torch.Tensor | None,
         labels: torch.Tensor,
         chunk: int,
+        ignore_index: int,
         with_grad: bool,
         vocab: VocabShard | None,
     ) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])
         # Only supervised rows reach the head: the prompt's tokens have no loss and get no gradient.
         # Reading their count is the one host sync of the loss.
-        keep = (labels.reshape(-1) != IGNORE).nonzero().squeeze(1)
+        keep = (labels.reshape(-1) != ignore_index).nonzero().squeeze(1)
         rows, targets = flat.index_select(0, keep), labels.reshape(-1).index_select(0, keep)
         if vocab is not None:  # this rank's columns: targets outside them pick nothing here
             targets = targets - vocab.start
@@ -67,7 +66,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         (grad,) = ctx.saved_tensors
-        return (grad * grad_output).view(ctx.shape), None, None, None, None, None, None
+        return (grad * grad_output).view(ctx.shape), None, None, None, None, None, None, None
 
 
 @dataclass
@@ -87,9 +86,10 @@ class VocabShard:
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, chunk: int = 2048
+    hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, chunk: int = 2048, ignore_index: int = -100
 ) -> torch.Tensor:
-    """Sum over supervised tokens of cross_entropy(head(hidden).float(), labels); `head` must be frozen.
+    """Sum over supervised tokens (labels != ignore_index, as in F.cross_entropy) of
+    cross_entropy(head(hidden).float(), labels); `head` must be frozen.
 
     A head split by vocabulary columns over tensor-parallel ranks (a DTensor weight, parallel/tp.py) computes
     its shard's logits only; the ranks combine their log-sum-exps and target logits per chunk, and sum their
@@ -102,4 +102,4 @@ def linear_cross_entropy(
         mesh = weight.device_mesh
         vocab = VocabShard(mesh.get_local_rank() * -(-weight.shape[0] // mesh.size()), mesh.get_group())
         weight, bias = weight.to_local(), bias.to_local() if bias is not None else None
-    return _LinearCrossEntropy.apply(hidden, weight, bias, labels, chunk, with_grad, vocab)
+    return _LinearCrossEntropy.apply(hidden, weight, bias, labels, chunk, ignore_index, with_grad, vocab)

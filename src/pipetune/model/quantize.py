@@ -93,34 +93,26 @@ def quantize_linears(model: nn.Module, method: str) -> int:
     return count
 
 
-def weight_writers(model: nn.Module) -> dict[int, Callable[[torch.Tensor], None]]:
+def weight_writers(model: nn.Module) -> dict[int, Callable[[torch.Tensor, slice], None]]:
     """For each quantized weight of a materialized model (by id of the parameter), a function that stores a whole
-    tensor of its unquantized values: quantized whole, this rank's rows kept (FSDP shards dim 0)."""
-    writers: dict[int, Callable[[torch.Tensor], None]] = {}
+    tensor of its unquantized values and the rows of it this rank holds: quantized whole, those rows kept (FSDP
+    shards dim 0)."""
+    writers: dict[int, Callable[[torch.Tensor, slice], None]] = {}
     for _, linear in base_linears(model):
         weight = linear.weight
         local = weight.to_local() if isinstance(weight, DTensor) else weight
         if local.dtype == FP8:
-            writers[id(weight)] = lambda whole, linear=linear: _write_fp8(linear, whole)
+            writers[id(weight)] = lambda whole, rows, linear=linear: _write_fp8(linear, whole, rows)
         elif type(local).__name__ == "NF4Tensor":
-            writers[id(weight)] = lambda whole, weight=weight: _write_nf4(weight, whole)
+            writers[id(weight)] = lambda whole, rows, weight=weight: _write_nf4(weight, whole, rows)
     return writers
 
 
-def _rows(param: torch.Tensor) -> slice:
-    """The rows of the whole tensor that this rank holds (all, unless FSDP sharded the parameter)."""
-    from pipetune.model.load import local_slices
-
-    slices = local_slices(param)
-    return slice(None) if slices is None else slices[0]
-
-
-def _write_nf4(param: torch.Tensor, whole: torch.Tensor) -> None:
+def _write_nf4(param: torch.Tensor, whole: torch.Tensor, rows: slice) -> None:
     _, to_nf4 = torchao_nf4()
     # The shard itself: to_local() returns a view, and a view of an NF4Tensor is a new object.
     local = param._local_tensor if isinstance(param, DTensor) else param
     quantized = to_nf4(whole.to(local.dtype).contiguous(), local.block_size, local.scaler_block_size)
-    rows = _rows(param)
     if rows != slice(None):  # torchao splits an NF4Tensor into equal row blocks (as FSDP2 shards it)
         quantized = torch.split(quantized, rows.stop - rows.start)[rows.start // (rows.stop - rows.start)]
     for name in ("quantized_data", "quantized_scalers", "quantization_factor"):
@@ -136,11 +128,11 @@ def fp8_quantize(whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (whole / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
-def _write_fp8(linear: nn.Linear, whole: torch.Tensor) -> None:
+def _write_fp8(linear: nn.Linear, whole: torch.Tensor, rows: slice) -> None:
     values, scale = fp8_quantize(whole)
     weight = linear.weight
     local = weight.to_local() if isinstance(weight, DTensor) else weight
-    local.copy_(values[_rows(weight)])
+    local.copy_(values[rows])
     linear.weight_scale.copy_(scale)  # a buffer: every rank holds all rows' scales (4 bytes a row)
 
 
@@ -152,8 +144,8 @@ def _nf4_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _nf4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear with an NF4 weight, run outside compiled graphs. Eagerly, torchao's autograd function keeps the
     NF4 weight for backward and dequantizes it again there; traced into a compiled layer, the partitioner keeps
-    the dequantized weight instead (2 bytes a weight, per layer and microbatch in flight: the 72B shape in NF4
-    ran out of 150 GB on one H200 where the eager layer's plan needed 93 GB)."""
+    the dequantized weight instead: 2 bytes a weight, per layer and microbatch in flight, which undoes what NF4
+    saves (the 72B shape in NF4 needs 93 GB on one H200 this way, more than 150 GB compiled)."""
     return nn.functional.linear(x, weight, bias)
 
 

@@ -31,9 +31,9 @@ class _GradInOwnMemory(torch.autograd.Function):
     A CUDA-graphed layer's outputs, its input gradient among them, live in the graphs' memory pool, and a
     replay writes its outputs there with no regard for other streams. The multi-stage schedules send on
     NCCL's stream while the next actions' graphs replay; a copy from the caching allocator stays valid until
-    NCCL is done with it. Without the copies (this one and the stage output's), interleaved runs whose
-    transfers took longer (fewer NCCL channels) trained on corrupted gradients from the first replayed step
-    (benchmarks/2026-11-29-speed-h200.md, third round)."""
+    NCCL is done with it. Without the copies (this one and the stage output's), a replay overwrites gradients
+    that a slow transfer (fewer NCCL channels) is still sending, and training goes on with corrupted ones
+    (benchmarks/2026-11-29-speed-h200.md, third round, has the run that showed it)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:

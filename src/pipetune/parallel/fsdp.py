@@ -8,7 +8,6 @@ Inside a pipeline, torch's PipelineStage defers the reduce-scatter to the end of
 
 from __future__ import annotations
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -35,24 +34,3 @@ def shard_stages(modules: list[StageModule], dp_mesh: DeviceMesh, pipelined: boo
                 part.set_gradient_divide_factor(1.0)
                 # A plain SUM rather than PREMUL_SUM(1.0), which gloo lacks (and NCCL's SUM is zero-copy).
                 part.set_force_sum_reduction_for_comms(True)
-
-
-def stash_gradients(params: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    """Take the accumulated gradients off the parameters (see `restore_gradients`)."""
-    saved = [param.grad for param in params]
-    for param in params:
-        param.grad = None
-    return saved
-
-
-def restore_gradients(params: list[torch.Tensor], saved: list[torch.Tensor | None]) -> None:
-    """Add back gradients taken by `stash_gradients` to those computed since.
-
-    torch >= 2.12's PipelineStage clears the .grad of FSDP parameters after it infers shapes, which it
-    does at a stage's first schedule step and at the first after a forward-only (validation) one: with
-    length buckets that can be a later schedule step of an optimizer step, whose earlier gradients
-    would be lost.
-    """
-    for param, grad in zip(params, saved, strict=True):
-        if grad is not None:
-            param.grad = grad if param.grad is None else param.grad + grad

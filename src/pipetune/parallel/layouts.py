@@ -15,14 +15,12 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from pipetune.config import (
-    SCHEDULES,
-    SINGLE_STAGE_SCHEDULES,
-    V_SCHEDULES,
     Config,
     ConfigError,
     validate,
     validate_against_model,
 )
+from pipetune.schedules import SCHEDULES
 
 STAGES_PER_RANK = (2, 3, 4)
 """Virtual stages per rank tried for the looped schedules (measured: v = 6 no faster than 3 at Qwen3-4B)."""
@@ -141,13 +139,11 @@ def _shapes(model_config: PretrainedConfig, pp: int, tp: int, dp: int, per_repli
                 yield Layout(strategy, 1, dp, tp, microbatch=microbatch, grad_accum=per_replica // microbatch)
         return
     for dp_shard in (False, True) if dp > 1 else (False,):
-        for schedule in SCHEDULES:
-            if schedule in SINGLE_STAGE_SCHEDULES:
-                virtual = (1,)
-            elif schedule in V_SCHEDULES:
-                virtual = (2,)
+        for schedule, spec in SCHEDULES.items():
+            if spec.max_stages_per_rank is not None:
+                virtual = range(spec.min_stages_per_rank, spec.max_stages_per_rank + 1)
             else:
-                virtual = STAGES_PER_RANK
+                virtual = [v for v in STAGES_PER_RANK if v >= spec.min_stages_per_rank]
             for v in virtual:
                 if pp * v > model_config.num_hidden_layers:
                     continue

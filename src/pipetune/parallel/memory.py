@@ -29,7 +29,8 @@ from pipetune.config import Config, ConfigError, ParallelConfig
 from pipetune.model.quantize import linear_shapes, stored_bytes
 from pipetune.model.shapes import ResolvedModel, one_layer_model
 from pipetune.model.stage import StageModule
-from pipetune.parallel.pipeline import Action, schedule_actions, stage_ids
+from pipetune.parallel.pipeline import Action, schedule_actions
+from pipetune.schedules import stage_ids
 
 GB = 1e9
 MARGIN = 0.07

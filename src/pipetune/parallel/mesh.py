@@ -1,4 +1,5 @@
-"""The 3-D process layout: pp pipeline stages (outer) x dp data-parallel replicas x tp tensor shards (inner).
+"""The 3-D process layout: pp pipeline stages (outer) x dp data-parallel replicas x tp tensor shards (inner),
+and the gradients over it: summed over the replicas, clipped by their global norm.
 
 Rank = (pp_rank * dp + dp_rank) * tp + tp_rank: the tp ranks of one stage replica are neighbours (one node,
 where the all-reduces of every layer stay on the fastest links), then the dp replicas of one stage, and the
@@ -7,6 +8,7 @@ stages of one pipeline replica are dp x tp ranks apart.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -83,3 +85,50 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (the same memory: outside autograd `to_local` returns it), a plain tensor as
     it is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def clip_global_grad_norm(
+    params: list[torch.Tensor],
+    max_norm: float,
+    device: torch.device,
+    loss: torch.Tensor | None = None,
+    stage_ranks: int = 1,
+) -> tuple[torch.Tensor, list[int]]:
+    """The L2 norm of all stages' gradients together, and the ranks that saw a non-finite loss or gradient norm.
+
+    One all-reduce over the world carries the squared norms and one flag per rank. Each of a stage's
+    `stage_ranks` (dp x tp) ranks adds its gradients' squares divided by the number of ranks holding the same
+    values: all of them for a plain (replicated) gradient, fewer for a DTensor split over some of them (by tp:
+    the dp replicas; by FSDP over dp: one), so every value counts once. Clips by the norm when all are finite,
+    scaling each rank's own tensors (shards included).
+    """
+    grads = [param.grad for param in params if param.grad is not None]
+    by_copies: dict[int, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_copies.setdefault(stage_ranks // shard_count(grad), []).append(local(grad))
+    squared = torch.zeros((), device=device)
+    for copies, tensors in sorted(by_copies.items()):
+        squared = squared + torch.nn.utils.get_total_norm(tensors, 2.0).float().pow(2) / copies
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    finite = torch.isfinite(squared)
+    if loss is not None:
+        finite &= torch.isfinite(loss)
+    packed = torch.zeros(1 + world, device=device)
+    packed[0] = squared
+    packed[1 + rank] = (~finite).float()
+    if dist.is_initialized():
+        dist.all_reduce(packed)
+    flags = packed[1:].cpu()  # the one host sync of a step: skipping must be decided on the host
+    bad_ranks = [r for r in range(world) if flags[r] > 0]
+    total = packed[0].sqrt()
+    if max_norm > 0 and not bad_ranks and grads:
+        torch._foreach_mul_([local(grad) for grad in grads], torch.clamp(max_norm / (total + 1e-6), max=1.0))
+    return total, bad_ranks
+
+
+def shard_count(tensor: torch.Tensor) -> int:
+    """Into how many disjoint parts a DTensor is split over its mesh (1 for a plain tensor)."""
+    if not isinstance(tensor, DTensor):
+        return 1
+    # Not `is_shard()`: FSDP over tensor-parallel shards places them as a _StridedShard, which is not a Shard.
+    return math.prod(tensor.device_mesh.size(i) for i, p in enumerate(tensor.placements) if not p.is_replicate())

@@ -10,7 +10,6 @@ and its gradient is the gradient of that mean, whatever the microbatching. Hence
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
 import torch.distributed as dist
@@ -18,30 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, schedules
 
-from pipetune.config import V_SCHEDULES, ConfigError
 from pipetune.data.batching import IGNORE
 from pipetune.model.loss import linear_cross_entropy
+from pipetune.parallel.torch_compat import schedule_step_options
+from pipetune.schedules import SCHEDULES, stage_ids
 
-# Looked up by name: older torch releases lack the newest schedules (DualPipeV since 2.8).
-SCHEDULE_CLASSES = {
-    name: getattr(schedules, class_name, None)
-    for name, class_name in {
-        "gpipe": "ScheduleGPipe",
-        "1f1b": "Schedule1F1B",
-        "interleaved_1f1b": "ScheduleInterleaved1F1B",
-        "looped_bfs": "ScheduleLoopedBFS",
-        "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
-        "zbv": "ScheduleZBVZeroBubble",
-        "dualpipev": "ScheduleDualPipeV",
-    }.items()
-}
-
-
-def stage_ids(schedule: str, rank: int, pp: int, stages_per_rank: int) -> list[int]:
-    """The pipeline stages a rank runs, in order: looped (r, r + pp, ...) or V-shaped (r, 2 pp - 1 - r)."""
-    if schedule in V_SCHEDULES:
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + k * pp for k in range(stages_per_rank)]
+SCHEDULE_CLASSES = {name: getattr(schedules, spec.torch_class) for name, spec in SCHEDULES.items()}
 
 
 Action = tuple[str, int, int]
@@ -58,7 +39,7 @@ def schedule_actions(schedule: str, pp: int, stages_per_rank: int, n_microbatche
     Used to predict a schedule's memory (microbatches in flight) and its step time (pipetune plan); cached: the
     result is shared, not to be changed."""
     m = n_microbatches
-    if schedule in ("gpipe", "1f1b"):
+    if not SCHEDULES[schedule].multi_stage:
         order = {}
         for rank in range(pp):
             warmup = m if schedule == "gpipe" else min(m, pp - rank)
@@ -69,8 +50,6 @@ def schedule_actions(schedule: str, pp: int, stages_per_rank: int, n_microbatche
             order[rank] = actions
         return order
     schedule_class = SCHEDULE_CLASSES[schedule]
-    if schedule_class is None:
-        raise ConfigError(f"parallel.schedule = {schedule!r} is not in torch {torch.__version__}; upgrade torch")
     n_stages = pp * stages_per_rank
     stages = [
         _StandInStage(stage, n_stages, pp, rank)
@@ -123,7 +102,7 @@ class TokenLoss:
 
     def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.head is not None:
-            return linear_cross_entropy(output, self.head, labels, self.chunk) / self.normalizer
+            return linear_cross_entropy(output, self.head, labels, self.chunk, ignore_index=IGNORE) / self.normalizer
         total = F.cross_entropy(output.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
         return total / self.normalizer
 
@@ -153,13 +132,9 @@ class PipelineRunner:
             for module, index in zip(modules, stage_ids, strict=True)
         ]
         schedule_class = SCHEDULE_CLASSES[schedule]
-        if schedule_class is None:
-            raise ConfigError(f"parallel.schedule = {schedule!r} is not in torch {torch.__version__}; upgrade torch")
         stages = self.stages[0] if issubclass(schedule_class, schedules.PipelineScheduleSingle) else self.stages
         self.schedule = schedule_class(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
-        # torch >= 2.12 can skip merging the last stage's outputs (full logits) after each step.
-        accepts = inspect.signature(self.schedule.step).parameters
-        self._step_options = {"return_outputs": False} if "return_outputs" in accepts else {}
+        self._step_options = schedule_step_options(self.schedule.step)
 
     def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         return self._run(self.schedule.step, input_ids, labels, **self._step_options)
@@ -247,3 +222,22 @@ def validation_loss(
     if not runner.is_last:
         return None
     return total / max(int((labels != IGNORE).sum()), 1)
+
+
+def evaluate_validation(
+    runner: PipelineRunner | SingleRunner,
+    module: torch.nn.Module,
+    validation: tuple[torch.Tensor, torch.Tensor],
+    batch_size: int,
+    loss_fn: TokenLoss,
+    device: torch.device,
+    replicas: int = 1,
+) -> float:
+    """Validation loss, computed on the last stage and shared with every rank (one all-reduce).
+
+    Each of the `replicas` (dp x tp) ranks holding the last stage computes it over the whole split."""
+    loss = validation_loss(runner, module, *validation, batch_size, loss_fn)
+    value = loss if loss is not None else torch.zeros((), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(value)
+    return float(value) / replicas

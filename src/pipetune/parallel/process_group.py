@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+
+from pipetune.parallel.torch_compat import attempt_store
 
 
 @dataclass
@@ -26,6 +26,11 @@ class DistEnv:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+
+def restart_count() -> int:
+    """How many times the launcher restarted this worker group (torch's elastic agent counts; 0: the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def under_launcher() -> bool:
@@ -58,42 +63,13 @@ def init_distributed(timeout_s: float = 600.0, p2p_channels: int = 0) -> DistEnv
         backend="nccl" if use_gpu else "gloo",
         timeout=timedelta(seconds=timeout_s),
         device_id=device if use_gpu else None,
-        store=_attempt_store(rank, world, timeout_s),
+        store=attempt_store(rank, world, timeout_s, restart_count()),
         rank=rank,
         world_size=world,
     )
     return DistEnv(rank, world, local_rank, device)
 
 
-def _attempt_store(rank: int, world: int, timeout_s: float) -> dist.Store | None:
-    """A key space of its own for a restarted worker group (None: the first attempt uses env:// as is).
-
-    torchrun shares its rendezvous store with the workers, and a restarted group would read the
-    previous attempt's gloo addresses from it and hang or fail (pytorch/pytorch#135712).
-    """
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restart == 0:
-        return None
-    from torch.distributed.rendezvous import rendezvous
-
-    store, _, _ = next(rendezvous("env://", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)))
-    return dist.PrefixStore(f"pipetune/attempt-{restart}", store)
-
-
 def close_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def exit_skipping_teardown(code: int = 0) -> NoReturn:
-    """End a worker at once (a finished one: exit code 0), without the interpreter's shutdown.
-
-    For runs sharded with FSDP: fully_shard keeps its process groups alive after
-    destroy_process_group (seen with torch 2.13), so gloo's worker threads outlive it, and one that is still
-    releasing a collective's tensors when the interpreter shuts down needs the GIL, cannot take it, and
-    aborts the process ("terminate called without an active exception", seen in ~1 run in 15 on CPU).
-    Everything the run writes is closed and flushed by then. A stopped worker ends this way too: its
-    process group's teardown could wait on a peer that waits on it."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

@@ -9,6 +9,7 @@ actions within the step is its bubble: waiting for its neighbours.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -16,6 +17,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from pipetune.config import Config
+from pipetune.parallel.process_group import DistEnv
+from pipetune.schedules import ideal_bubble
 
 
 @dataclass
@@ -178,3 +183,29 @@ def plot_timeline(timeline: dict, path: Path, title: str = "") -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def save_timeline(timeline: StageTimeline, env: DistEnv, run_dir: Path, config: Config) -> None:
+    """Gather one schedule step's actions to rank 0 and write timeline.json (plot_saved_timeline draws it)."""
+    summary = gather_timeline(*timeline.stop(), env.world_size)
+    if summary is None:
+        return
+    p = config.parallel
+    summary["expected_bubble"] = ideal_bubble(p.pp, p.stages_per_rank, p.n_microbatches)
+    (run_dir / "timeline.json").write_text(json.dumps(summary, indent=1))
+
+
+def plot_saved_timeline(run_dir: Path, config: Config) -> None:
+    """timeline.png from timeline.json, after the last step: drawing it takes longer than a step."""
+    path = run_dir / "timeline.json"
+    if not path.exists():
+        return
+    summary = json.loads(path.read_text())
+    p = config.parallel
+    m = p.n_microbatches
+    title = (
+        f"{p.schedule}, pp={p.pp}, {m} microbatches: step {summary['step_ms']:.1f} ms, bubble "
+        + ", ".join(f"{b:.0%}" for b in summary["bubble"])
+        + f" (ideal {summary['expected_bubble']:.0%})"
+    )
+    plot_timeline(summary, run_dir / "timeline.png", title)

@@ -1,0 +1,15 @@
+"""The record every data module passes around: one transcript and its reference summary."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Example:
+    """One transcript and its reference summary, whatever the source (a synthetic meeting is one too)."""
+
+    transcript: str
+    """The meeting transcript (for AMI and the synthetic corpus: speaker-tagged turns, one per line)."""
+    summary: str
+    """The reference summary."""

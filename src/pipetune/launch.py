@@ -1,0 +1,201 @@
+"""Starting a training run: checks and the run directory's lock first, then training in this process (under
+torchrun, or alone) or in local workers started through torch's elastic launcher; and how a worker's run ends
+when a peer, the disk or a signal ends it (one line, not a traceback per rank).
+
+    pipetune train --config FILE [--nproc N] [--max-restarts K]     # N local workers
+    torchrun --nproc-per-node N -m pipetune train --config FILE    # under torchrun: this process is one rank
+
+Multi-node runs use torchrun's c10d rendezvous directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pipetune.checkpoint import find_resume_checkpoint, latest_checkpoint
+from pipetune.config import Config, ConfigError, save_config
+from pipetune.parallel.process_group import close_distributed, init_distributed, under_launcher
+from pipetune.parallel.torch_compat import exit_skipping_teardown
+from pipetune.preflight import check_optimizer_steps, preflight
+from pipetune.run_lock import lock_for_worker, lock_run_dir
+from pipetune.run_log import STARTED_ENV, RunLog, finish_run, run_started
+from pipetune.worker import (
+    LAUNCHER_ENV,
+    Stopped,
+    disk_full_message,
+    end_with_launcher,
+    has_launcher,
+    raise_on_stop_signals,
+    restore_signals,
+)
+
+if TYPE_CHECKING:  # pipetune.train (peft: 2 s to import) only in a process that trains, never in the launcher
+    from pipetune.train import LoopStatus, RunResult
+
+
+def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max_restarts: int = 0) -> int:
+    """Validate, then train here (under torchrun, or one process) or start nproc local workers."""
+    started = time.time()
+    if max_restarts < 0:
+        raise ConfigError(f"--max-restarts {max_restarts} must be >= 0")
+    if config.parallel.strategy == "auto":
+        from pipetune.plan import available_gpus, resolve_auto
+
+        config = resolve_auto(config, available_gpus(config, nproc))
+        nproc = None  # the pick's own process count
+    if under_launcher():
+        if max_restarts:
+            print("pipetune: note: --max-restarts is the launcher's job under torchrun; use torchrun --max-restarts")
+        run_training(config, quiet)  # a group restarted by torchrun resumes from the newest checkpoint
+        if config.parallel.sharded:
+            exit_skipping_teardown()
+        return 0
+    world_size = nproc or config.parallel.world_size
+    prepared = preflight(config, world_size)  # fail here, once, before any process starts
+    with lock_run_dir(config.output.dir):  # held until the workers are done; they run inside it
+        find_resume_checkpoint(config)  # a checkpoint that cannot be resumed, or a run a fresh start would clobber
+        if world_size == 1 and max_restarts == 0:
+            run_training(config, quiet)
+            return 0
+        from pipetune.data.cache import tokenized_data
+
+        # A data error once, here, not once per worker; and the workers find the data tokenized.
+        data = tokenized_data(config.data, prepared.prompts, config.train.seed)
+        check_optimizer_steps(config, len(data.splits.get("train", ())), data.skipped_line())
+        return launch_local(config, world_size, quiet, max_restarts, started)
+
+
+WORKER_MODULE = "pipetune"
+"""What local workers run (`python -m WORKER_MODULE train ...`); the tests' entry names itself, so that its hooks
+are installed in the workers too."""
+
+
+def launch_local(
+    config: Config, nproc: int, quiet: bool = False, max_restarts: int = 0, started: float | None = None
+) -> int:
+    """Start nproc workers on this machine through torch's elastic launcher (torchrun --standalone)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    started = time.time() if started is None else started
+    run_dir = Path(config.output.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_path = run_dir / "config.toml"
+    save_config(config, config_path)
+    launch = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d",
+        rdzv_endpoint="localhost:0",
+        max_restarts=max_restarts,
+        monitor_interval=0.5,
+    )
+    argv = ["-m", WORKER_MODULE, "train", "--config", str(config_path)] + (["--quiet"] if quiet else [])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    os.environ[LAUNCHER_ENV] = str(os.getpid())  # the workers die with this process and leave stops to it
+    os.environ[STARTED_ENV] = f"{started:.3f}"  # the workers' wall time counts from here
+    try:
+        elastic_launch(launch, sys.executable)(*argv)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        print(
+            f"pipetune: worker {rank} failed (exit code {failure.exitcode}); its output is above",
+            file=sys.stderr,
+        )
+        return 1
+    except SignalException as e:  # the elastic agent stopped the workers (SIGTERM first) before raising this
+        newest = latest_checkpoint(run_dir)
+        kept = f"the newest committed checkpoint, {newest.path}, is kept" if newest else "no checkpoint was committed"
+        print(
+            f"pipetune: error: stopped by {e.sigval.name}; {kept}: continue with --resume",
+            file=sys.stderr,
+        )
+        return 128 + int(e.sigval)
+    finally:
+        del os.environ[LAUNCHER_ENV]
+    return 0
+
+
+def run_training(config: Config, quiet: bool = False) -> RunResult:
+    """Train in this process (one rank). A TrainingError, a lost peer, a full disk or a stop signal ends it with
+    one line (none from a worker whose pipetune launcher reports the stop) and a non-zero exit code.
+
+    Rank 0's output also goes to <run>/train.log, and a finished run ends with its summary (run_log.py)."""
+    from pipetune.train import LoopStatus, TrainingError, train
+
+    started = run_started()
+    if under_launcher():
+        end_with_launcher()  # a worker never trains on after its launcher died
+    previous_handlers = raise_on_stop_signals()
+    env = init_distributed(config.parallel.timeout_s, config.parallel.p2p_channels)
+    status = LoopStatus()
+    lock = None
+    with contextlib.ExitStack() as log:  # closed after the messages below: they go to train.log too
+        try:
+            try:
+                lock = lock_for_worker(config.output.dir, env.rank)
+                log.enter_context(RunLog(Path(config.output.dir) / "train.log", enabled=env.is_main))
+                result = train(config, env, quiet, status)
+                if env.is_main:
+                    print(finish_run(result.run_dir, started, result.resumed_from, full=not quiet), flush=True)
+                return result
+            except TrainingError as e:  # every rank reached the same verdict: one of them says it
+                if env.is_main:
+                    print(f"pipetune: error: {e}", file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
+            except RuntimeError as e:
+                message = peer_failure(e, env.rank, status, config.parallel.timeout_s)
+                if message is None:
+                    raise
+                print(f"pipetune: error: {message}", file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
+            except OSError as e:
+                message = disk_full_message(e, env.rank)
+                if message is None:
+                    raise
+                print(f"pipetune: error: {message}", file=sys.stderr, flush=True)
+                raise SystemExit(1) from None
+        except Stopped as e:  # the files being written were removed on the way here; committed ones stay
+            if env.is_main and not has_launcher():
+                where = f"the {status.phase} of step {status.step}" if status.step else f"the {status.phase}"
+                print(
+                    f"pipetune: error: stopped by {e} in {where}; committed checkpoints are kept: continue with "
+                    "--resume",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if env.distributed:  # a peer blocked in a collective with this rank returns only once this process is gone
+                if lock is not None:
+                    lock.release()
+                exit_skipping_teardown(128 + e.signum)
+            raise SystemExit(128 + e.signum) from None
+        finally:
+            if lock is not None:
+                lock.release()
+            close_distributed()
+            restore_signals(previous_handlers)
+
+
+def peer_failure(error: RuntimeError, rank: int, status: LoopStatus, timeout_s: float) -> str | None:
+    """One line for a collective that failed because a peer timed out or died (gloo raises both), else None."""
+    text = str(error)
+    detail = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
+    where = f"the {status.phase} of step {status.step}" if status.step else f"the {status.phase}"
+    if "Timed out" in text or "timed out" in text:
+        return (
+            f"rank {rank} waited {timeout_s:g} s for a peer in {where} and gave up ({detail}). A peer stopped "
+            "responding: check the other ranks' output for a crash or hang, or raise parallel.timeout_s if a "
+            "step legitimately takes longer"
+        )
+    if "Connection closed by peer" in text or "Connection reset by peer" in text or "Broken pipe" in text:
+        return f"rank {rank} lost a peer in {where}: another rank exited; its output says why ({detail})"
+    return None
