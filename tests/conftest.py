@@ -72,17 +72,86 @@ def write_config(config: Config, path: Path) -> Path:
 
 
 def run_cli(*args: str, timeout: float = 600, check: bool = True, faults: bool = False) -> subprocess.CompletedProcess:
-    """Run `python -m pipetune ARGS` in a subprocess (it starts its own workers when --nproc > 1); `faults`: through
-    the tests' entry instead, which injects the faults PIPETUNE_TEST_* ask for (tests/faults.py)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "tests.faults" if faults else "pipetune", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=env,
-        cwd=REPO,
-    )
+    """Run `pipetune ARGS` as the command line does and return its exit code and output; `faults`: through the
+    tests' entry instead, which injects the faults PIPETUNE_TEST_* ask for (tests/faults.py).
+
+    A `train` that starts local workers runs its launcher in this process (the workers are new processes either
+    way): it saves each run the launcher's own start, torch, transformers and PEFT imported again (~5 s). Every
+    other command, and a run in one process, runs in a subprocess."""
+    if not faults and _starts_workers(args):
+        result = _in_process(args)
+    else:
+        result = subprocess.run(
+            [sys.executable, "-m", "tests.faults" if faults else "pipetune", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+            cwd=REPO,
+        )
     if check and result.returncode != 0:
         raise AssertionError(f"pipetune {' '.join(args)} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
     return result
+
+
+def _starts_workers(args: tuple[str, ...]) -> bool:
+    """`pipetune train --config F [--set ...] [--nproc N]` on more than one process (a fixed layout, not "auto")."""
+    from pipetune.config import load_config
+
+    if not args or args[0] != "train" or "--config" not in args:
+        return False
+    options: dict[str, list[str]] = {}
+    for flag, value in zip(args[1:], args[2:], strict=False):
+        if flag.startswith("--") and not value.startswith("--"):
+            options.setdefault(flag, []).append(value)
+    config = load_config(options["--config"][0], options.get("--set", []))
+    if config.parallel.strategy == "auto":
+        return False
+    return int(options.get("--nproc", [config.parallel.world_size])[0]) > 1
+
+
+def _in_process(args: tuple[str, ...]) -> subprocess.CompletedProcess:
+    """`pipetune.cli.main(args)` here, with the output of this process and of the workers it starts (file
+    descriptors 1 and 2, which they inherit) captured, and the environment, directory and signal handlers that
+    the launcher changes put back."""
+    import signal
+    import tempfile
+
+    from pipetune.cli import main
+
+    handled = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT]
+    handlers = {sig: signal.getsignal(sig) for sig in handled}
+    environ, cwd = dict(os.environ), os.getcwd()
+    streams = sys.stdout, sys.stderr
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        for stream in streams:
+            stream.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
+        sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+        os.environ.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        os.chdir(REPO)
+        try:
+            try:
+                code = main(list(args))
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            sys.stdout, sys.stderr = streams
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            os.environ.clear()
+            os.environ.update(environ)
+            os.chdir(cwd)
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+        out.seek(0)
+        err.seek(0)
+        text = [f.read().decode(errors="replace") for f in (out, err)]
+    return subprocess.CompletedProcess(["pipetune", *args], code, text[0], text[1])
