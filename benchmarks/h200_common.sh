@@ -1,5 +1,6 @@
 # Sourced by benchmarks/run_*_h200.sh on the device machine, from the repo root: the environment,
-# $OUT/env.txt (date, GPUs, library versions), $CFG, and `baselines` (needs $W, the work directory).
+# $OUT/env.txt (date, GPUs, library versions), $CFG, `baselines`, and for the scripts that run `pipetune bench`
+# in a time budget `left`, `bench` and `collect` (they need $W, the work directory, and $BUDGET, seconds).
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PIPETUNE_CACHE=/tmp/pipetune-cache HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -12,4 +13,38 @@ baselines() {  # seed steps, seed timeout s, DDP timeout s: the seed script and 
   (cd $W && MAX_STEPS=$1 LOG_FILE=$W/seed.csv timeout $2 torchrun --nproc_per_node=2 $OLDPWD/.baselines/train_seed.py 2>&1 | tail -3)
   echo "== DDP + PEFT eager, micro-batch 8 ($(date +%T))"
   (cd $W && MB=8 GA=1 MAX_STEPS=20 timeout $3 torchrun --nproc_per_node=2 $OLDPWD/.baselines/lora_ddp.py 2>&1 | grep -E "RESULT|rror" | tail -3)
+}
+START=$(date +%s)
+left() { echo $((${BUDGET:-570} - $(date +%s) + START)); }  # seconds of the call's budget left
+bench() {  # name, timeout s, config, args... (then $BENCH_ARGS): one `pipetune bench` into $W/name, skipped when the
+  # budget cannot hold it; the bench's own --timeout ends a strategy that stalls
+  local name=$1 limit=$2 config=$3; shift 3
+  if [ "$(left)" -lt "$limit" ]; then limit=$(left); fi
+  if [ "$limit" -lt 60 ]; then echo "== $name: skipped, $(left) s left"; return; fi
+  echo "== $name ($(date +%T), limit $limit s): $*"
+  python3 -m pipetune bench --config $config --out $W/$name --timeout $((limit - 15)) "$@" ${BENCH_ARGS:-} 2>&1 | \
+    grep -v -i warn | tee $W/$name.out | grep -E "^bench: .*(ready|step 1/|timed step 1 |done|timed out|exit code)|│|┃|error"
+}
+collect() {  # tag: every bench.json under $W merged into $OUT/bench_<tag>.json and printed as a table; the runs'
+  # small files (metrics, logs, configs, timelines, charts) in $OUT/runs_<tag>.tar.gz
+  python3 - "$W" "$OUT" "$1" <<'PY'
+import json, pathlib, sys, tarfile
+w, out, tag = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3]
+merged = {b.parent.name: json.loads(b.read_text()) for b in sorted(w.glob("*/bench.json"))}
+(out / f"bench_{tag}.json").write_text(json.dumps(merged, indent=1))
+print(f"{'run':<18} {'tokens/s':>9} {'MFU':>6}  peak GB per rank")
+for name, rows in merged.items():
+    for r in rows:
+        if "error" in r:
+            print(f"{name:<18} {r['error'][:300]}")
+        else:
+            peaks = " / ".join(f"{g:.1f}" for g in r["peak_gb_per_rank"])
+            print(f"{name:<18} {r['tokens_per_sec']:>9,.0f} {r['mfu']:>6.1%}  {peaks}")
+with tarfile.open(out / f"runs_{tag}.tar.gz", "w:gz") as tar:
+    for f in sorted(w.rglob("*")):
+        if f.is_file() and f.stat().st_size < 5e6 and (
+            f.suffix in (".png", ".csv", ".log", ".toml", ".out", ".jsonl", ".txt") or f.name == "timeline.json"
+        ):
+            tar.add(f, arcname=str(f.relative_to(w)))
+PY
 }

@@ -9,8 +9,6 @@
 # CPU dry run of the commands with a tiny model (no GPU): TINY=1 OUT=dir bash benchmarks/run_big_h200.sh A|B
 source benchmarks/h200_common.sh
 PART=${1:-A}; W=/tmp/big$PART; rm -rf $W; mkdir -p $W
-START=$(date +%s); BUDGET=${BUDGET:-570}
-left() { echo $((BUDGET - $(date +%s) + START)); }
 if [ "${TINY:-0}" = 1 ]; then  # the same commands on the CPU: tiny model, 2 steps
   SHAPE72="--set model.name=tiny-qwen3 --set model.dtype=float32 --set train.compile=false --set train.cuda_graphs=false"
   SHAPE32=$SHAPE72; SHAPE4=$SHAPE72; STEPS="--steps 1 --warmup 1"; LONGLEN=512; LONGSUM=128; SEED=0
@@ -18,14 +16,6 @@ else
   SHAPE72=""; SHAPE32="--set model.name=qwen3-32b"; SHAPE4=""; STEPS="--steps 4 --warmup 2"
   LONGLEN=16384; LONGSUM=1024; SEED=1
 fi
-bench() {  # name, timeout, config, args...: the bench's own --timeout ends a strategy that stalls
-  local name=$1 limit=$2 config=$3; shift 3
-  if [ "$(left)" -lt "$limit" ]; then limit=$(left); fi
-  if [ "$limit" -lt 60 ]; then echo "== $name: skipped, $(left) s left"; return; fi
-  echo "== $name ($(date +%T), limit $limit s): $*"
-  python3 -m pipetune bench --config $config --out $W/$name --timeout $((limit - 15)) "$@" 2>&1 | \
-    grep -v -i warn | tee $W/$name.out | grep -E "^bench: .*(ready|step 1/|timed step 1 |done|timed out|exit code)|│|┃|error"
-}
 B72=configs/bench-qwen2.5-72b.toml; B4=configs/bench-qwen3-4b.toml
 # Two whole-model replicas at the same effective batch of 16: 2 sequences each, 4 accumulation steps.
 REPLICAS="--set parallel.pp=1 --set parallel.dp=2 --set train.batch_size=2 --set train.grad_accum=4 \
@@ -57,14 +47,5 @@ elif [ "$PART" = B ]; then
     --set train.activation_checkpointing=true
   if [ "$SEED" = 1 ]; then baselines 8 100 90; fi
 fi
-python3 - "$W" "$OUT" "$PART" <<'PY'
-import json, pathlib, sys, tarfile
-w, out, part = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3]
-merged = {b.parent.name: json.loads(b.read_text()) for b in sorted(w.glob("*/bench.json"))}
-(out / f"bench_big_{part}.json").write_text(json.dumps(merged, indent=1))
-with tarfile.open(out / f"runs_big_{part}.tar.gz", "w:gz") as tar:
-    for f in sorted(w.rglob("*")):
-        if f.is_file() and (f.suffix in (".png", ".csv", ".log", ".toml", ".out", ".jsonl") or f.name == "timeline.json"):
-            tar.add(f, arcname=str(f.relative_to(w)))
-PY
+collect big_$PART
 echo "part $PART done in $(( $(date +%s) - START )) s"

@@ -17,8 +17,6 @@
 # left out): TINY=1 OUT=dir bash benchmarks/run_quant_h200.sh A|B|C|D|E
 source benchmarks/h200_common.sh
 PART=${1:-A}; W=/tmp/quant$PART; rm -rf $W; mkdir -p $W
-START=$(date +%s); BUDGET=${BUDGET:-570}
-left() { echo $((BUDGET - $(date +%s) + START)); }
 python3 -c "import torchao" 2>/dev/null || python3 -m pip install -q --no-deps --no-index .whl/torchao-*.whl
 python3 -c "import torchao, peft; print('torchao', torchao.__version__)" >> "$OUT/env.txt" 2>&1
 if [ "${TINY:-0}" = 1 ]; then  # the same commands on the CPU: tiny model, float32, 1 + 1 steps (2 for the curves)
@@ -30,14 +28,6 @@ else
     --set train.cuda_graphs=false"
   STEPS="--steps 4 --warmup 2"; CURVE="--steps 96 --warmup 4"; METHODS="none fp8 nf4"
 fi
-bench() {  # name, timeout, config, args...: the bench's own --timeout ends a strategy that stalls
-  local name=$1 limit=$2 config=$3; shift 3
-  if [ "$(left)" -lt "$limit" ]; then limit=$(left); fi
-  if [ "$limit" -lt 60 ]; then echo "== $name: skipped, $(left) s left"; return; fi
-  echo "== $name ($(date +%T), limit $limit s): $*"
-  python3 -m pipetune bench --config $config --out $W/$name --timeout $((limit - 15)) "$@" 2>&1 | \
-    grep -v -i warn | tee $W/$name.out | grep -E "^bench: .*(ready|step 1/|timed step 1 |done|timed out|exit code)|│|┃|error"
-}
 quant() { echo "--set model.quantize=\"$1\""; }
 B72=configs/bench-qwen2.5-72b.toml; B4=configs/bench-qwen3-4b.toml
 if [ "$PART" = A ]; then
@@ -60,14 +50,5 @@ elif [ "$PART" = E ]; then
     --set 'model.dtype="bfloat16"' 2>&1 | grep -v -i warn | tee $OUT/quality.txt | tail -5
   cp $W/quality/quality.json $OUT/ 2>/dev/null
 fi
-python3 - "$W" "$OUT" "$PART" <<'PY'
-import json, pathlib, sys, tarfile
-w, out, part = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3]
-merged = {b.parent.name: json.loads(b.read_text()) for b in sorted(w.glob("*/bench.json"))}
-(out / f"bench_quant_{part}.json").write_text(json.dumps(merged, indent=1))
-with tarfile.open(out / f"runs_quant_{part}.tar.gz", "w:gz") as tar:
-    for f in sorted(w.rglob("*")):
-        if f.is_file() and (f.suffix in (".png", ".csv", ".log", ".toml", ".out", ".jsonl") or f.name == "timeline.json"):
-            tar.add(f, arcname=str(f.relative_to(w)))
-PY
+collect quant_$PART
 echo "part $PART done in $(( $(date +%s) - START )) s"

@@ -13,8 +13,6 @@
 # CPU dry run of the same commands with a tiny model (no GPU): TINY=1 OUT=dir bash benchmarks/run_tp_h200.sh A|B|C|D
 source benchmarks/h200_common.sh
 PART=${1:-A}; W=/tmp/tp$PART; rm -rf $W; mkdir -p $W
-START=$(date +%s); BUDGET=${BUDGET:-570}
-left() { echo $((BUDGET - $(date +%s) + START)); }
 if [ "${TINY:-0}" = 1 ]; then  # the same commands on the CPU: tiny model, 1 + 1 steps
   SHAPE="--set model.name=tiny-qwen3 --set model.dtype=float32 --set train.compile=false --set train.cuda_graphs=false \
     --set train.activation_checkpointing=false --set data.synthetic_train=64"
@@ -22,14 +20,6 @@ if [ "${TINY:-0}" = 1 ]; then  # the same commands on the CPU: tiny model, 1 + 1
 else
   SHAPE=""; STEPS="--steps 8 --warmup 4"
 fi
-bench() {  # name, timeout, config, args...: the bench's own --timeout ends a strategy that stalls
-  local name=$1 limit=$2 config=$3; shift 3
-  if [ "$(left)" -lt "$limit" ]; then limit=$(left); fi
-  if [ "$limit" -lt 60 ]; then echo "== $name: skipped, $(left) s left"; return; fi
-  echo "== $name ($(date +%T), limit $limit s): $*"
-  python3 -m pipetune bench --config $config --out $W/$name --timeout $((limit - 15)) "$@" 2>&1 | \
-    grep -v -i warn | tee $W/$name.out | grep -E "^bench: .*(ready|step 1/|timed step 1 |done|timed out|exit code)|│|┃|error"
-}
 B4=configs/bench-qwen3-4b.toml; B72=configs/bench-qwen2.5-72b.toml
 TP="--strategies tp"  # from a pp=2 config: one replica split over both ranks, the config's microbatches
 # Variants set the tp layout in the config itself (the pp config must validate as it is, e.g. 1F1B's microbatches).
@@ -54,22 +44,5 @@ elif [ "$PART" = D ]; then
   bench 72b-tp-sp 200 $B72 $TP $STEPS $SHAPE $TP2 --set parallel.sequence_parallel=true
   bench 72b-tp-mb4 200 $B72 $TP $STEPS $SHAPE --set parallel.n_microbatches=4
 fi
-python3 - "$W" "$OUT" "$PART" <<'PY'
-import json, pathlib, sys, tarfile
-w, out, part = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3]
-merged = {b.parent.name: json.loads(b.read_text()) for b in sorted(w.glob("*/bench.json"))}
-(out / f"bench_tp_{part}.json").write_text(json.dumps(merged, indent=1))
-print(f"{'run':<18} {'tokens/s':>9} {'MFU':>6}  peak GB per rank")
-for name, rows in merged.items():
-    for r in rows:
-        if "error" in r:
-            print(f"{name:<18} {r['error']}")
-        else:
-            peaks = " / ".join(f"{g:.1f}" for g in r["peak_gb_per_rank"])
-            print(f"{name:<18} {r['tokens_per_sec']:>9,.0f} {r['mfu']:>6.1%}  {peaks}")
-with tarfile.open(out / f"runs_tp_{part}.tar.gz", "w:gz") as tar:
-    for f in sorted(w.rglob("*")):
-        if f.is_file() and (f.suffix in (".png", ".csv", ".log", ".toml", ".out", ".jsonl") or f.name == "timeline.json"):
-            tar.add(f, arcname=str(f.relative_to(w)))
-PY
+collect tp_$PART
 echo "part $PART done in $(( $(date +%s) - START )) s"

@@ -19,24 +19,15 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   >/dev/null 2>&1 && export PYTHONPATH=/tmp/site
 source benchmarks/h200_common.sh
 W=/tmp/wave2-$CALL; rm -rf $W; mkdir -p $W
-START=$(date +%s); BUDGET=${BUDGET:-560}
-left() { echo $((BUDGET - $(date +%s) + START)); }
+BUDGET=${BUDGET:-560}
 B4=configs/bench-qwen3-4b.toml; B72=configs/bench-qwen2.5-72b.toml
 if [ "${TINY:-0}" = 1 ]; then
-  TINYSET="--set model.name=\"tiny-qwen3\" --set model.dtype=\"float32\" --set train.compile=false \
+  BENCH_ARGS="--set model.name=\"tiny-qwen3\" --set model.dtype=\"float32\" --set train.compile=false \
     --set train.cuda_graphs=false --set data.synthetic_train=64"
   S4="--steps 1 --warmup 1"; S72=$S4; CURVE=$S4; FP8=""
 else
-  TINYSET=""; S4="--steps 8 --warmup 4"; S72="--steps 4 --warmup 2"; CURVE="--steps 96 --warmup 4"; FP8=fp8
+  BENCH_ARGS=""; S4="--steps 8 --warmup 4"; S72="--steps 4 --warmup 2"; CURVE="--steps 96 --warmup 4"; FP8=fp8
 fi
-bench() {  # name, timeout s, config, args...
-  local name=$1 limit=$2 config=$3; shift 3
-  if [ "$(left)" -lt "$limit" ]; then limit=$(left); fi
-  if [ "$limit" -lt 60 ]; then echo "== $name: skipped, $(left) s left"; return; fi
-  echo "== $name ($(date +%T), limit $limit s): $*"
-  python3 -m pipetune bench --config $config --out $W/$name --timeout $((limit - 10)) "$@" $TINYSET 2>&1 | \
-    grep -v -i warn | tee $W/$name.out | grep -E "^bench: .*(ready|timed step 1 |done|timed out|exit code)|│|error"
-}
 q() { echo "--set model.quantize=\"$1\""; }
 TP="--strategies tp"
 REPLICAS="--set parallel.pp=1 --set parallel.dp=2 --set train.batch_size=2 --set train.grad_accum=4 \
@@ -85,24 +76,5 @@ elif [ "$CALL" = 4 ]; then  # ONE H200 (when two were not lent): a quantized bas
 elif [ "$CALL" = 5 ]; then  # ONE H200, after the fix to auto checkpointing's layer dtype: the 72B shape in FP8
   bench 72b-single-fp8 220 $B72 --strategies single $S72 $(q fp8)
 fi
-python3 - "$W" "$OUT" "$CALL" <<'PY'
-import json, pathlib, sys, tarfile
-w, out, call = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3]
-merged = {b.parent.name: json.loads(b.read_text()) for b in sorted(w.glob("*/bench.json"))}
-(out / f"bench_wave2_{call}.json").write_text(json.dumps(merged, indent=1))
-print(f"{'run':<18} {'tokens/s':>9} {'MFU':>6}  peak GB per rank")
-for name, rows in merged.items():
-    for r in rows:
-        if "error" in r:
-            print(f"{name:<18} {r['error'][:300]}")
-        else:
-            peaks = " / ".join(f"{g:.1f}" for g in r["peak_gb_per_rank"])
-            print(f"{name:<18} {r['tokens_per_sec']:>9,.0f} {r['mfu']:>6.1%}  {peaks}")
-with tarfile.open(out / f"runs_wave2_{call}.tar.gz", "w:gz") as tar:
-    for f in sorted(w.rglob("*")):
-        if f.is_file() and f.stat().st_size < 5e6 and (
-            f.suffix in (".png", ".csv", ".log", ".toml", ".out", ".jsonl", ".txt") or f.name == "timeline.json"
-        ):
-            tar.add(f, arcname=str(f.relative_to(w)))
-PY
+collect wave2_$CALL
 echo "call $CALL done in $(( $(date +%s) - START )) s"
