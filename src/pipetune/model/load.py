@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from pipetune.config import ConfigError
 from pipetune.model.shapes import ResolvedModel
+from pipetune.model.stage import local_part
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -164,7 +165,7 @@ def fill(
     quantized: Writers | None = None,
 ) -> None:
     """Set a parameter to `make_whole(shape, device)`, keeping only this rank's slice of a sharded one."""
-    local = param.to_local() if isinstance(param, DTensor) else param
+    local = local_part(param)
     whole = make_whole(param.shape, local.device)
     if quantized and id(param) in quantized:
         quantized[id(param)](whole, local_rows(param))
@@ -228,7 +229,7 @@ def _load_safetensors(
         by_file.setdefault(file_of[source], []).append(source)
     stats = LoadStats()
     for file_name, sources in sorted(by_file.items()):
-        device = _local(wanted[sources[0]][0]).device
+        device = local_part(wanted[sources[0]][0]).device
         sharded = any(isinstance(p, DTensor) for s in sources for p in wanted[s])
         # Whole tensors are read straight to the device; slices of sharded ones through the host.
         with safe_open(weights_dir / file_name, framework="pt", device="cpu" if sharded else str(device)) as f:
@@ -243,24 +244,20 @@ def _load_safetensors(
                             f"the model expects {tuple(param.shape)}: config.json and weights disagree"
                         )
                     if id(param) in quantized:
-                        part = f.get_tensor(source).to(_local(param).device)
+                        part = f.get_tensor(source).to(local_part(param).device)
                         quantized[id(param)](part, local_rows(param))
                     elif slices is not None:
                         part = view[slices]
-                        _local(param).copy_(part)
+                        local_part(param).copy_(part)
                     elif whole is None:
                         part = whole = f.get_tensor(source)
-                        _local(param).copy_(part)
+                        local_part(param).copy_(part)
                     else:
-                        _local(param).copy_(whole)  # a second parameter from the same tensor: no second read
+                        local_part(param).copy_(whole)  # a second parameter from the same tensor: no second read
                         continue
                     stats.tensors += 1
                     stats.bytes += part.numel() * part.element_size()
     return stats
-
-
-def _local(param: torch.Tensor) -> torch.Tensor:
-    return param.to_local() if isinstance(param, DTensor) else param
 
 
 def checkpoint_index(weights_dir: Path) -> dict[str, str]:

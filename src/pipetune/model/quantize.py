@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
 from pipetune.config import QUANTIZE, Config, ConfigError
+from pipetune.model.stage import local_part
 
 NF4_BLOCK = 64
 """Weights per NF4 block (one scale each), as in QLoRA."""
@@ -100,7 +101,7 @@ def weight_writers(model: nn.Module) -> dict[int, Callable[[torch.Tensor, slice]
     writers: dict[int, Callable[[torch.Tensor, slice], None]] = {}
     for _, linear in base_linears(model):
         weight = linear.weight
-        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        local = local_part(weight)
         if local.dtype == FP8:
             writers[id(weight)] = lambda whole, rows, linear=linear: _write_fp8(linear, whole, rows)
         elif type(local).__name__ == "NF4Tensor":
@@ -131,7 +132,7 @@ def fp8_quantize(whole: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _write_fp8(linear: nn.Linear, whole: torch.Tensor, rows: slice) -> None:
     values, scale = fp8_quantize(whole)
     weight = linear.weight
-    local = weight.to_local() if isinstance(weight, DTensor) else weight
+    local = local_part(weight)
     local.copy_(values[rows])
     linear.weight_scale.copy_(scale)  # a buffer: every rank holds all rows' scales (4 bytes a row)
 

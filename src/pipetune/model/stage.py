@@ -45,8 +45,9 @@ class _GradInOwnMemory(torch.autograd.Function):
 
 
 @torch.no_grad()
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (tensor parallelism), a plain tensor as it is."""
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (tensor parallelism, FSDP; the same memory: outside autograd `to_local`
+    returns it), a plain tensor as it is."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
@@ -148,12 +149,11 @@ class StageModule(nn.Module):
         # A linear layer saves its weight for the input gradient: memory the weights hold anyway, not activations.
         # So does a quantized one (model.quantize), a tensor subclass with no storage of its own.
         # Storages are told apart by identity (views share one), which also holds on the meta device.
-        weights = {
-            _local(param).untyped_storage()._cdata for param in layer.parameters() if not is_subclass(_local(param))
-        }
+        parts = [local_part(param) for param in layer.parameters()]
+        weights = {part.untyped_storage()._cdata for part in parts if not is_subclass(part)}
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
-            local = _local(tensor)
+            local = local_part(tensor)
             if not is_subclass(local):
                 storage = local.untyped_storage()
                 if storage._cdata not in weights:

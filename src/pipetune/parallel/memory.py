@@ -22,13 +22,12 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 from transformers import PretrainedConfig
 
 from pipetune.config import Config, ConfigError, ParallelConfig
 from pipetune.model.quantize import linear_shapes, stored_bytes
 from pipetune.model.shapes import ResolvedModel, one_layer_model
-from pipetune.model.stage import StageModule
+from pipetune.model.stage import StageModule, local_part
 from pipetune.parallel.pipeline import Action, schedule_actions
 from pipetune.schedules import stage_ids
 
@@ -162,7 +161,9 @@ def auto_checkpointing(
     microbatch, seq = config.microbatch_size, config.data.max_length
     layer_bytes, input_bytes = measure_layer_memory(config, resolved, device, microbatch, seq, tp_mesh)
     budget = memory_budget(config, device)
-    trainable = sum(_local(param).numel() for module in modules for param in module.parameters() if param.requires_grad)
+    trainable = sum(
+        local_part(param).numel() for module in modules for param in module.parameters() if param.requires_grad
+    )
     fixed = _allocated_bytes(modules, device) + OPTIMIZER_BYTES * trainable
     last = next((module for module in modules if module.is_last), None)
     if last is not None:
@@ -240,15 +241,11 @@ def measure_layer_memory(
     return activations * (COMPILED_ACTIVATIONS if config.train.compile else 1.0), inputs
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _allocated_bytes(modules: Sequence[StageModule], device: torch.device) -> float:
     """What the rank holds now: the allocator's count on a GPU, the stages' tensors on a CPU."""
     if device.type == "cuda":
         return float(torch.cuda.memory_allocated(device))
-    tensors = {id(t): _local(t) for module in modules for t in [*module.parameters(), *module.buffers()]}
+    tensors = {id(t): local_part(t) for module in modules for t in [*module.parameters(), *module.buffers()]}
     return float(sum(t.numel() * t.element_size() for t in tensors.values()))
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
+from pipetune.model.stage import local_part
 from pipetune.parallel.process_group import DistEnv
 
 
@@ -71,20 +72,13 @@ def all_reduce_gradients(params: list[torch.Tensor], mesh: Mesh) -> None:
     Tensor-parallel gradients (DTensors over the tp mesh) are reduced as the local shards they are."""
     if mesh.dp_group is None:
         return
-    grads = [local(param.grad) for param in params if param.grad is not None]
+    grads = [local_part(param.grad) for param in params if param.grad is not None]
     flat = torch.cat([grad.flatten() for grad in grads])
     dist.all_reduce(flat, group=mesh.dp_group)
     offset = 0
     for grad in grads:
         grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
         offset += grad.numel()
-
-
-@torch.no_grad()
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a DTensor (the same memory: outside autograd `to_local` returns it), a plain tensor as
-    it is."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def clip_global_grad_norm(
@@ -105,7 +99,7 @@ def clip_global_grad_norm(
     grads = [param.grad for param in params if param.grad is not None]
     by_copies: dict[int, list[torch.Tensor]] = {}
     for grad in grads:
-        by_copies.setdefault(stage_ranks // shard_count(grad), []).append(local(grad))
+        by_copies.setdefault(stage_ranks // shard_count(grad), []).append(local_part(grad))
     squared = torch.zeros((), device=device)
     for copies, tensors in sorted(by_copies.items()):
         squared = squared + torch.nn.utils.get_total_norm(tensors, 2.0).float().pow(2) / copies
@@ -122,7 +116,7 @@ def clip_global_grad_norm(
     bad_ranks = [r for r in range(world) if flags[r] > 0]
     total = packed[0].sqrt()
     if max_norm > 0 and not bad_ranks and grads:
-        torch._foreach_mul_([local(grad) for grad in grads], torch.clamp(max_norm / (total + 1e-6), max=1.0))
+        torch._foreach_mul_([local_part(grad) for grad in grads], torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total, bad_ranks
 
 
