@@ -85,19 +85,10 @@ def test_pipeline_matches_single_process(reference: Path, tmp_path: Path, overri
     ref_adapter, adapter = _adapter(reference), _adapter(run_dir)
     if "parallel.tp=2" in overrides:
         assert_rounding_apart(adapter, ref_adapter)
-    else:
-        assert_close_per_tensor(adapter, ref_adapter)
+    else:  # each tensor within 1e-5 relative L2: Adam's near-zero-gradient noise is ~1e-6 absolute, far below a norm
+        assert _max_relative(adapter, ref_adapter) < 1e-5
     # The adapters really trained: lora_B started at zero.
     assert any(t.abs().max() > 0 for name, t in adapter.items() if "lora_B" in name)
-
-
-def assert_close_per_tensor(adapter: dict[str, torch.Tensor], ref_adapter: dict[str, torch.Tensor]) -> None:
-    """Each tensor within 1e-5 relative L2 of the reference's: Adam turns near-zero gradient noise into
-    element-wise differences of ~1e-6 absolute, far below the tensor's norm."""
-    assert sorted(adapter) == sorted(ref_adapter)
-    for name, tensor in ref_adapter.items():
-        relative = float((adapter[name] - tensor).norm() / tensor.norm())
-        assert relative < 1e-5, f"{name}: relative difference {relative:.2e}"
 
 
 @pytest.mark.parametrize("schedule", ["interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev"])
@@ -107,4 +98,4 @@ def test_multi_stage_schedules_match_single_process(reference: Path, tmp_path: P
     config = tiny_config(run_dir, f'parallel.schedule="{schedule}"', "parallel.stages_per_rank=2")
     run_cli("train", "--config", str(write_config(config, tmp_path / f"{schedule}.toml")), "--quiet")
     torch.testing.assert_close(torch.tensor(_losses(run_dir)), torch.tensor(_losses(reference)), rtol=1e-5, atol=0)
-    assert_close_per_tensor(_adapter(run_dir), _adapter(reference))
+    assert _max_relative(_adapter(run_dir), _adapter(reference)) < 1e-5
