@@ -70,6 +70,7 @@ def calibrate(
 
 def time_layer(config: Config, work: LayerWork, mode: str, device: torch.device) -> tuple[float, float]:
     """Median seconds of one forward and one backward of a fresh layer (this rank's share of it under tp)."""
+    from pipetune.model.graphs import give_gradients_own_memory
     from pipetune.model.load import DTYPES, build_meta, materialize
     from pipetune.model.lora import apply_lora, use_fast_path
     from pipetune.model.shapes import resolve_model
@@ -90,6 +91,9 @@ def time_layer(config: Config, work: LayerWork, mode: str, device: torch.device)
         layer = stage.layers[0]
         if mode in ("compiled", "graphs"):
             layer.compile(mode="reduce-overhead" if mode == "graphs" else None)
+        # Backward adds into the gradients, as a run's microbatches do; made by a replayed graph they would live
+        # in its pool, which the next call overwrites (torch refuses to read them then).
+        give_gradients_own_memory([p for p in layer.parameters() if p.requires_grad])
         hidden = torch.randn(work.microbatch, work.seq, share.hidden_size, dtype=dtype, device=device)
         hidden.requires_grad_(True)
         position_ids = torch.arange(work.seq, device=device).unsqueeze(0).expand(work.microbatch, -1)

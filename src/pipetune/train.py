@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from peft import PeftModel
+from torch.distributed.tensor import DTensor
 
 from pipetune.checkpoint import (
     Position,
@@ -472,12 +473,21 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
 
 
 def build_optimizer(
-    config: Config, params: list[torch.Tensor], total_steps: int, device: torch.device
+    config: Config, params: list[torch.Tensor], total_steps: int, device: torch.device, fused: bool | None = None
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over the LoRA parameters, and its learning-rate schedule (lr_factor) over the run's steps."""
+    """AdamW over the LoRA parameters, and its learning-rate schedule (lr_factor) over the run's steps.
+
+    Fused (one kernel for all parameters) on GPUs unless `fused` says otherwise. Under tensor parallelism some
+    adapters are DTensors and some plain tensors (parallel/tp.py), and a fused step refuses a group that mixes
+    them: each kind gets a group of its own, with the same settings."""
     t = config.train
+    kinds = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
     optimizer = torch.optim.AdamW(
-        params, lr=t.lr, betas=(0.9, 0.999), weight_decay=t.weight_decay, fused=device.type == "cuda"
+        [{"params": group} for group in kinds if group],
+        lr=t.lr,
+        betas=(0.9, 0.999),
+        weight_decay=t.weight_decay,
+        fused=device.type == "cuda" if fused is None else fused,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, t.warmup_steps, total_steps, t.min_lr_ratio)

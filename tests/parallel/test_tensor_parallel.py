@@ -162,3 +162,27 @@ def test_bench_runs_tp_on_the_same_ranks_at_the_same_batch(tmp_path: Path) -> No
     pp_tp = tiny_config(tmp_path, "parallel.tp=2")
     assert strategy_config(pp_tp, "ddp", steps=2, warmup=1, out_dir=tmp_path).parallel.dp == 4
     validate(strategy_config(pp_tp, "single", steps=2, warmup=1, out_dir=tmp_path), 1)
+
+
+def test_a_fused_optimizer_steps_over_split_and_whole_adapters(tmp_path: Path) -> None:
+    """tp leaves some adapters whole (plain tensors) and splits others (DTensors); a fused AdamW step (the GPUs'
+    default) refuses one group of both kinds, so each kind gets its own group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from pipetune.config import load_config
+    from pipetune.train import build_optimizer
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        split = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), init_device_mesh("cpu", (1,)), [Shard(0)]))
+        whole = torch.nn.Parameter(torch.ones(3))
+        for param in (split, whole):
+            param.grad = torch.ones_like(param)
+        optimizer, _ = build_optimizer(load_config(None), [split, whole], 10, torch.device("cpu"), fused=True)
+        optimizer.step()
+        assert [len(group["params"]) for group in optimizer.param_groups] == [1, 1]
+        assert split.full_tensor().lt(1).all() and whole.lt(1).all()  # both took a step against their gradient
+    finally:
+        dist.destroy_process_group()
