@@ -24,9 +24,11 @@ import torch
 import torch.distributed as dist
 
 from pipetune.files import read_metrics_rows, write_atomic
+from pipetune.loggers import open_loggers
 from pipetune.run_log import log_only, terminal
 
 if TYPE_CHECKING:
+    from pipetune.config import Config
     from pipetune.parallel.process_group import DistEnv
 
 SEED_COLUMNS = ["strategy", "epoch", "step", "loss", "tokens_per_sec", "step_time_sec", "peak_vram_gb", "lr"]
@@ -353,3 +355,38 @@ class MetricsWindow:
     def _mean_loss(self) -> torch.Tensor:
         counted = self.steps - self.skipped
         return self.loss / counted if counted else torch.full((), float("nan"), device=self.device)
+
+
+class MetricsLog:
+    """Where the loop's metrics rows go: metrics.csv and output.loggers (rank 0), the progress display; with the
+    window whose sums make the next row, and the losses logged so far.
+
+    `resumed_at`: the checkpoint step a resumed run continues metrics.csv from (None: a fresh file)."""
+
+    def __init__(self, config: Config, env: DistEnv, total_steps: int, resumed_at: int | None, quiet: bool) -> None:
+        run_dir = Path(config.output.dir)
+        self.writer = MetricsWriter(run_dir / "metrics.csv", env.world_size, resumed_at) if env.is_main else None
+        self.progress = ProgressReporter(total_steps, enabled=env.is_main and not quiet)
+        self.loggers = open_loggers(config, run_dir, enabled=env.is_main)
+        self.window = MetricsWindow(env.device)
+        self.losses: list[float] = []
+        """The loss of every training row written (rank 0; empty elsewhere)."""
+
+    def write(self, row: dict) -> None:
+        """A row to metrics.csv and every logger (rank 0; elsewhere it goes nowhere)."""
+        if self.writer is not None:
+            self.writer.write(row)
+            self.loggers.write(row)
+
+    def write_step(self, step: int, row: dict) -> None:
+        """A training row: written, its loss kept, and shown on the progress display."""
+        self.write(row)
+        if self.writer is not None:
+            self.losses.append(row["loss"])
+        self.progress.update(step, row)
+
+    def close(self) -> None:
+        self.progress.close()
+        self.loggers.close()
+        if self.writer is not None:
+            self.writer.close()

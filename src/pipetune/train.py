@@ -10,10 +10,11 @@ step's global supervised-token count, which normalizes the loss (see parallel/pi
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,16 +35,7 @@ from pipetune.config import Config, save_config
 from pipetune.data.batching import SampleStore, bucket_lengths, bucketed_epoch_batches, epoch_batches, pad_fraction
 from pipetune.data.cache import tokenized_data
 from pipetune.export import PROMPT_FILE, write_prompt_settings
-from pipetune.loggers import open_loggers
-from pipetune.metrics import (
-    MetricsWindow,
-    MetricsWriter,
-    PhaseLog,
-    ProgressReporter,
-    host_peak_gb,
-    peak_memory_gb,
-    reset_peak_memory,
-)
+from pipetune.metrics import MetricsLog, PhaseLog, host_peak_gb, peak_memory_gb, reset_peak_memory
 from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory
 from pipetune.model.load import DTYPES, build_meta, materialize
 from pipetune.model.lora import adapter_state, apply_lora, save_adapter, use_fast_path
@@ -91,22 +83,17 @@ class LoopStatus:
 
 
 def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus | None = None) -> RunResult:
-    def print0(*args: object) -> None:
-        if env.is_main and not quiet:
-            print(*args, flush=True)
-
-    def warn0(message: str) -> None:  # printed even when quiet
-        if env.is_main:
-            print(f"pipetune: warning: {message}", file=sys.stderr, flush=True)
-
+    """Fine-tune this rank's part of the model; every rank of the group calls it. `status` says where the rank is
+    (for the launcher's message when a peer stops responding)."""
+    say = functools.partial(print0, env, quiet)
     status = status or LoopStatus()
     prepared = preflight(config, env.world_size)
     restarted = restart_count() > 0  # the launcher restarted the group
     resume_from = find_resume_checkpoint(config, restarted)
-    t, p = config.train, config.parallel
-    device = env.device
+    t, p, device = config.train, config.parallel, env.device
     if t.cuda_graphs and device.type != "cuda":
-        warn0("train.cuda_graphs = true is ignored on the CPU (CUDA graphs need GPUs): the layers run compiled only")
+        ignored = "train.cuda_graphs = true is ignored on the CPU (CUDA graphs need GPUs)"
+        warn0(env, f"{ignored}: the layers run compiled only")
     run_dir = Path(config.output.dir)
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -117,141 +104,46 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     # LoRA dropout: a different stream per stage and replica, one per tp group (parallel/tp.py: equal masks).
     torch.manual_seed(t.seed + mesh.replica_rank)
 
-    data = build_data(config, env, prepared, run_dir, print0)
-    stages = build_stages(config, env, mesh, prepared, phases, print0, quiet)
+    data = build_data(config, env, prepared, run_dir, say)
+    stages = build_stages(config, env, mesh, prepared, phases, say, quiet)
     runners = build_runners(config, env, mesh, prepared, stages)
     optimizer, scheduler = build_optimizer(config, stages.params, data.total_steps, device)
-    train_state = TrainState.of(stages.peft_model, optimizer, scheduler)
+    state = TrainState.of(stages.peft_model, optimizer, scheduler)
     position = Position()
     if resume_from is not None:  # adapters, optimizer, RNG and the data position
-        position = load_checkpoint(resume_from, train_state, env.rank)
-        print0(f"resumed from {resume_from.path} at step {position.step}")
+        position = load_checkpoint(resume_from, state, env.rank)
+        say(f"resumed from {resume_from.path} at step {position.step}")
 
     # ------------------------------------------------------------------ loop
-    writer = None
-    if env.is_main:  # a resumed run continues metrics.csv from its checkpoint's step
-        writer = MetricsWriter(run_dir / "metrics.csv", env.world_size, position.step if resume_from else None)
-    progress = ProgressReporter(data.total_steps, enabled=env.is_main and not quiet)
-    loggers = open_loggers(config, run_dir, enabled=env.is_main)
-    hooks = HOOKS
-    hooks.start(env.rank, env.world_size)
-    losses: list[float] = []
-    total_steps, steps_per_epoch = data.total_steps, data.steps_per_epoch
-    step, skipped_in_row = position.step, position.skipped_in_row
-
-    def validate(step: int, replicas: int) -> float:
-        status.phase = "validation"
-        phases.mark("validation", step=step)
-        runner, batch_size = runners.validation, t.batch_size
-        return evaluate_validation(
-            runner, stages.peft_model, data.validation, batch_size, runners.loss_fn, device, replicas
-        )
-
+    # A resumed run continues metrics.csv from its checkpoint's step.
+    metrics = MetricsLog(config, env, data.total_steps, position.step if resume_from else None, quiet)
+    loop = Loop(config, env, mesh, data, stages, runners, state, metrics, status, phases, HOOKS, say)
+    loop.step, loop.skipped_in_row = position.step, position.skipped_in_row
+    loop.hooks.start(env.rank, env.world_size)
     if data.validation is not None and resume_from is None:  # where the validation curve starts: the base model
-        row: dict = {"strategy": p.strategy, "epoch": 0, "step": 0}
-        started = time.perf_counter()
-        row["val_loss"] = validate(0, p.dp)
-        row["val_time_sec"] = time.perf_counter() - started
-        if writer is not None:
-            writer.write(row)
-            loggers.write(row)
-        print0(f"step 0/{total_steps} | val_loss {row['val_loss']:.4f} (before fine-tuning)")
-    window = MetricsWindow(device)
+        row = {"strategy": p.strategy, "epoch": 0, "step": 0, **validation_columns(loop, p.dp)}
+        metrics.write(row)
+        say(f"step 0/{data.total_steps} | val_loss {row['val_loss']:.4f} (before fine-tuning)")
     reset_peak_memory(device)
-    for epoch in range(position.epoch, t.epochs):
-        if step >= total_steps:
-            break
-        batches, lengths = data.epoch_plan(epoch)
-        # This replica's share of every schedule step: its batch_size columns of the global batch.
-        replica_batches = batches[:, mesh.dp_rank * t.batch_size : (mesh.dp_rank + 1) * t.batch_size]
-        for i in range(position.batch if epoch == position.epoch else 0, steps_per_epoch):
-            if step >= total_steps:
-                break
-            status.step, status.phase = step + 1, "pipeline send/recv"
-            phases.mark("step", step=step + 1)
-            group = slice(i * t.grad_accum, (i + 1) * t.grad_accum)
-            n_supervised = int(data.supervised[batches[group].flatten()].sum())
-            runners.loss_fn.normalizer = max(n_supervised, 1)  # all-masked step: loss 0, never 0/0
-            step_loss = torch.zeros((), device=device)
-            for j, (index, length) in enumerate(zip(replica_batches[group], lengths[group].tolist(), strict=True)):
-                timeline = runners.timelines.get(length) if step + 1 == t.timeline_step and j == 0 else None
-                if timeline is not None:
-                    timeline.start()
-                # A sharded pipeline stage may drop earlier gradients on its first step (see restore_gradients).
-                stashed = stash_gradients(stages.params) if p.sharded and p.n_stages > 1 and j > 0 else None
-                input_ids, labels = data.split.batch(index, length, prepared.pad_id)
-                out = runners.by_length[length].step(input_ids.to(device), labels.to(device))
-                if stashed is not None:
-                    restore_gradients(stages.params, stashed)
-                if out is not None:
-                    step_loss += out
-                if timeline is not None:
-                    save_timeline(timeline, env, run_dir, config)
-            grad_norm, bad_stages = reduce_gradients(
-                stages.params, mesh, config, device, step_loss, status, hooks, step
-            )
-            lr = optimizer.param_groups[0]["lr"]
-            if bad_stages:  # every rank got the same flags from the all-reduce: all skip together
-                optimizer.zero_grad(set_to_none=not runners.cuda_graphs)
-                skipped_in_row += 1
-                warn0(
-                    f"step {step + 1}: non-finite loss or gradient norm on stage {', '.join(map(str, bad_stages))}; "
-                    f"optimizer step skipped ({skipped_in_row} in a row, the run stops at {t.max_skipped_steps})"
-                )
-                if skipped_in_row >= t.max_skipped_steps:
-                    raise too_many_skipped(run_dir, skipped_in_row, step + 1)
-            else:
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=not runners.cuda_graphs)
-                skipped_in_row = 0
-            step += 1
-            window.add(
-                step_loss,
-                grad_norm,
-                data.global_batch * int(lengths[group].sum()),
-                int(data.real_tokens[batches[group].flatten()].sum()),
-                n_supervised,
-                skipped=bool(bad_stages),
-            )
-            hooks.after_step(step, saved=False)
-
-            epoch_end = i == steps_per_epoch - 1
-            log, evaluate, save = cadence(config, step, total_steps, epoch_end, data.validation is not None)
-            if log:
-                status.phase = "metrics all-gather"
-                row = window.flush(env, runners.validation.is_last and mesh.tp_rank == 0)  # one loss per replica
-                row.update(strategy=p.strategy, epoch=epoch, step=step, lr=lr)
-                if evaluate:  # timed in its own column, and kept out of the next row's step time and tokens/s
-                    started = time.perf_counter()
-                    row["val_loss"] = validate(step, p.dp * p.tp)
-                    row["val_time_sec"] = window.exclude_since(started)
-                if writer is not None:
-                    writer.write(row)
-                    loggers.write(row)
-                    losses.append(row["loss"])
-                progress.update(step, row)
-            if save:
-                status.phase = "checkpoint barrier"
-                phases.mark("checkpoint", step=step)
-                next_epoch, next_batch = (epoch + 1, 0) if epoch_end else (epoch, i + 1)
-                after = Position(step, next_epoch, next_batch, skipped_in_row)
-                started = time.perf_counter()
-                saved = save_checkpoint(config, train_state, after, env.rank, env.world_size)
-                print0(f"checkpoint {saved} ({window.exclude_since(started):.1f} s)")  # not training time either
-                hooks.after_step(step, saved=True)
-    progress.close()
+    for epoch, index, batches, lengths in data.steps_from(position):
+        lr = run_step(loop, batches, lengths)
+        loop.hooks.after_step(loop.step, saved=False)
+        epoch_end = index == data.steps_per_epoch - 1
+        log, evaluate, save = cadence(config, loop.step, data.total_steps, epoch_end, data.validation is not None)
+        if log:
+            log_row(loop, epoch, lr, evaluate)
+        if save:  # with the position after this step, where a resumed run continues
+            next_epoch, next_batch = (epoch + 1, 0) if epoch_end else (epoch, index + 1)
+            save_step(loop, Position(loop.step, next_epoch, next_batch, loop.skipped_in_row))
+    metrics.close()
     if env.rank == 0 and t.timeline_step:
         plot_saved_timeline(run_dir, config)
-    loggers.close()
-    if writer is not None:
-        writer.close()
 
     status.phase = "adapter gather"
-    phases.mark("adapter", step=step)
-    save_gathered_adapter(config, env, stages.peft_model, run_dir, print0)
-    phases.mark("done", step=step)
-    return RunResult(run_dir, losses, position.step if resume_from is not None else None)
+    phases.mark("adapter", step=loop.step)
+    save_gathered_adapter(config, env, stages.peft_model, run_dir, say)
+    phases.mark("done", step=loop.step)
+    return RunResult(run_dir, metrics.losses, position.step if resume_from is not None else None)
 
 
 # --------------------------------------------------------------------------- what the loop is built from
@@ -272,7 +164,11 @@ class TrainData:
     max_length: int
     global_batch: int
     """Samples per schedule step over all replicas; each rank takes its replica's columns."""
+    grad_accum: int
+    """Schedule steps per optimizer step."""
+    pad_id: int
     seed: int
+    epochs: int
     steps_per_epoch: int
     total_steps: int
     validation: tuple[torch.Tensor, torch.Tensor] | None
@@ -283,6 +179,21 @@ class TrainData:
             return bucketed_epoch_batches(self.padded_lengths, self.global_batch, self.seed, epoch)
         batches = epoch_batches(len(self.split), self.global_batch, self.seed, epoch)
         return batches, torch.full((len(batches),), self.max_length, dtype=torch.long)
+
+    def steps_from(self, position: Position) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+        """(epoch, index within it, batches, padded lengths) of each optimizer step from `position` up to
+        total_steps: grad_accum schedule steps of the epoch plan."""
+        step = position.step
+        for epoch in range(position.epoch, self.epochs):
+            if step >= self.total_steps:
+                return
+            batches, lengths = self.epoch_plan(epoch)
+            for index in range(position.batch if epoch == position.epoch else 0, self.steps_per_epoch):
+                if step >= self.total_steps:
+                    return
+                group = slice(index * self.grad_accum, (index + 1) * self.grad_accum)
+                yield epoch, index, batches[group], lengths[group]
+                step += 1
 
 
 def build_data(
@@ -307,7 +218,10 @@ def build_data(
         buckets=config.data.buckets,
         max_length=max_length,
         global_batch=t.batch_size * p.dp,
+        grad_accum=t.grad_accum,
+        pad_id=prepared.pad_id,
         seed=t.seed,
+        epochs=t.epochs,
         steps_per_epoch=0,
         total_steps=0,
         validation=None,
@@ -498,27 +412,151 @@ def build_optimizer(
 # --------------------------------------------------------------------------- the loop's steps
 
 
-def reduce_gradients(
-    params: list[torch.Tensor],
-    mesh: Mesh,
-    config: Config,
-    device: torch.device,
-    step_loss: torch.Tensor,
-    status: LoopStatus,
-    hooks: TrainHooks,
-    step: int,
-) -> tuple[torch.Tensor, list[int]]:
+@dataclass
+class Loop:
+    """What the loop's steps act on, and where the loop stands."""
+
+    config: Config
+    env: DistEnv
+    mesh: Mesh
+    data: TrainData
+    stages: Stages
+    runners: Runners
+    state: TrainState
+    metrics: MetricsLog
+    status: LoopStatus
+    phases: PhaseLog
+    hooks: TrainHooks
+    say: Callable[[str], None]
+    step: int = 0
+    """Optimizer steps done (skipped ones included)."""
+    skipped_in_row: int = 0
+    """Consecutive steps skipped for a non-finite loss or gradient norm, up to this one."""
+
+
+def run_step(loop: Loop, batches: torch.Tensor, lengths: torch.Tensor) -> float:
+    """One optimizer step over `batches` (grad_accum schedule steps of the global batch, padded to `lengths`):
+    forward and backward, the gradients reduced and clipped, then the optimizer's step, or none where a loss or
+    norm is non-finite (every rank gets the same flags from the all-reduce, so all skip together). Returns the
+    step's lr."""
+    t, data, optimizer = loop.config.train, loop.data, loop.state.optimizer
+    loop.status.step, loop.status.phase = loop.step + 1, "pipeline send/recv"
+    loop.phases.mark("step", step=loop.step + 1)
+    n_supervised = int(data.supervised[batches.flatten()].sum())
+    loop.runners.loss_fn.normalizer = max(n_supervised, 1)  # all-masked step: loss 0, never 0/0
+    step_loss = forward_backward(loop, batches, lengths)
+    grad_norm, bad_stages = reduce_gradients(loop, step_loss)
+    lr = optimizer.param_groups[0]["lr"]
+    if bad_stages:
+        optimizer.zero_grad(set_to_none=not loop.runners.cuda_graphs)
+        loop.skipped_in_row += 1
+        warn0(
+            loop.env,
+            f"step {loop.step + 1}: non-finite loss or gradient norm on stage {', '.join(map(str, bad_stages))}; "
+            f"optimizer step skipped ({loop.skipped_in_row} in a row, the run stops at {t.max_skipped_steps})",
+        )
+        if loop.skipped_in_row >= t.max_skipped_steps:
+            raise too_many_skipped(Path(loop.config.output.dir), loop.skipped_in_row, loop.step + 1)
+    else:
+        optimizer.step()
+        loop.state.scheduler.step()
+        optimizer.zero_grad(set_to_none=not loop.runners.cuda_graphs)
+        loop.skipped_in_row = 0
+    loop.step += 1
+    tokens, real = data.global_batch * int(lengths.sum()), int(data.real_tokens[batches.flatten()].sum())
+    loop.metrics.window.add(step_loss, grad_norm, tokens, real, n_supervised, skipped=bool(bad_stages))
+    return lr
+
+
+def forward_backward(loop: Loop, batches: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """The optimizer step's schedule steps, each on this replica's share (its batch_size columns of the global
+    batch); returns their summed loss (0 on ranks without the last stage)."""
+    config, env, runners, params = loop.config, loop.env, loop.runners, loop.stages.params
+    t, p = config.train, config.parallel
+    columns = slice(loop.mesh.dp_rank * t.batch_size, (loop.mesh.dp_rank + 1) * t.batch_size)
+    step_loss = torch.zeros((), device=env.device)
+    for j, (index, length) in enumerate(zip(batches[:, columns], lengths.tolist(), strict=True)):
+        timeline = runners.timelines.get(length) if loop.step + 1 == t.timeline_step and j == 0 else None
+        if timeline is not None:
+            timeline.start()
+        # A sharded pipeline stage may drop earlier gradients on its first step (see restore_gradients).
+        stashed = stash_gradients(params) if p.sharded and p.n_stages > 1 and j > 0 else None
+        input_ids, labels = loop.data.split.batch(index, length, loop.data.pad_id)
+        out = runners.by_length[length].step(input_ids.to(env.device), labels.to(env.device))
+        if stashed is not None:
+            restore_gradients(params, stashed)
+        if out is not None:
+            step_loss += out
+        if timeline is not None:
+            save_timeline(timeline, env, Path(config.output.dir), config)
+    return step_loss
+
+
+def reduce_gradients(loop: Loop, step_loss: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
     """Sum the step's gradients over tp shards and dp replicas, then clip them by their global norm; returns the
     norm and the ranks that saw a non-finite loss or norm."""
-    p = config.parallel
+    p, params, mesh = loop.config.parallel, loop.stages.params, loop.mesh
     if mesh.tp_mesh is not None:
         sum_partial_gradients(params)
     if not p.sharded:  # FSDP reduce-scattered them during backward
-        status.phase = "gradient all-reduce over dp"
+        loop.status.phase = "gradient all-reduce over dp"
         all_reduce_gradients(params, mesh)
-    hooks.before_grad_norm(step + 1, params)
-    status.phase = "gradient-norm all-reduce"
-    return clip_global_grad_norm(params, config.train.max_grad_norm, device, step_loss, p.dp * p.tp)
+    loop.hooks.before_grad_norm(loop.step + 1, params)
+    loop.status.phase = "gradient-norm all-reduce"
+    return clip_global_grad_norm(params, loop.config.train.max_grad_norm, loop.env.device, step_loss, p.dp * p.tp)
+
+
+def validation_columns(loop: Loop, replicas: int) -> dict[str, float]:
+    """val_loss after step `loop.step` (forward only, through the pipeline; a collective) and the seconds it took,
+    which the metrics window keeps out of the next row's step time and tokens/s."""
+    loop.status.phase = "validation"
+    loop.phases.mark("validation", step=loop.step)
+    started = time.perf_counter()
+    val_loss = evaluate_validation(
+        loop.runners.validation,
+        loop.stages.peft_model,
+        loop.data.validation,
+        loop.config.train.batch_size,
+        loop.runners.loss_fn,
+        loop.env.device,
+        replicas,
+    )
+    return {"val_loss": val_loss, "val_time_sec": loop.metrics.window.exclude_since(started)}
+
+
+def log_row(loop: Loop, epoch: int, lr: float, evaluate: bool) -> None:
+    """The metrics row of the steps since the last one (a collective: every rank's peak memory), with val_loss
+    when `evaluate`."""
+    p = loop.config.parallel
+    loop.status.phase = "metrics all-gather"
+    holds_loss = loop.runners.validation.is_last and loop.mesh.tp_rank == 0  # one loss per replica
+    row = loop.metrics.window.flush(loop.env, holds_loss)
+    row.update(strategy=p.strategy, epoch=epoch, step=loop.step, lr=lr)
+    if evaluate:
+        row.update(validation_columns(loop, p.dp * p.tp))
+    loop.metrics.write_step(loop.step, row)
+
+
+def save_step(loop: Loop, after: Position) -> None:
+    """Checkpoint the state at `after` (a collective); its time is kept out of the metrics too."""
+    loop.status.phase = "checkpoint barrier"
+    loop.phases.mark("checkpoint", step=loop.step)
+    started = time.perf_counter()
+    saved = save_checkpoint(loop.config, loop.state, after, loop.env.rank, loop.env.world_size)
+    loop.say(f"checkpoint {saved} ({loop.metrics.window.exclude_since(started):.1f} s)")
+    loop.hooks.after_step(loop.step, saved=True)
+
+
+def print0(env: DistEnv, quiet: bool, message: str) -> None:
+    """Print on rank 0, unless quiet."""
+    if env.is_main and not quiet:
+        print(message, flush=True)
+
+
+def warn0(env: DistEnv, message: str) -> None:
+    """A warning on rank 0's stderr, printed even when quiet."""
+    if env.is_main:
+        print(f"pipetune: warning: {message}", file=sys.stderr, flush=True)
 
 
 def cadence(config: Config, step: int, total_steps: int, epoch_end: bool, has_validation: bool) -> tuple[bool, ...]:
