@@ -397,8 +397,19 @@ def _toml_value(value: Any) -> str:
 
 
 def validate(config: Config, world_size: int) -> None:
-    """Check the values that need no model: raise ConfigError naming the value and the fix."""
-    m, t, p, d = config.model, config.train, config.parallel, config.data
+    """Check the values that need no model: raise ConfigError naming the value and the fix.
+
+    One checker per section, in the sections' order; a check that spans sections lives with the section its
+    message names first, or (microbatches, sequence lengths) with the parallel layout that needs it."""
+    _check_model(config.model, config.parallel)
+    _check_data(config.data)
+    _check_lora(config.lora)
+    _check_train(config.train)
+    _check_parallel(config.parallel, config.train, config.data, world_size)
+    _check_output(config.output)
+
+
+def _check_model(m: ModelConfig, p: ParallelConfig) -> None:
     _check(m.dtype in DTYPES, f"model.dtype = {m.dtype!r} is unknown; use one of {', '.join(DTYPES)}")
     _check(m.quantize in QUANTIZE, f"model.quantize = {m.quantize!r} is unknown; use one of {', '.join(QUANTIZE)}")
     _check(
@@ -416,6 +427,96 @@ def validate(config: Config, world_size: int) -> None:
         m.init in ("pretrained", "random"),
         f"model.init = {m.init!r} is unknown; use 'pretrained' or 'random'",
     )
+    _check_set("model.name", m.name)
+
+
+def _check_data(d: DataConfig) -> None:
+    _at_least_one(
+        ("data.max_length", d.max_length),
+        ("data.max_summary_tokens", d.max_summary_tokens),
+        ("data.synthetic_train", d.synthetic_train),
+    )
+    _non_negative(("data.synthetic_validation", d.synthetic_validation))
+    _check(d.max_length <= MAX_LENGTH, f"data.max_length = {d.max_length} is beyond {MAX_LENGTH} tokens; lower it")
+    _check_set("data.source", d.source)
+    for name, value in [("data.transcript_column", d.transcript_column), ("data.summary_column", d.summary_column)]:
+        _check(bool(value), f"{name} is empty; name the column of your data that holds it")
+    if d.buckets:
+        _check(
+            all(type(b) is int and b >= 1 for b in d.buckets)
+            and d.buckets == sorted(set(d.buckets))
+            and d.buckets[-1] == d.max_length,
+            f"data.buckets = {d.buckets} must be distinct ascending lengths ending at data.max_length = "
+            f"{d.max_length}, e.g. [{d.max_length // 4}, {d.max_length // 2}, {d.max_length}]",
+        )
+    _check(
+        0 <= d.validation_fraction < 1,
+        f"data.validation_fraction = {d.validation_fraction} must be within [0, 1) (0 = no hold-out); e.g. 0.1",
+    )
+
+
+def _check_lora(lora: LoraConfig) -> None:
+    _at_least_one(("lora.r", lora.r))
+    _check(
+        lora.alpha > 0 and math.isfinite(lora.alpha),
+        f"lora.alpha = {lora.alpha} must be positive and finite (e.g. 2 x lora.r)",
+    )
+    _check(0 <= lora.dropout < 1, f"lora.dropout = {lora.dropout} must be within [0, 1)")
+    _check(bool(lora.target_modules), "lora.target_modules is empty; name at least one linear layer")
+    _check(
+        all(isinstance(name, str) and name for name in lora.target_modules),
+        f"lora.target_modules = {lora.target_modules} must be names of linear layers, e.g. ['q_proj', 'v_proj']",
+    )
+
+
+def _check_train(t: TrainConfig) -> None:
+    _at_least_one(
+        ("train.batch_size", t.batch_size),
+        ("train.grad_accum", t.grad_accum),
+        ("train.epochs", t.epochs),
+        ("train.log_every", t.log_every),
+        ("train.keep_checkpoints", t.keep_checkpoints),
+        ("train.max_skipped_steps", t.max_skipped_steps),
+        ("train.loss_chunk", t.loss_chunk),
+    )
+    _non_negative(("train.warmup_steps", t.warmup_steps), ("train.timeline_step", t.timeline_step))
+    _check(0 <= t.seed < 2**32, f"train.seed = {t.seed} must be within [0, 2**32) (e.g. 42)")
+    if t.cuda_graphs:
+        _check(t.compile, "train.cuda_graphs = true replays compiled layers: set train.compile = true as well")
+        _check(
+            t.activation_checkpointing is not True,
+            "train.cuda_graphs = true does not combine with train.activation_checkpointing = true (a recomputed "
+            "layer would replay its graph inside another's backward); set one of them to false, or checkpointing "
+            'to "auto" (ranks that checkpoint then run without graphs)',
+        )
+    _check(
+        t.activation_checkpointing in (True, False, "auto"),
+        f'train.activation_checkpointing = {t.activation_checkpointing!r} is unknown; use true, false or "auto"',
+    )
+    _check(
+        t.max_steps == -1 or t.max_steps >= 1,
+        f"train.max_steps = {t.max_steps} must be -1 (no cap) or at least 1",
+    )
+    _check(t.lr > 0 and math.isfinite(t.lr), f"train.lr = {t.lr} must be positive and finite")
+    _check(
+        t.weight_decay >= 0 and math.isfinite(t.weight_decay),
+        f"train.weight_decay = {t.weight_decay} must be >= 0 and finite (e.g. 0.01)",
+    )
+    _check(t.save_every >= 0, f"train.save_every = {t.save_every} must be >= 0 (0: checkpoints at epoch ends only)")
+    _check(t.resume in RESUME_MODES, f"train.resume = {t.resume!r} is unknown; use one of {', '.join(RESUME_MODES)}")
+    _check(t.eval_every >= 0, f"train.eval_every = {t.eval_every} must be >= 0 (0: at epoch ends only)")
+    _check(t.memory_gb >= 0, f"train.memory_gb = {t.memory_gb} must be >= 0 (0: the GPU's total memory)")
+    _check(math.isfinite(t.memory_gb), f"train.memory_gb = {t.memory_gb} must be finite (GB, e.g. 80)")
+    _check(
+        t.max_grad_norm >= 0 and math.isfinite(t.max_grad_norm),
+        f"train.max_grad_norm = {t.max_grad_norm} must be >= 0 and finite (0 disables clipping)",
+    )
+    _check(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio = {t.min_lr_ratio} must be within [0, 1]")
+
+
+def _check_parallel(p: ParallelConfig, t: TrainConfig, d: DataConfig, world_size: int) -> None:
+    """The layout, and what it needs of the other sections: the schedule of train.compile and checkpointing,
+    train.batch_size of microbatches, data lengths of sequence parallelism; last, the world size it makes."""
     _check(
         p.strategy in STRATEGIES,
         f"parallel.strategy = {p.strategy!r} is unknown; use one of {', '.join(STRATEGIES)}",
@@ -429,128 +530,21 @@ def validate(config: Config, world_size: int) -> None:
         p.schedule in SCHEDULES,
         f"parallel.schedule = {p.schedule!r} is unknown; use one of {', '.join(SCHEDULES)}",
     )
-    for name, value in [
+    _at_least_one(
         ("parallel.pp", p.pp),
         ("parallel.dp", p.dp),
         ("parallel.tp", p.tp),
         ("parallel.n_microbatches", p.n_microbatches),
         ("parallel.stages_per_rank", p.stages_per_rank),
-        ("train.batch_size", t.batch_size),
-        ("train.grad_accum", t.grad_accum),
-        ("train.epochs", t.epochs),
-        ("train.log_every", t.log_every),
-        ("train.keep_checkpoints", t.keep_checkpoints),
-        ("train.max_skipped_steps", t.max_skipped_steps),
-        ("train.loss_chunk", t.loss_chunk),
-        ("lora.r", config.lora.r),
-        ("data.max_length", d.max_length),
-        ("data.max_summary_tokens", d.max_summary_tokens),
-        ("data.synthetic_train", d.synthetic_train),
-    ]:
-        _check(value >= 1, f"{name} = {value} must be at least 1")
-    for name, value in [
-        ("train.warmup_steps", t.warmup_steps),
-        ("train.timeline_step", t.timeline_step),
-        ("data.synthetic_validation", d.synthetic_validation),
-    ]:
-        _check(value >= 0, f"{name} = {value} must be >= 0")
-    _check(d.max_length <= MAX_LENGTH, f"data.max_length = {d.max_length} is beyond {MAX_LENGTH} tokens; lower it")
-    _check(0 <= t.seed < 2**32, f"train.seed = {t.seed} must be within [0, 2**32) (e.g. 42)")
-    for name, value in [("model.name", m.name), ("data.source", d.source), ("output.dir", config.output.dir)]:
-        _check(bool(value.strip()), f"{name} is empty; set it (see the defaults in src/pipetune/config.py)")
-    for name, value in [("data.transcript_column", d.transcript_column), ("data.summary_column", d.summary_column)]:
-        _check(bool(value), f"{name} is empty; name the column of your data that holds it")
-    _check_output_dir(config.output.dir)
+    )
     _check_schedule(p, t.compile, t.activation_checkpointing)
-    if t.cuda_graphs:
-        _check(t.compile, "train.cuda_graphs = true replays compiled layers: set train.compile = true as well")
-        _check(
-            t.activation_checkpointing is not True,
-            "train.cuda_graphs = true does not combine with train.activation_checkpointing = true (a recomputed "
-            "layer would replay its graph inside another's backward); set one of them to false, or checkpointing "
-            'to "auto" (ranks that checkpoint then run without graphs)',
-        )
-    _check(
-        t.activation_checkpointing in (True, False, "auto"),
-        f'train.activation_checkpointing = {t.activation_checkpointing!r} is unknown; use true, false or "auto"',
-    )
-    if p.strategy == "ddp":
-        _check(p.pp == 1, f"parallel.strategy = 'ddp' runs whole-model replicas: set parallel.pp = 1 (got {p.pp})")
-        _check(
-            not p.dp_shard,
-            "parallel.strategy = 'ddp' all-reduces whole replicas' gradients; for replicas sharded with FSDP "
-            "(parallel.dp_shard = true) use parallel.strategy = 'fsdp'",
-        )
-    if p.strategy == "fsdp":
-        _check(
-            p.pp == 1,
-            f"parallel.strategy = 'fsdp' shards whole-model replicas: set parallel.pp = 1 (got {p.pp}), "
-            "or keep the pipeline with parallel.strategy = 'pp' and parallel.dp_shard = true",
-        )
-        _check(
-            p.dp >= 2,
-            f"parallel.strategy = 'fsdp' shards the model over dp replicas: set parallel.dp >= 2 (got {p.dp}), "
-            "or use parallel.strategy = 'single' for one process",
-        )
-    if p.dp_shard:
-        _check(
-            p.dp >= 2,
-            f"parallel.dp_shard = true shards each stage over its dp replicas, but parallel.dp = {p.dp}: "
-            "set parallel.dp >= 2 or parallel.dp_shard = false",
-        )
-    if p.strategy == "single":
-        _check(
-            p.pp == 1 and p.dp == 1 and p.tp == 1,
-            f"parallel.strategy = 'single' runs one process: set parallel.pp = 1, parallel.dp = 1 and parallel.tp = 1 "
-            f"(got {p.pp} x {p.dp} x {p.tp})",
-        )
+    _check_strategy(p)
     _check_tensor_parallel(p, d)
-    _check(
-        t.max_steps == -1 or t.max_steps >= 1,
-        f"train.max_steps = {t.max_steps} must be -1 (no cap) or at least 1",
-    )
-    _check(t.lr > 0 and math.isfinite(t.lr), f"train.lr = {t.lr} must be positive and finite")
-    _check(
-        t.weight_decay >= 0 and math.isfinite(t.weight_decay),
-        f"train.weight_decay = {t.weight_decay} must be >= 0 and finite (e.g. 0.01)",
-    )
-    _check(
-        config.lora.alpha > 0 and math.isfinite(config.lora.alpha),
-        f"lora.alpha = {config.lora.alpha} must be positive and finite (e.g. 2 x lora.r)",
-    )
-    _check(t.save_every >= 0, f"train.save_every = {t.save_every} must be >= 0 (0: checkpoints at epoch ends only)")
-    _check(t.resume in RESUME_MODES, f"train.resume = {t.resume!r} is unknown; use one of {', '.join(RESUME_MODES)}")
     _check(
         0 < p.timeout_s <= MAX_TIMEOUT_S,
         f"parallel.timeout_s = {p.timeout_s} must be positive (seconds, e.g. 600) and at most {MAX_TIMEOUT_S:g}",
     )
     _check(p.p2p_channels >= 0, f"parallel.p2p_channels = {p.p2p_channels} must be >= 0 (0: NCCL's choice; e.g. 1)")
-    if d.buckets:
-        _check(
-            all(type(b) is int and b >= 1 for b in d.buckets)
-            and d.buckets == sorted(set(d.buckets))
-            and d.buckets[-1] == d.max_length,
-            f"data.buckets = {d.buckets} must be distinct ascending lengths ending at data.max_length = "
-            f"{d.max_length}, e.g. [{d.max_length // 4}, {d.max_length // 2}, {d.max_length}]",
-        )
-    _check(t.eval_every >= 0, f"train.eval_every = {t.eval_every} must be >= 0 (0: at epoch ends only)")
-    _check(t.memory_gb >= 0, f"train.memory_gb = {t.memory_gb} must be >= 0 (0: the GPU's total memory)")
-    _check(math.isfinite(t.memory_gb), f"train.memory_gb = {t.memory_gb} must be finite (GB, e.g. 80)")
-    _check(
-        t.max_grad_norm >= 0 and math.isfinite(t.max_grad_norm),
-        f"train.max_grad_norm = {t.max_grad_norm} must be >= 0 and finite (0 disables clipping)",
-    )
-    _check(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio = {t.min_lr_ratio} must be within [0, 1]")
-    _check(0 <= config.lora.dropout < 1, f"lora.dropout = {config.lora.dropout} must be within [0, 1)")
-    _check(
-        0 <= d.validation_fraction < 1,
-        f"data.validation_fraction = {d.validation_fraction} must be within [0, 1) (0 = no hold-out); e.g. 0.1",
-    )
-    _check(bool(config.lora.target_modules), "lora.target_modules is empty; name at least one linear layer")
-    _check(
-        all(isinstance(name, str) and name for name in config.lora.target_modules),
-        f"lora.target_modules = {config.lora.target_modules} must be names of linear layers, e.g. ['q_proj', 'v_proj']",
-    )
     _check(
         t.batch_size % p.n_microbatches == 0,
         f"train.batch_size = {t.batch_size} is not divisible by parallel.n_microbatches = {p.n_microbatches}; "
@@ -576,6 +570,11 @@ def validate(config: Config, world_size: int) -> None:
             all(n >= 1 for n in p.layers_per_stage),
             f"parallel.layers_per_stage = {p.layers_per_stage}: every stage needs at least one layer",
         )
+
+
+def _check_output(o: OutputConfig) -> None:
+    _check_set("output.dir", o.dir)
+    _check_output_dir(o.dir)
 
 
 def validate_against_model(
@@ -675,6 +674,40 @@ def _check_output_dir(value: str) -> None:
             return
 
 
+def _check_strategy(p: ParallelConfig) -> None:
+    """What each strategy fixes of the layout (tp's: _check_tensor_parallel)."""
+    if p.strategy == "ddp":
+        _check(p.pp == 1, f"parallel.strategy = 'ddp' runs whole-model replicas: set parallel.pp = 1 (got {p.pp})")
+        _check(
+            not p.dp_shard,
+            "parallel.strategy = 'ddp' all-reduces whole replicas' gradients; for replicas sharded with FSDP "
+            "(parallel.dp_shard = true) use parallel.strategy = 'fsdp'",
+        )
+    if p.strategy == "fsdp":
+        _check(
+            p.pp == 1,
+            f"parallel.strategy = 'fsdp' shards whole-model replicas: set parallel.pp = 1 (got {p.pp}), "
+            "or keep the pipeline with parallel.strategy = 'pp' and parallel.dp_shard = true",
+        )
+        _check(
+            p.dp >= 2,
+            f"parallel.strategy = 'fsdp' shards the model over dp replicas: set parallel.dp >= 2 (got {p.dp}), "
+            "or use parallel.strategy = 'single' for one process",
+        )
+    if p.dp_shard:
+        _check(
+            p.dp >= 2,
+            f"parallel.dp_shard = true shards each stage over its dp replicas, but parallel.dp = {p.dp}: "
+            "set parallel.dp >= 2 or parallel.dp_shard = false",
+        )
+    if p.strategy == "single":
+        _check(
+            p.pp == 1 and p.dp == 1 and p.tp == 1,
+            f"parallel.strategy = 'single' runs one process: set parallel.pp = 1, parallel.dp = 1 and parallel.tp = 1 "
+            f"(got {p.pp} x {p.dp} x {p.tp})",
+        )
+
+
 def _check_tensor_parallel(p: ParallelConfig, d: DataConfig) -> None:
     """The "tp" strategy's shape, and what tensor parallelism does not combine with."""
     if p.strategy == "tp":
@@ -707,3 +740,17 @@ def _check_tensor_parallel(p: ParallelConfig, d: DataConfig) -> None:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _at_least_one(*named: tuple[str, int]) -> None:
+    for name, value in named:
+        _check(value >= 1, f"{name} = {value} must be at least 1")
+
+
+def _non_negative(*named: tuple[str, int]) -> None:
+    for name, value in named:
+        _check(value >= 0, f"{name} = {value} must be >= 0")
+
+
+def _check_set(name: str, value: str) -> None:
+    _check(bool(value.strip()), f"{name} is empty; set it (see the defaults in src/pipetune/config.py)")
