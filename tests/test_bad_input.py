@@ -18,6 +18,7 @@ import torch
 
 from pipetune.checkpoint import (
     MARKER,
+    CheckpointSettings,
     Position,
     TrainState,
     committed_checkpoints,
@@ -42,12 +43,13 @@ def saved_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     names = {param: name for name, param in model.named_parameters() if param.requires_grad}
     optimizer = torch.optim.AdamW(list(names), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    checkpoints = CheckpointSettings.of(config)
     for step in (1, 2):
         for param in names:
             param.grad = torch.ones_like(param)
         optimizer.step()
         scheduler.step()
-        save_checkpoint(config, TrainState.of(model, optimizer, scheduler), Position(step, 0, step), 0, 1)
+        save_checkpoint(checkpoints, TrainState.of(model, optimizer, scheduler), Position(step, 0, step), 0, 1)
     return run_dir
 
 
@@ -142,7 +144,7 @@ def test_a_marker_of_the_wrong_shape_is_named_with_the_fallback(
 
 def test_a_damaged_older_marker_leaves_the_newest_checkpoint_usable(run_dir: Path) -> None:
     (run_dir / "checkpoints" / "step-1" / MARKER).write_bytes(b"\xff\x00")
-    assert find_resume_checkpoint(tiny_config(run_dir, 'train.resume="auto"')).step == 2
+    assert find_resume_checkpoint(CheckpointSettings.of(tiny_config(run_dir, 'train.resume="auto"'))).step == 2
 
 
 def test_file_names_in_a_checkpoint_stay_inside_it(run_dir: Path, capsys: pytest.CaptureFixture) -> None:
@@ -161,7 +163,7 @@ def test_file_names_in_a_checkpoint_stay_inside_it(run_dir: Path, capsys: pytest
 def test_checkpoint_without_marker_is_never_loaded(run_dir: Path) -> None:
     (run_dir / "checkpoints" / "step-2" / MARKER).unlink()
     config = tiny_config(run_dir, 'train.resume="auto"')
-    assert find_resume_checkpoint(config).step == 1
+    assert find_resume_checkpoint(CheckpointSettings.of(config)).step == 1
 
 
 @pytest.mark.parametrize(

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from pipetune.checkpoint import (
     MARKER,
+    CheckpointSettings,
     Position,
     TrainState,
     checkpoint_dir,
@@ -61,7 +62,7 @@ def test_round_trip_restores_adapter_optimizer_scheduler_rng_and_position(config
     random.seed(5)
     torch.manual_seed(5)
     position = Position(step=7, epoch=1, batch=3, skipped_in_row=1)
-    path = save_checkpoint(config, TrainState.of(model, optimizer, scheduler), position, 0, 1)
+    path = save_checkpoint(CheckpointSettings.of(config), TrainState.of(model, optimizer, scheduler), position, 0, 1)
     expected_draws = (torch.rand(3), random.random())
 
     assert (path / MARKER).is_file() and latest_checkpoint(Path(config.output.dir)).step == 7
@@ -100,7 +101,7 @@ def test_optimizer_state_follows_parameter_names_into_another_layout(config, tmp
         parts.append(stage)
     position = Position(step=2, epoch=0, batch=2)
     for rank, (model, optimizer, scheduler, _) in reversed(list(enumerate(parts))):  # rank 0 commits last
-        save_checkpoint(two_stage, TrainState.of(model, optimizer, scheduler), position, rank, 2)
+        save_checkpoint(CheckpointSettings.of(two_stage), TrainState.of(model, optimizer, scheduler), position, rank, 2)
     marker = json.loads((checkpoint_dir(tmp_path / "run", 2) / MARKER).read_text())
     assert (marker["world_size"], marker["pp"], marker["model"], marker["lora"]["r"]) == (2, 2, "tiny-qwen3", 16)
 

@@ -68,6 +68,38 @@ class CheckpointError(ConfigError):
     """A checkpoint that cannot be resumed from; the message names the file and the fix."""
 
 
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """What checkpoints take from a run's config (`CheckpointSettings.of`): where they go, how many stay, whether
+    a run resumes, and what each one records for a resume to be checked against."""
+
+    run_dir: Path
+    """output.dir: checkpoints go to <run_dir>/checkpoints."""
+    keep: int
+    """train.keep_checkpoints: committed checkpoints kept (the newest is never deleted)."""
+    resume: bool
+    """train.resume = "auto": continue from the newest committed checkpoint."""
+    recorded: dict[str, Any]
+    """What COMMITTED records besides the step and the world size: the layout (pp, dp, tp), the model, the LoRA
+    shape and the resolved config, whose RESUME_REFUSED keys a resumed run must keep."""
+
+    @classmethod
+    def of(cls, config: Config) -> CheckpointSettings:
+        recorded = {
+            "pp": config.parallel.pp,
+            "dp": config.parallel.dp,
+            "tp": config.parallel.tp,
+            "model": config.model.name,
+            "lora": {
+                "r": config.lora.r,
+                "alpha": config.lora.alpha,
+                "target_modules": sorted(config.lora.target_modules),
+            },
+            "config": config.to_dict(),
+        }
+        return cls(Path(config.output.dir), config.train.keep_checkpoints, config.train.resume == "auto", recorded)
+
+
 @dataclass
 class Position:
     """Where the loop stands: the data order is a function of (seed, epoch), so this is enough to continue it."""
@@ -184,7 +216,7 @@ def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
     return found[-1] if found else None
 
 
-def find_resume_checkpoint(config: Config, restarted: bool = False) -> Checkpoint | None:
+def find_resume_checkpoint(settings: CheckpointSettings, restarted: bool = False) -> Checkpoint | None:
     """The checkpoint this run continues from: the newest committed one when resuming, else None.
 
     A fresh start (train.resume = "never", not a restarted worker group) in a run directory that
@@ -192,12 +224,12 @@ def find_resume_checkpoint(config: Config, restarted: bool = False) -> Checkpoin
     by accident. The chosen checkpoint is checked against the config and its files' hashes here,
     before any training starts.
     """
-    run_dir = Path(config.output.dir)
+    run_dir = settings.run_dir
     marked = _marked(run_dir)
     valid = [c for c in marked if isinstance(c, Checkpoint)]
     latest = valid[-1] if valid else None
     finished = [name for name in ("adapter", "metrics.csv") if (run_dir / name).exists()]
-    if config.train.resume != "auto" and not restarted:
+    if not settings.resume and not restarted:
         if marked:
             newest = marked[-1].path if isinstance(marked[-1], Checkpoint) else marked[-1][0]
             raise ConfigError(
@@ -223,32 +255,19 @@ def find_resume_checkpoint(config: Config, restarted: bool = False) -> Checkpoin
                 "choose another output.dir, or delete it to start over there"
             )
         return None
-    check_compatible(latest, config)
+    check_compatible(latest, settings)
     verify_files(latest)
     return latest
 
 
-def commit_metadata(config: Config, step: int, world_size: int) -> dict[str, Any]:
+def commit_metadata(settings: CheckpointSettings, step: int, world_size: int) -> dict[str, Any]:
     """What COMMITTED records: the step, the layout it was written with, and what must match to resume."""
-    return {
-        "step": step,
-        "world_size": world_size,
-        "pp": config.parallel.pp,
-        "dp": config.parallel.dp,
-        "tp": config.parallel.tp,
-        "model": config.model.name,
-        "lora": {
-            "r": config.lora.r,
-            "alpha": config.lora.alpha,
-            "target_modules": sorted(config.lora.target_modules),
-        },
-        "config": config.to_dict(),
-    }
+    return {"step": step, "world_size": world_size, **settings.recorded}
 
 
-def check_compatible(checkpoint: Checkpoint, config: Config) -> None:
+def check_compatible(checkpoint: Checkpoint, settings: CheckpointSettings) -> None:
     """Refuse a checkpoint whose RESUME_REFUSED keys differ from the config's; every other key may change."""
-    expected = commit_metadata(config, checkpoint.step, 0)
+    expected = settings.recorded
     problems = []
     if checkpoint.marker.get("model") != expected["model"]:
         problems.append(f"model.name {checkpoint.marker.get('model')!r} (config: {expected['model']!r})")
@@ -330,15 +349,17 @@ def _read_verified(checkpoint: Checkpoint, name: str, digest: str) -> dict[str, 
 # --------------------------------------------------------------------------- saving
 
 
-def save_checkpoint(config: Config, state: TrainState, position: Position, rank: int, world_size: int) -> Path:
-    """Write this rank's part of step `position.step` under config.output.dir; rank 0 commits after all parts are
+def save_checkpoint(
+    settings: CheckpointSettings, state: TrainState, position: Position, rank: int, world_size: int
+) -> Path:
+    """Write this rank's part of step `position.step` under settings.run_dir; rank 0 commits after all parts are
     on disk, recording the config it must be resumed with.
 
     Collective: every rank must call it. Returns once the checkpoint is committed.
     """
     from pipetune.model import lora
 
-    run_dir = Path(config.output.dir)
+    run_dir = settings.run_dir
     path = checkpoint_dir(run_dir, position.step)
     path.mkdir(parents=True, exist_ok=True)
     if rank == 0:
@@ -368,13 +389,13 @@ def save_checkpoint(config: Config, state: TrainState, position: Position, rank:
 
     _barrier()  # every part is on disk before the marker
     if rank == 0:
-        marker = dict(commit_metadata(config, position.step, world_size), position=asdict(position))
+        marker = dict(commit_metadata(settings, position.step, world_size), position=asdict(position))
         marker["files"] = {
             name: hashlib.sha256((path / name).read_bytes()).hexdigest()
             for name in (f"state.rank{k}.json" for k in range(world_size))
         }
         write_atomic(path / MARKER, json.dumps(marker, indent=1).encode(), sync=True)
-        prune_checkpoints(run_dir, config.train.keep_checkpoints)
+        prune_checkpoints(run_dir, settings.keep)
     _barrier()  # nobody runs ahead of (or is killed before) the commit
     return path
 

@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipetune.checkpoint import find_resume_checkpoint, latest_checkpoint
+from pipetune.checkpoint import CheckpointSettings, find_resume_checkpoint, latest_checkpoint
 from pipetune.config import Config, ConfigError, save_config
 from pipetune.parallel.process_group import close_distributed, init_distributed, under_launcher
 from pipetune.parallel.torch_compat import exit_skipping_teardown
@@ -59,7 +59,8 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
     world_size = nproc or config.parallel.world_size
     prepared = preflight(config, world_size)  # fail here, once, before any process starts
     with lock_run_dir(config.output.dir):  # held until the workers are done; they run inside it
-        find_resume_checkpoint(config)  # a checkpoint that cannot be resumed, or a run a fresh start would clobber
+        # A checkpoint that cannot be resumed, or a run a fresh start would clobber:
+        find_resume_checkpoint(CheckpointSettings.of(config))
         if world_size == 1 and max_restarts == 0:
             run_training(config, quiet)
             return 0

@@ -24,6 +24,7 @@ from peft import PeftModel
 from torch.distributed.tensor import DTensor
 
 from pipetune.checkpoint import (
+    CheckpointSettings,
     Position,
     TrainState,
     find_resume_checkpoint,
@@ -88,8 +89,9 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     say = functools.partial(print0, env, quiet)
     status = status or LoopStatus()
     prepared = preflight(config, env.world_size)
+    checkpoints = CheckpointSettings.of(config)
     restarted = restart_count() > 0  # the launcher restarted the group
-    resume_from = find_resume_checkpoint(config, restarted)
+    resume_from = find_resume_checkpoint(checkpoints, restarted)
     t, p, device = config.train, config.parallel, env.device
     if t.cuda_graphs and device.type != "cuda":
         ignored = "train.cuda_graphs = true is ignored on the CPU (CUDA graphs need GPUs)"
@@ -134,7 +136,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
             log_row(loop, epoch, lr, evaluate)
         if save:  # with the position after this step, where a resumed run continues
             next_epoch, next_batch = (epoch + 1, 0) if epoch_end else (epoch, index + 1)
-            save_step(loop, Position(loop.step, next_epoch, next_batch, loop.skipped_in_row))
+            save_step(loop, checkpoints, Position(loop.step, next_epoch, next_batch, loop.skipped_in_row))
     metrics.close()
     if env.rank == 0 and t.timeline_step:
         plot_saved_timeline(run_dir, config)
@@ -537,12 +539,12 @@ def log_row(loop: Loop, epoch: int, lr: float, evaluate: bool) -> None:
     loop.metrics.write_step(loop.step, row)
 
 
-def save_step(loop: Loop, after: Position) -> None:
+def save_step(loop: Loop, checkpoints: CheckpointSettings, after: Position) -> None:
     """Checkpoint the state at `after` (a collective); its time is kept out of the metrics too."""
     loop.status.phase = "checkpoint barrier"
     loop.phases.mark("checkpoint", step=loop.step)
     started = time.perf_counter()
-    saved = save_checkpoint(loop.config, loop.state, after, loop.env.rank, loop.env.world_size)
+    saved = save_checkpoint(checkpoints, loop.state, after, loop.env.rank, loop.env.world_size)
     loop.say(f"checkpoint {saved} ({loop.metrics.window.exclude_since(started):.1f} s)")
     loop.hooks.after_step(loop.step, saved=True)
 
