@@ -123,7 +123,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     loop.step, loop.skipped_in_row = position.step, position.skipped_in_row
     loop.hooks.start(env.rank, env.world_size)
     if data.validation is not None and resume_from is None:  # where the validation curve starts: the base model
-        row = {"strategy": p.strategy, "epoch": 0, "step": 0, **validation_columns(loop, p.dp)}
+        row = {"strategy": p.strategy, "epoch": 0, "step": 0, **validation_columns(loop)}
         metrics.write(row)
         say(f"step 0/{data.total_steps} | val_loss {row['val_loss']:.4f} (before fine-tuning)")
     reset_peak_memory(device)
@@ -508,9 +508,11 @@ def reduce_gradients(loop: Loop, step_loss: torch.Tensor) -> tuple[torch.Tensor,
     return clip_global_grad_norm(params, loop.config.train.max_grad_norm, loop.env.device, step_loss, p.dp * p.tp)
 
 
-def validation_columns(loop: Loop, replicas: int) -> dict[str, float]:
-    """val_loss after step `loop.step` (forward only, through the pipeline; a collective) and the seconds it took,
-    which the metrics window keeps out of the next row's step time and tokens/s."""
+def validation_columns(loop: Loop) -> dict[str, float]:
+    """val_loss after step `loop.step` (forward only, through the pipeline; a collective over the dp x tp ranks
+    holding the last stage, each computing it whole) and the seconds it took, which the metrics window keeps out
+    of the next row's step time and tokens/s."""
+    p = loop.config.parallel
     loop.status.phase = "validation"
     loop.phases.mark("validation", step=loop.step)
     started = time.perf_counter()
@@ -521,7 +523,7 @@ def validation_columns(loop: Loop, replicas: int) -> dict[str, float]:
         loop.config.train.batch_size,
         loop.runners.loss_fn,
         loop.env.device,
-        replicas,
+        p.dp * p.tp,
     )
     return {"val_loss": val_loss, "val_time_sec": loop.metrics.window.exclude_since(started)}
 
@@ -535,7 +537,7 @@ def log_row(loop: Loop, epoch: int, lr: float, evaluate: bool) -> None:
     row = loop.metrics.window.flush(loop.env, holds_loss)
     row.update(strategy=p.strategy, epoch=epoch, step=loop.step, lr=lr)
     if evaluate:
-        row.update(validation_columns(loop, p.dp * p.tp))
+        row.update(validation_columns(loop))
     loop.metrics.write_step(loop.step, row)
 
 

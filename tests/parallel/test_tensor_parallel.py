@@ -61,6 +61,8 @@ def test_tensor_parallel_matches_single_process_and_resumes_in_one_process(singl
     split = tokenize_split(dataset.splits["validation"], prepared.prompts, prepared.pad_id)
     assert len(split) == 6
     assert logged[3] == pytest.approx(mean_token_loss(model, split), rel=1e-5)
+    with model.disable_adapter():  # lora_B starts at zero: before the first step the base model's loss
+        assert logged[0] == pytest.approx(mean_token_loss(model, split), rel=1e-5)
 
     # Its step-2 checkpoint (adapters and AdamW moments saved whole) resumes in one process: step 3 as tp ran it,
     # up to the last bits of the split sums.
