@@ -308,6 +308,29 @@ RUNS = [
         note="the speed model knows no FP8 matmuls",
         speed=False,
     ),
+    Run(
+        "wave3 1: 72B fp8, 1F1B 8 x 2",
+        B72,
+        ['model.quantize="fp8"'],
+        "pp",
+        "2026-11-30-wave3-call1-bench.json:72b-pp-fp8:pp",
+        note="the speed model knows no FP8 matmuls",
+        speed=False,
+    ),
+    Run(
+        "wave3 2: 72B, v=2 16 x 1, no graphs",
+        B72,
+        [*V2, "parallel.n_microbatches=16", "train.cuda_graphs=false"],
+        "pp",
+        "2026-11-30-wave3-call2-bench.json:72b-pp-v2-16:pp",
+    ),
+    Run(
+        "wave3 3: 72B, tp=2, 8 x 2, no graphs",
+        B72,
+        ["train.cuda_graphs=false"],
+        "tp",
+        "2026-11-30-wave3-call3-bench.json:72b-tp:tp",
+    ),
 ]
 """Every pipetune training run on 2x H200 in benchmarks/results (the seed script and the baselines are not
 pipetune's; the 72B runs of part A's first call ran a planner since fixed; 32B never reached a timed step)."""
