@@ -5,6 +5,14 @@ set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PIPETUNE_CACHE=/tmp/pipetune-cache HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# The compile cache (inductor's FX graphs and Triton kernels, autotuning included): a fresh machine compiles every
+# kernel in the first runs (Qwen3-4B pp v=3: > 175 s to its first step). A cache an earlier call brought back
+# (collect writes $OUT/inductor-cache.tar.gz when it is under 15 MB; keep it as .carry/inductor-cache.tar.gz
+# and carry .carry) is unpacked first.
+export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache TRITON_CACHE_DIR=/tmp/inductor-cache/triton
+mkdir -p $TORCHINDUCTOR_CACHE_DIR
+[ -f .carry/inductor-cache.tar.gz ] && tar xzf .carry/inductor-cache.tar.gz -C $TORCHINDUCTOR_CACHE_DIR && \
+  echo "compile cache: $(du -sh $TORCHINDUCTOR_CACHE_DIR | cut -f1) unpacked from .carry/inductor-cache.tar.gz"
 CFG=configs/bench-qwen3-4b.toml
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"; } > "$OUT/env.txt" 2>&1
@@ -26,7 +34,10 @@ bench() {  # name, timeout s, config, args... (then $BENCH_ARGS): one `pipetune 
     grep -v -i warn | tee $W/$name.out | grep -E "^bench: .*(ready|step 1/|timed step 1 |done|timed out|exit code)|│|┃|error"
 }
 collect() {  # tag: every bench.json under $W merged into $OUT/bench_<tag>.json and printed as a table; the runs'
-  # small files (metrics, logs, configs, timelines, charts) in $OUT/runs_<tag>.tar.gz
+  # small files (metrics, logs, configs, timelines, charts) in $OUT/runs_<tag>.tar.gz; the compile cache
+  tar czf /tmp/inductor-cache.tar.gz -C $TORCHINDUCTOR_CACHE_DIR . 2>/dev/null && \
+    [ "$(stat -c %s /tmp/inductor-cache.tar.gz)" -lt 15000000 ] && cp /tmp/inductor-cache.tar.gz "$OUT/" && \
+    echo "compile cache: $OUT/inductor-cache.tar.gz ($(du -h /tmp/inductor-cache.tar.gz | cut -f1))"
   python3 - "$W" "$OUT" "$1" <<'PY'
 import json, pathlib, sys, tarfile
 w, out, tag = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3]
