@@ -6,6 +6,8 @@ local workers it starts too. Each fault is read from the environment and off unl
                                           worker group's first attempt, so a restarted group runs through
     PIPETUNE_TEST_NAN_AT=S:N[,N...]       stage S's gradients become NaN at steps N, ...
     PIPETUNE_TEST_HANG_AT=R:N             rank R stops responding before the gradient-norm all-reduce of step N
+    PIPETUNE_TEST_DISK_FULL_AT=N          every rank writes step N's checkpoint to a full disk: its first file's
+                                          temporary name (this process's) is a link to /dev/full
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from pipetune import cli, launch, train
+from pipetune.checkpoint import checkpoint_dir
+from pipetune.config import load_config
 from pipetune.parallel.process_group import restart_count
 
 
@@ -38,6 +43,12 @@ class FaultInjection(train.TrainHooks):
         hang_rank, _, hang_step = os.environ.get("PIPETUNE_TEST_HANG_AT", "").partition(":")
         if hang_rank and int(hang_rank) == rank:
             self.hang_at = int(hang_step)
+        full_at = os.environ.get("PIPETUNE_TEST_DISK_FULL_AT", "")
+        if full_at:
+            run_dir = Path(load_config(sys.argv[sys.argv.index("--config") + 1]).output.dir)
+            path = checkpoint_dir(run_dir, int(full_at))
+            path.mkdir(parents=True, exist_ok=True)
+            (path / f".adapter.rank{rank}.safetensors.{os.getpid()}.tmp").symlink_to("/dev/full")
 
     def before_grad_norm(self, step: int, params: list[torch.Tensor]) -> None:
         if step in self.nan_at:

@@ -23,7 +23,7 @@ from pipetune.cli import demo_dir, main
 from pipetune.config import ConfigError, load_config
 from pipetune.run_lock import LOCK_FILE, lock_for_worker, lock_run_dir
 from pipetune.train import lr_factor
-from tests.conftest import REPO, tiny_config, write_config
+from tests.conftest import REPO, run_cli, tiny_config, write_config
 
 
 def _train(config_file: Path, *args: str) -> int:
@@ -117,6 +117,26 @@ def test_a_full_disk_ends_the_run_with_one_line_and_keeps_what_was_committed(
     assert f"rank 0: no space left on the device writing {step2 / 'adapter.rank0.safetensors'}; " in err
     assert "committed checkpoints are kept: free space, then continue with --resume" in err
     assert not [p for p in run_dir.rglob("*") if p.name.endswith(".tmp")]  # the temporary file is gone
+    assert [c.step for c in committed_checkpoints(run_dir)] == [1]
+    verify_files(committed_checkpoints(run_dir)[0])
+
+
+@pytest.mark.slow
+def test_a_full_disk_on_every_rank_is_said_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ranks write step 2's checkpoint to a full disk (tests/faults.py); the launcher says it once."""
+    run_dir = tmp_path / "run"
+    config = tiny_config(run_dir, "train.max_steps=2", "train.save_every=1")
+    monkeypatch.setenv("PIPETUNE_TEST_DISK_FULL_AT", "2")
+    config_file = str(write_config(config, tmp_path / "c.toml"))
+    result = run_cli("train", "--config", config_file, "--quiet", check=False, faults=True)
+
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.count("pipetune: error:") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert (
+        f"pipetune: error: ranks 0, 1: no space left on the device writing into {run_dir / 'checkpoints' / 'step-2'}; "
+        "committed checkpoints are kept: free space, then continue with --resume"
+    ) in result.stderr
+    assert not [p for p in run_dir.rglob("*") if p.name.endswith(".tmp")]
     assert [c.step for c in committed_checkpoints(run_dir)] == [1]
     verify_files(committed_checkpoints(run_dir)[0])
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import time
 import uuid
@@ -27,15 +28,20 @@ from pipetune.run_lock import lock_for_worker, lock_run_dir
 from pipetune.run_log import STARTED_ENV, RunLog, finish_run, run_started
 from pipetune.worker import (
     LAUNCHER_ENV,
+    Ending,
     Stopped,
     disk_full_message,
     end_with_launcher,
-    has_launcher,
+    end_worker,
+    no_space_message,
     raise_on_stop_signals,
+    ranks_label,
     restore_signals,
 )
 
 if TYPE_CHECKING:  # pipetune.train (peft: 2 s to import) only in a process that trains, never in the launcher
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
     from pipetune.train import LoopStatus, RunResult
 
 
@@ -107,23 +113,51 @@ def launch_local(
     try:
         elastic_launch(launch, sys.executable)(*argv)
     except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        print(
-            f"pipetune: worker {rank} failed (exit code {failure.exitcode}); its output is above",
-            file=sys.stderr,
-        )
-        return 1
+        lines, code = failure_report(e.failures, run_dir)
+        for line in lines:
+            print(line, file=sys.stderr)
+        return code
     except SignalException as e:  # the elastic agent stopped the workers (SIGTERM first) before raising this
-        newest = latest_checkpoint(run_dir)
-        kept = f"the newest committed checkpoint, {newest.path}, is kept" if newest else "no checkpoint was committed"
-        print(
-            f"pipetune: error: stopped by {e.sigval.name}; {kept}: continue with --resume",
-            file=sys.stderr,
-        )
+        print(f"pipetune: error: {stopped_message(e.sigval.name, run_dir)}", file=sys.stderr)
         return 128 + int(e.sigval)
     finally:
         del os.environ[LAUNCHER_ENV]
     return 0
+
+
+def stopped_message(signal_name: str, run_dir: Path, ranks: list[int] | None = None) -> str:
+    newest = latest_checkpoint(run_dir)
+    kept = f"the newest committed checkpoint, {newest.path}, is kept" if newest else "no checkpoint was committed"
+    who = f"{ranks_label(ranks)}: " if ranks else ""
+    return f"{who}stopped by {signal_name}; {kept}: continue with --resume"
+
+
+def failure_report(failures: dict[int, ProcessFailure], run_dir: Path) -> tuple[list[str], int]:
+    """The launcher's line for failed workers, and its exit code: the cause once, for all the ranks it ended (a
+    full disk, a stop signal to the workers), not its consequences (peers lost, workers the agent then stopped)."""
+    endings: dict[str, list[Ending]] = {}
+    unexplained = []  # a crash (its traceback is above) or a kill
+    for rank in sorted(failures):
+        ending = Ending.read(failures[rank].error_file_data)
+        if ending is None:
+            unexplained.append(rank)
+        else:
+            endings.setdefault(ending.kind, []).append(ending)
+    if "disk full" in endings:
+        full = endings["disk full"]
+        return [f"pipetune: error: {no_space_message([e.rank for e in full], [e.file for e in full if e.file])}"], 1
+    if "timeout" in endings:  # the rank that stopped responding was stopped by the agent
+        return [f"pipetune: error: {endings['timeout'][0].line}"], 1
+    if unexplained:
+        rank = min(unexplained, key=lambda r: failures[r].timestamp)
+        lost = [f"pipetune: error: {e.line}" for e in endings.get("peer lost", [])[:1]]
+        return [*lost, f"pipetune: worker {rank} failed (exit code {failures[rank].exitcode}); its output is above"], 1
+    if "stopped" in endings:  # the signal went to the workers, not to this launcher
+        stopped = endings["stopped"]
+        signum = min(e.signum or signal.SIGTERM for e in stopped)
+        message = stopped_message(signal.Signals(signum).name, run_dir, [e.rank for e in stopped])
+        return [f"pipetune: error: {message}"], 128 + signum
+    return [f"pipetune: error: {e.line}" for e in endings.get("peer lost", [])[:1]], 1
 
 
 def run_training(config: Config, quiet: bool = False) -> RunResult:
@@ -154,26 +188,21 @@ def run_training(config: Config, quiet: bool = False) -> RunResult:
                     print(f"pipetune: error: {e}", file=sys.stderr, flush=True)
                 raise SystemExit(1) from None
             except RuntimeError as e:
-                message = peer_failure(e, env.rank, status, config.parallel.timeout_s)
-                if message is None:
+                ending = peer_failure(e, env.rank, status, config.parallel.timeout_s)
+                if ending is None:
                     raise
-                print(f"pipetune: error: {message}", file=sys.stderr, flush=True)
+                end_worker(ending)
                 raise SystemExit(1) from None
             except OSError as e:
                 message = disk_full_message(e, env.rank)
                 if message is None:
                     raise
-                print(f"pipetune: error: {message}", file=sys.stderr, flush=True)
+                end_worker(Ending("disk full", env.rank, message, file=e.filename))
                 raise SystemExit(1) from None
         except Stopped as e:  # the files being written were removed on the way here; committed ones stay
-            if env.is_main and not has_launcher():
-                where = f"the {status.phase} of step {status.step}" if status.step else f"the {status.phase}"
-                print(
-                    f"pipetune: error: stopped by {e} in {where}; committed checkpoints are kept: continue with "
-                    "--resume",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            where = f"the {status.phase} of step {status.step}" if status.step else f"the {status.phase}"
+            message = f"stopped by {e} in {where}; committed checkpoints are kept: continue with --resume"
+            end_worker(Ending("stopped", env.rank, message, signum=e.signum))
             if env.distributed:  # a peer blocked in a collective with this rank returns only once this process is gone
                 if lock is not None:
                     lock.release()
@@ -186,17 +215,23 @@ def run_training(config: Config, quiet: bool = False) -> RunResult:
             restore_signals(previous_handlers)
 
 
-def peer_failure(error: RuntimeError, rank: int, status: LoopStatus, timeout_s: float) -> str | None:
+def peer_failure(error: RuntimeError, rank: int, status: LoopStatus, timeout_s: float) -> Ending | None:
     """One line for a collective that failed because a peer timed out or died (gloo raises both), else None."""
     text = str(error)
     detail = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
     where = f"the {status.phase} of step {status.step}" if status.step else f"the {status.phase}"
     if "Timed out" in text or "timed out" in text:
-        return (
+        return Ending(
+            "timeout",
+            rank,
             f"rank {rank} waited {timeout_s:g} s for a peer in {where} and gave up ({detail}). A peer stopped "
             "responding: check the other ranks' output for a crash or hang, or raise parallel.timeout_s if a "
-            "step legitimately takes longer"
+            "step legitimately takes longer",
         )
     if "Connection closed by peer" in text or "Connection reset by peer" in text or "Broken pipe" in text:
-        return f"rank {rank} lost a peer in {where}: another rank exited; its output says why ({detail})"
+        return Ending(
+            "peer lost",
+            rank,
+            f"rank {rank} lost a peer in {where}: another rank exited; its output says why ({detail})",
+        )
     return None

@@ -4,15 +4,21 @@ A worker started by a launcher asks the kernel to kill it when the launcher dies
 signal), so a launcher killed with `kill -9` leaves no workers training on their own. SIGTERM, SIGINT and
 SIGHUP become an exception, so that files being written are cleaned up on the way out and the run ends with one
 line instead of a traceback per rank. A full disk (or quota) is named as such.
+
+A worker of pipetune's launcher does not print how it ended: it hands an `Ending` to the launcher (in the error
+file torch's elastic agent gives each worker), which says it once for all the ranks that ended alike.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import json
 import os
 import signal
 import sys
+import time
+from dataclasses import asdict, dataclass
 
 LAUNCHER_ENV = "PIPETUNE_LAUNCHER_PID"
 """Set by pipetune's local launcher for its workers: the pid whose death ends them, and who reports for them."""
@@ -65,13 +71,60 @@ def has_launcher() -> bool:
     return LAUNCHER_ENV in os.environ
 
 
+def ranks_label(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, sorted(ranks)))
+
+
 def disk_full_message(error: OSError, rank: int | None = None) -> str | None:
     """One line for a write that failed because the disk (or the quota) is full, else None."""
     if error.errno not in DISK_FULL:
         return None
-    who = f"rank {rank}: " if rank is not None else ""
-    where = f" writing {error.filename}" if error.filename else ""
+    return no_space_message([] if rank is None else [rank], [error.filename] if error.filename else [])
+
+
+def no_space_message(ranks: list[int], files: list[str]) -> str:
+    """The disk-full line for `ranks` (none: the launcher itself) that were writing `files`: the file, or the
+    directory that holds them all."""
+    who = f"{ranks_label(ranks)}: " if ranks else ""
+    where = ""
+    if len(set(files)) == 1:
+        where = f" writing {files[0]}"
+    elif files:
+        where = f" writing into {os.path.commonpath(files)}"
     return (
         f"{who}no space left on the device{where}; committed checkpoints are kept: free space, "
         "then continue with --resume"
     )
+
+
+@dataclass
+class Ending:
+    """How one rank's run ended (`line`: what it prints when it reports itself), for its launcher to say once for
+    all ranks: `kind` is "disk full" (`file`: what it was writing), "stopped" (`signum`), "timeout" (a peer stopped
+    responding) or "peer lost" (a peer exited: a consequence of another rank's ending)."""
+
+    kind: str
+    rank: int
+    line: str
+    file: str | None = None
+    signum: int | None = None
+
+    @classmethod
+    def read(cls, error_file_data: dict) -> Ending | None:
+        """The ending a worker wrote into its elastic error file (what torch parsed of it), else None."""
+        data = error_file_data.get("pipetune") if isinstance(error_file_data, dict) else None
+        return cls(**data) if isinstance(data, dict) else None
+
+
+def end_worker(ending: Ending) -> None:
+    """Say how this rank ended: to the pipetune launcher that started it, which says it once for the run (through
+    the error file torch's elastic agent reads when the worker exits), else on stderr (a stop: by rank 0 only).
+    A group that the launcher will restart says it itself: the launcher reports only the last attempt's end."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE") if has_launcher() else None
+    attempt, restarts = (int(os.environ.get(f"TORCHELASTIC_{key}", "0")) for key in ("RESTART_COUNT", "MAX_RESTARTS"))
+    if error_file and attempt >= restarts:
+        with open(error_file, "w") as f:
+            json.dump({"message": ending.line, "timestamp": int(time.time()), "pipetune": asdict(ending)}, f)
+        return
+    if ending.kind != "stopped" or (ending.rank == 0 and not has_launcher()):
+        print(f"pipetune: error: {ending.line}", file=sys.stderr, flush=True)
