@@ -37,6 +37,20 @@ def smollm2() -> Path:
     return resolve_model(ModelConfig(name="smollm2-135m")).weights_dir
 
 
+PIPELINE_RUN = ("parallel.pp=2", "train.eval_every=2", "data.synthetic_validation=6")
+"""The shared 2-stage run's settings beyond tiny_config's: a validation every 2 steps over 6 meetings (the last
+validation batch of 4 is half ignored rows), which leaves the training itself as tiny_config's."""
+
+
+@pytest.fixture(scope="session")
+def pipeline_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Config, Path]:
+    """One finished tiny 2-stage (1F1B) run that several tests only read: its config and run directory."""
+    tmp = tmp_path_factory.mktemp("pipeline")
+    config = tiny_config(tmp / "run", *PIPELINE_RUN)
+    run_cli("train", "--config", str(write_config(config, tmp / "c.toml")), "--quiet")
+    return config, tmp / "run"
+
+
 def tiny_config(out_dir: Path, *overrides: str) -> Config:
     """A tiny float32 pipeline run: tiny-qwen3, synthetic data, 3 optimizer steps, no dropout."""
     config = Config()

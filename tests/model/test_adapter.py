@@ -16,15 +16,14 @@ from pipetune.model.lora import apply_lora
 from pipetune.model.split import split_layers
 from pipetune.model.stage import StageModule
 from pipetune.preflight import prepare
-from tests.conftest import run_cli, tiny_config, write_config
+from tests.conftest import tiny_config
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory):
-    tmp = tmp_path_factory.mktemp("adapter")
-    config = tiny_config(tmp / "run", "parallel.pp=2", "train.lr=5e-3")
-    run_cli("train", "--config", str(write_config(config, tmp / "c.toml")), "--quiet")
-    return config, tmp / "run" / "adapter"
+def trained(pipeline_run):
+    """The shared 2-stage run (tests/conftest.py): its config and adapter."""
+    config, run_dir = pipeline_run
+    return config, run_dir / "adapter"
 
 
 @pytest.mark.slow

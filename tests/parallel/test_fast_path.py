@@ -30,34 +30,29 @@ def _val_loss(run_dir: Path) -> float:
         return float(list(csv.DictReader(f))[-1]["val_loss"])
 
 
-@pytest.fixture(scope="module")
-def plain(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _train(tmp_path_factory.mktemp("plain"), "plain", "parallel.pp=1")
-
-
-def test_fast_path_pipeline_matches_plain_single_process(plain: Path, tmp_path: Path) -> None:
+def test_fast_path_pipeline_matches_plain_single_process(reference: Path, tmp_path: Path) -> None:
     fast = _train(tmp_path, "fast", "lora.fast_path=true", "parallel.pp=2")
-    torch.testing.assert_close(torch.tensor(_losses(fast)), torch.tensor(_losses(plain)), rtol=1e-5, atol=0)
-    assert _max_relative(_adapter(fast), _adapter(plain)) < 1e-5
+    torch.testing.assert_close(torch.tensor(_losses(fast)), torch.tensor(_losses(reference)), rtol=1e-5, atol=0)
+    assert _max_relative(_adapter(fast), _adapter(reference)) < 1e-5
 
 
-def test_fused_loss_pipeline_matches_plain_single_process(plain: Path, tmp_path: Path) -> None:
+def test_fused_loss_pipeline_matches_plain_single_process(reference: Path, tmp_path: Path) -> None:
     # loss_chunk 7: chunk boundaries fall inside sequences and microbatches
     fused = _train(tmp_path, "fused", "train.fused_loss=true", "train.loss_chunk=7", "parallel.pp=2")
-    torch.testing.assert_close(torch.tensor(_losses(fused)), torch.tensor(_losses(plain)), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(_losses(fused)), torch.tensor(_losses(reference)), rtol=1e-5, atol=0)
     # Gradients agree to ~1e-6 (float32 sums in another order: tests/model/test_loss.py); Adam's first steps
     # divide by each gradient's own magnitude, which turns that into ~1e-4 on the smallest ones.
-    assert _max_relative(_adapter(fused), _adapter(plain)) < 5e-4
+    assert _max_relative(_adapter(fused), _adapter(reference)) < 5e-4
 
 
-def test_compiled_fast_path_matches_plain(plain: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compiled_fast_path_matches_plain(reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TORCH_LOGS", "recompiles")
     compiled = _train(tmp_path, "compiled", "lora.fast_path=true", "train.compile=true", "parallel.pp=1")
-    torch.testing.assert_close(torch.tensor(_losses(compiled)), torch.tensor(_losses(plain)), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(_losses(compiled)), torch.tensor(_losses(reference)), rtol=1e-5, atol=0)
     # Inductor reassociates float sums; Adam's first steps turn that into ~1e-4 relative weight differences.
-    assert _max_relative(_adapter(compiled), _adapter(plain)) < 2e-3
+    assert _max_relative(_adapter(compiled), _adapter(reference)) < 2e-3
     # Validation runs the compiled layers eagerly: the same loss, and no second compilation for no_grad.
-    assert _val_loss(compiled) == pytest.approx(_val_loss(plain), rel=1e-4)
+    assert _val_loss(compiled) == pytest.approx(_val_loss(reference), rel=1e-4)
     assert "grad_mode" not in (compiled / "train.log").read_text()
 
 

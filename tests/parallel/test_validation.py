@@ -8,20 +8,20 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipetune.config import Config
 from pipetune.data.batching import tokenize_split
 from pipetune.data.sources import load_dataset
 from pipetune.generate import load_finetuned, mean_token_loss
-from tests.conftest import run_cli, tiny_config, write_config
 
 pytestmark = pytest.mark.slow  # multi-process end-to-end runs: pytest -m "not slow" leaves them out
 
 
-def test_pipeline_validation_loss_matches_one_process(tmp_path: Path) -> None:
-    # 6 validation meetings with batch 4: the last validation batch is filled with ignored rows. The same check
-    # for one stage (split over tensor-parallel ranks) is in tests/parallel/test_tensor_parallel.py.
-    config = tiny_config(tmp_path / "run", "parallel.pp=2", "train.eval_every=2", "data.synthetic_validation=6")
-    run_cli("train", "--config", str(write_config(config, tmp_path / "c.toml")), "--quiet")
-    with open(tmp_path / "run" / "metrics.csv") as f:
+def test_pipeline_validation_loss_matches_one_process(pipeline_run: tuple[Config, Path]) -> None:
+    # The shared 2-stage run (tests/conftest.py): 6 validation meetings with batch 4, so the last validation batch
+    # is filled with ignored rows. The same check for one stage (split over tensor-parallel ranks) is in
+    # tests/parallel/test_tensor_parallel.py.
+    config, run_dir = pipeline_run
+    with open(run_dir / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     logged = {int(r["step"]): float(r["val_loss"]) for r in rows if r["val_loss"]}
     assert sorted(logged) == [0, 2, 3]  # before the first step, every 2 steps, and at the end
@@ -29,7 +29,7 @@ def test_pipeline_validation_loss_matches_one_process(tmp_path: Path) -> None:
     assert all(float(r["val_time_sec"]) > 0 for r in rows if r["val_time_sec"])
     assert logged[3] < logged[2] < logged[0]
 
-    model, prepared = load_finetuned(config, tmp_path / "run" / "adapter", torch.device("cpu"))
+    model, prepared = load_finetuned(config, run_dir / "adapter", torch.device("cpu"))
     dataset = load_dataset(config.data, seed=config.train.seed)
     split = tokenize_split(dataset.splits["validation"], prepared.prompts, prepared.pad_id)
     assert len(split) == 6
