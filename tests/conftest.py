@@ -51,6 +51,14 @@ def pipeline_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Config, Path
     return config, tmp / "run"
 
 
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """`pipetune demo` for 25 optimizer steps instead of 150 (about 30 s of training on 2 cores): its run directory
+    and what it printed. tests/test_demo.py checks the demo, tests/test_evaluate.py evaluates its adapter."""
+    out = tmp_path_factory.mktemp("demo") / "demo"
+    return out, run_cli("demo", "--out", str(out), "--steps", "25")
+
+
 def tiny_config(out_dir: Path, *overrides: str) -> Config:
     """A tiny float32 pipeline run: tiny-qwen3, synthetic data, 3 optimizer steps, no dropout."""
     config = Config()

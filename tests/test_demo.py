@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,23 +13,20 @@ from safetensors.torch import load_file
 
 from pipetune.config import load_config
 from pipetune.metrics import SEED_COLUMNS
-from tests.conftest import run_cli
 
 pytestmark = pytest.mark.slow  # multi-process end-to-end runs: pytest -m "not slow" leaves them out
 
 
-def test_demo_runs_end_to_end(tmp_path: Path) -> None:
-    out = tmp_path / "demo"
-    result = run_cli("demo", "--out", str(out), "--steps", "20")
-
+def test_demo_runs_end_to_end(demo_run: tuple[Path, subprocess.CompletedProcess]) -> None:
+    out, result = demo_run  # tests/conftest.py: `pipetune demo --steps 25`
     config = load_config(out / "config.toml")
-    assert config.model.name == "tiny-qwen3" and config.parallel.pp == 2 and config.train.max_steps == 20
+    assert config.model.name == "tiny-qwen3" and config.parallel.pp == 2 and config.train.max_steps == 25
 
     with open(out / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0])[: len(SEED_COLUMNS)] == SEED_COLUMNS
-    assert [int(r["step"]) for r in rows] == [0, 10, 20]  # step 0: validation before fine-tuning
-    assert float(rows[2]["val_loss"]) < float(rows[0]["val_loss"])
+    assert [int(r["step"]) for r in rows] == [0, 10, 20, 25]  # step 0: validation before fine-tuning
+    assert float(rows[-1]["val_loss"]) < float(rows[0]["val_loss"])
     losses = [float(r["loss"]) for r in rows[1:]]
     assert losses[-1] < losses[0]
     assert all(float(r["tokens_per_sec"]) > 0 and float(r["peak_vram_gb"]) > 0 for r in rows[1:])
@@ -37,12 +35,12 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert len(load_file(out / "adapter" / "adapter_model.safetensors")) == 4 * 7 * 2
 
     # the run ends with its summary, and rank 0's output is in train.log
-    assert re.search(r"done: 20 steps in [\d.]+ (s|min)", result.stdout)
+    assert re.search(r"done: 25 steps in [\d.]+ (s|min)", result.stdout)
     assert f"pipetune export --run {out} --out {out / 'export'}" in result.stdout
     log = (out / "train.log").read_text()
-    assert "step 10/20" in log and "done: 20 steps" in log and "run directory" in log
+    assert "step 10/25" in log and "done: 25 steps" in log and "run directory" in log
     assert "FutureWarning" not in result.stderr  # library warnings a user cannot act on are silenced
-    assert json.loads((out / "run.json").read_text())["final_val_loss"] == float(rows[2]["val_loss"])
+    assert json.loads((out / "run.json").read_text())["final_val_loss"] == float(rows[-1]["val_loss"])
 
     before, after = map(float, re.search(r"([\d.]+) before, ([\d.]+) after", result.stdout).groups())
     assert after < before

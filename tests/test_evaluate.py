@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,7 +12,6 @@ import pytest
 from pipetune.cli import main
 from pipetune.config import ConfigError
 from pipetune.evaluate import rouge_scores, split_sentences
-from tests.conftest import REPO, run_cli
 
 # Hand counts (rouge-score lowercases, drops punctuation, stems; F = 2PR / (P + R)):
 #   "the cat sat on the mat" vs "the cat lay on the mat": unigrams 5 of 6 shared (the x2, cat, on, mat) -> 5/6;
@@ -50,12 +50,9 @@ def test_missing_rouge_score_names_the_extra(monkeypatch: pytest.MonkeyPatch) ->
 
 
 @pytest.fixture(scope="module")
-def demo_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo's settings, 25 optimizer steps instead of 150 (about 30 s on 2 cores)."""
-    out = tmp_path_factory.mktemp("eval") / "demo25"
-    config = REPO / "src" / "pipetune" / "configs" / "demo.toml"
-    run_cli("train", "--config", str(config), "--set", "train.max_steps=25", "--set", f'output.dir="{out}"', "--quiet")
-    return out
+def demo_run(demo_run: tuple[Path, subprocess.CompletedProcess]) -> Path:
+    """The run directory of `pipetune demo --steps 25` (tests/conftest.py)."""
+    return demo_run[0]
 
 
 @pytest.mark.slow
