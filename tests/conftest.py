@@ -51,6 +51,21 @@ def pipeline_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Config, Path
     return config, tmp / "run"
 
 
+TWO_EPOCHS = ("train.epochs=2", "train.max_steps=-1", "train.save_every=3", "lora.dropout=0.1")
+"""2 epochs of 4 optimizer steps, a checkpoint every 3 steps and at epoch ends (3, 4, 6, 8), and LoRA dropout, so an
+exact match with another run needs every rank's dropout masks drawn alike."""
+
+
+@pytest.fixture(scope="session")
+def two_epoch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_config's 2 stages with TWO_EPOCHS, run uninterrupted: the run directory that killed and resumed runs
+    (tests/test_resume.py) and recomputed activations (tests/parallel/test_fast_path.py) must equal."""
+    tmp = tmp_path_factory.mktemp("two-epochs")
+    config = tiny_config(tmp / "run", *TWO_EPOCHS)
+    run_cli("train", "--config", str(write_config(config, tmp / "run.toml")), "--quiet")
+    return tmp / "run"
+
+
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
     """`pipetune demo` for 25 optimizer steps instead of 150 (about 30 s of training on 2 cores): its run directory
@@ -98,10 +113,17 @@ def run_cli(*args: str, timeout: float = 600, check: bool = True, faults: bool =
     tests' entry instead, which injects the faults PIPETUNE_TEST_* ask for (tests/faults.py).
 
     A `train` that starts local workers runs its launcher in this process (the workers are new processes either
-    way): it saves each run the launcher's own start, torch, transformers and PEFT imported again (~5 s). Every
-    other command, and a run in one process, runs in a subprocess."""
-    if not faults and _starts_workers(args):
-        result = _in_process(args)
+    way; with `faults`, they run the tests' entry): it saves each run the launcher's own start, torch,
+    transformers and PEFT imported again (~5 s). Every other command, and a run in one process, runs in a
+    subprocess."""
+    if _starts_workers(args):
+        from pipetune import launch
+
+        module, launch.WORKER_MODULE = launch.WORKER_MODULE, "tests.faults" if faults else launch.WORKER_MODULE
+        try:
+            result = _in_process(args)
+        finally:
+            launch.WORKER_MODULE = module
     else:
         result = subprocess.run(
             [sys.executable, "-m", "tests.faults" if faults else "pipetune", *args],

@@ -1,7 +1,8 @@
 """Kill a rank mid-run and resume: metrics.csv and the adapter equal those of a run never interrupted.
 
 Runs have 2 epochs of 4 optimizer steps, a checkpoint every 3 steps and at epoch ends (3, 4, 6, 8),
-and LoRA dropout, so an exact match needs the dropout RNG of every rank restored.
+and LoRA dropout, so an exact match needs the dropout RNG of every rank restored (tests/conftest.py: TWO_EPOCHS,
+the uninterrupted run `two_epoch_run`).
 PIPETUNE_TEST_KILL_AT_STEP makes the highest rank SIGKILL itself (the tests' entry, tests/faults.py).
 """
 
@@ -17,9 +18,7 @@ from safetensors.torch import load_file
 
 from pipetune.checkpoint import MARKER, committed_checkpoints
 from pipetune.parallel.torch_compat import keep_rng_out_of_no_grad_forwards
-from tests.conftest import run_cli, tiny_config, write_config
-
-RUN = ("train.epochs=2", "train.max_steps=-1", "train.save_every=3", "lora.dropout=0.1")
+from tests.conftest import TWO_EPOCHS, run_cli, tiny_config, write_config
 
 
 def _metrics(run_dir: Path) -> list[tuple[str, str, str]]:
@@ -33,19 +32,17 @@ def _adapter_bytes(run_dir: Path) -> bytes:
 
 
 def _config_file(tmp: Path, name: str, *overrides: str) -> str:
-    config = tiny_config(tmp / name, *RUN, *overrides)
+    config = tiny_config(tmp / name, *TWO_EPOCHS, *overrides)
     return str(write_config(config, tmp / f"{name}.toml"))
 
 
-def _train(config_file: str, *args: str, check: bool = True):
-    return run_cli("train", "--config", config_file, "--quiet", *args, check=check, faults=True)
+def _train(config_file: str, *args: str, check: bool = True, faults: bool = False):
+    return run_cli("train", "--config", config_file, "--quiet", *args, check=check, faults=faults)
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    tmp = tmp_path_factory.mktemp("uninterrupted")
-    _train(_config_file(tmp, "run"))
-    return tmp / "run"
+def reference(two_epoch_run: Path) -> Path:
+    return two_epoch_run
 
 
 @pytest.mark.slow
@@ -62,7 +59,7 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_one(
     config_file = _config_file(tmp_path, "run")
     run_dir = tmp_path / "run"
     monkeypatch.setenv("PIPETUNE_TEST_KILL_AT_STEP", "6")  # before step 6's checkpoint is committed
-    killed = _train(config_file, check=False)
+    killed = _train(config_file, check=False, faults=True)
     assert killed.returncode != 0
     assert "lost a peer" in killed.stderr  # the survivor says what happened instead of hanging
     assert [c.step for c in committed_checkpoints(run_dir)] == [3, 4]  # a part-written step-6 does not count
@@ -98,21 +95,20 @@ def test_checkpoint_of_two_stages_resumes_under_four(tmp_path_factory: pytest.Te
     """
     tmp = tmp_path_factory.mktemp("layout")
     reference = tmp / "pp2"
-    _train(_config_file(tmp, "pp2", "lora.dropout=0.0", "train.keep_checkpoints=4"))
-    assert [c.step for c in committed_checkpoints(reference)] == [3, 4, 6, 8]
+    _train(_config_file(tmp, "pp2", "lora.dropout=0.0"))
+    assert [c.step for c in committed_checkpoints(reference)] == [6, 8]
 
-    # The pp=2 run as it stood at step 4: its checkpoints up to there, metrics.csv (trimmed on resume).
+    # The pp=2 run as it stood at step 6: its checkpoint there, metrics.csv (trimmed on resume).
     resumed = tmp / "pp4"
     resumed.mkdir()
     shutil.copy(reference / "metrics.csv", resumed / "metrics.csv")
-    for step in (3, 4):
-        shutil.copytree(reference / "checkpoints" / f"step-{step}", resumed / "checkpoints" / f"step-{step}")
+    shutil.copytree(reference / "checkpoints" / "step-6", resumed / "checkpoints" / "step-6")
     config_file = _config_file(tmp, "pp4", "lora.dropout=0.0", "parallel.pp=4")
     _train(config_file, "--resume")
 
-    expected = [float(loss) for _, step, loss in _metrics(reference) if int(step) > 4]
-    got = [float(loss) for _, step, loss in _metrics(resumed) if int(step) > 4]
-    assert len(got) == len(expected) == 4
+    expected = [float(loss) for _, step, loss in _metrics(reference) if int(step) > 6]
+    got = [float(loss) for _, step, loss in _metrics(resumed) if int(step) > 6]
+    assert len(got) == len(expected) == 2
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
     ref_adapter, adapter = (
         load_file(reference / "adapter" / "adapter_model.safetensors"),

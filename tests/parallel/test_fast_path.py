@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipetune.parallel.memory import plan_checkpointing
-from tests.conftest import run_cli, tiny_config, write_config
+from tests.conftest import TWO_EPOCHS, run_cli, tiny_config, write_config
 from tests.parallel.test_parity import _adapter, _losses, _max_relative
 
 pytestmark = pytest.mark.slow  # multi-process end-to-end runs: pytest -m "not slow" leaves them out
@@ -56,18 +56,19 @@ def test_compiled_fast_path_matches_plain(reference: Path, tmp_path: Path, monke
     assert "grad_mode" not in (compiled / "train.log").read_text()
 
 
-def test_activation_checkpointing_changes_nothing_but_memory(tmp_path: Path) -> None:
+def test_activation_checkpointing_changes_nothing_but_memory(two_epoch_run: Path, tmp_path: Path) -> None:
     """ "auto" checkpoints where memory is short: under 1F1B stage 0 holds two microbatches' activations, stage 1
-    one, so with the same budget only stage 0 recomputes layers. With dropout on: the recomputation must draw
-    the same masks as the first forward."""
-    plain = _train(tmp_path, "plain", "parallel.pp=2", "lora.dropout=0.1")
+    one, so with the same budget only stage 0 recomputes layers. With dropout on (TWO_EPOCHS): the recomputation
+    must draw the same masks as the first forward, 8 steps long, as the same run without it (tests/conftest.py)."""
     auto = ['train.activation_checkpointing="auto"', "train.memory_gb=0.026"]
-    recomputed = _train(tmp_path, "ckpt", "parallel.pp=2", "lora.dropout=0.1", *auto)
+    recomputed = _train(tmp_path, "ckpt", *TWO_EPOCHS, *auto)
     log = (recomputed / "train.log").read_text()
     planned = {int(stage): int(k) for stage, k in re.findall(r"stage (\d): (\d) of 2 layers", log)}
     assert planned[0] >= 1 and planned[1] == 0, log
-    torch.testing.assert_close(torch.tensor(_losses(recomputed)), torch.tensor(_losses(plain)), rtol=1e-6, atol=0)
-    assert _max_relative(_adapter(recomputed), _adapter(plain)) < 1e-6
+    expected = _losses(two_epoch_run)
+    assert len(expected) == 8
+    torch.testing.assert_close(torch.tensor(_losses(recomputed)), torch.tensor(expected), rtol=1e-6, atol=0)
+    assert _max_relative(_adapter(recomputed), _adapter(two_epoch_run)) < 1e-6
 
 
 def test_checkpointing_plan_recomputes_first_where_most_microbatches_wait() -> None:
