@@ -109,6 +109,10 @@ def test_bench_runs_fsdp_as_sharded_whole_model_replicas(tmp_path: Path) -> None
     p = variant.parallel
     assert (p.strategy, p.pp, p.dp, variant.train.batch_size, p.n_microbatches, p.sharded) == ("fsdp", 1, 4, 2, 1, True)
     validate(variant, 4)
+    variant = strategy_config(config, "ddp", steps=2, warmup=1, out_dir=tmp_path)  # the same replicas, unsharded
+    p = variant.parallel
+    assert (p.strategy, p.pp, p.dp, variant.train.batch_size, p.n_microbatches, p.sharded) == ("ddp", 1, 4, 2, 1, False)
+    validate(variant, 4)
     validate(strategy_config(config, "single", steps=2, warmup=1, out_dir=tmp_path), 1)
 
 
