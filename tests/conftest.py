@@ -113,10 +113,10 @@ def run_cli(*args: str, timeout: float = 600, check: bool = True, faults: bool =
     tests' entry instead, which injects the faults PIPETUNE_TEST_* ask for (tests/faults.py).
 
     A `train` that starts local workers runs its launcher in this process (the workers are new processes either
-    way; with `faults`, they run the tests' entry): it saves each run the launcher's own start, torch,
-    transformers and PEFT imported again (~5 s). Every other command, and a run in one process, runs in a
-    subprocess."""
-    if _starts_workers(args):
+    way; with `faults`, they run the tests' entry), and so does most of a `train` in one process (`_runs_here`):
+    it saves each run the command's own start, torch, transformers and PEFT imported again (~5 s). Every other
+    command runs in a subprocess."""
+    if _runs_here(args, faults):
         from pipetune import launch
 
         module, launch.WORKER_MODULE = launch.WORKER_MODULE, "tests.faults" if faults else launch.WORKER_MODULE
@@ -138,8 +138,10 @@ def run_cli(*args: str, timeout: float = 600, check: bool = True, faults: bool =
     return result
 
 
-def _starts_workers(args: tuple[str, ...]) -> bool:
-    """`pipetune train --config F [--set ...] [--nproc N]` on more than one process (a fixed layout, not "auto")."""
+def _runs_here(args: tuple[str, ...], faults: bool) -> bool:
+    """`pipetune train --config F [--set ...] [--nproc N]` with a fixed layout (not "auto"): its launcher, or its one
+    process, can run in this process. Not a one-process run that compiles (torch reads its logging settings from
+    the environment once, at import) or that needs the tests' fault hooks."""
     from pipetune.config import load_config
 
     if not args or args[0] != "train" or "--config" not in args:
@@ -151,7 +153,9 @@ def _starts_workers(args: tuple[str, ...]) -> bool:
     config = load_config(options["--config"][0], options.get("--set", []))
     if config.parallel.strategy == "auto":
         return False
-    return int(options.get("--nproc", [config.parallel.world_size])[0]) > 1
+    if int(options.get("--nproc", [config.parallel.world_size])[0]) > 1:
+        return True
+    return not faults and not config.train.compile
 
 
 def _in_process(args: tuple[str, ...]) -> subprocess.CompletedProcess:
