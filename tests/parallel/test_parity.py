@@ -57,9 +57,8 @@ def _train(tmp: Path, name: str, *overrides: str) -> Path:
     return run_dir
 
 
-# 4 stages of 1F1B run in tests/test_resume.py (resumed from 2 stages, against their continuation). GPipe runs the
-# same code here as 1F1B (one stage a rank, looped placement; only torch's class differs), so 1F1B stands for both;
-# its run is the shared one (tests/conftest.py), whose validation tests/parallel/test_validation.py checks.
+# 4 stages of 1F1B run in tests/test_resume.py (resumed from 2 stages, against their continuation); the shared
+# 2-stage 1F1B run is tests/conftest.py's, whose validation tests/parallel/test_validation.py checks.
 def test_pipeline_matches_single_process(reference: Path, pipeline_run: tuple[Config, Path]) -> None:
     _, run_dir = pipeline_run
     expected, got = _losses(reference), _losses(run_dir)
@@ -83,15 +82,17 @@ def test_pipeline_with_tensor_parallel_stages_matches_single_process(reference: 
     assert_rounding_apart(_adapter(run_dir), _adapter(reference))
 
 
-# Placements: looped (interleaved_1f1b; looped_bfs runs the same code), looped with the backward split in two
-# (interleaved_zero_bubble), V-shaped with the split backward and no forward-only mode (dualpipev; zbv runs the
-# same code, and end to end in tests/parallel/test_quantized.py). Each torch class's own plan is replayed for every
-# schedule in tests/parallel/test_speed.py.
-@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "interleaved_zero_bubble", "dualpipev"])
-def test_multi_stage_schedules_match_single_process(reference: Path, tmp_path: Path, schedule: str) -> None:
-    # 2 ranks x 2 stages each: 4 stages of one layer; looped (rank r: r, r + 2) or V-shaped (rank r: r, 3 - r).
+# Every torch schedule: one stage a rank (gpipe), looped placements (interleaved_1f1b, looped_bfs), looped with
+# the backward split in two (interleaved_zero_bubble), V-shaped with the split backward and no forward-only mode
+# (dualpipev; zbv, the same placement, runs end to end in tests/parallel/test_quantized.py).
+@pytest.mark.parametrize(
+    "schedule, stages_per_rank",
+    [("gpipe", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2), ("interleaved_zero_bubble", 2), ("dualpipev", 2)],
+)
+def test_schedules_match_single_process(reference: Path, tmp_path: Path, schedule: str, stages_per_rank: int) -> None:
+    # 2 ranks; with 2 stages each, 4 stages of one layer: looped (rank r: r, r + 2) or V-shaped (rank r: r, 3 - r).
     run_dir = tmp_path / schedule
-    config = tiny_config(run_dir, f'parallel.schedule="{schedule}"', "parallel.stages_per_rank=2")
+    config = tiny_config(run_dir, f'parallel.schedule="{schedule}"', f"parallel.stages_per_rank={stages_per_rank}")
     run_cli("train", "--config", str(write_config(config, tmp_path / f"{schedule}.toml")), "--quiet")
     torch.testing.assert_close(torch.tensor(_losses(run_dir)), torch.tensor(_losses(reference)), rtol=1e-5, atol=0)
     assert _max_relative(_adapter(run_dir), _adapter(reference)) < 1e-5
