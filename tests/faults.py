@@ -8,6 +8,7 @@ local workers it starts too. Each fault is read from the environment and off unl
     PIPETUNE_TEST_HANG_AT=R:N             rank R stops responding before the gradient-norm all-reduce of step N
     PIPETUNE_TEST_DISK_FULL_AT=N          every rank writes step N's checkpoint to a full disk: its first file's
                                           temporary name (this process's) is a link to /dev/full
+    PIPETUNE_TEST_TERM_AT=N               every rank sends itself SIGTERM right after optimizer step N
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class FaultInjection(train.TrainHooks):
         hang_rank, _, hang_step = os.environ.get("PIPETUNE_TEST_HANG_AT", "").partition(":")
         if hang_rank and int(hang_rank) == rank:
             self.hang_at = int(hang_step)
+        self.term_at = int(os.environ.get("PIPETUNE_TEST_TERM_AT", "0")) or None
         full_at = os.environ.get("PIPETUNE_TEST_DISK_FULL_AT", "")
         if full_at:
             run_dir = Path(load_config(sys.argv[sys.argv.index("--config") + 1]).output.dir)
@@ -59,6 +61,8 @@ class FaultInjection(train.TrainHooks):
     def after_step(self, step: int, saved: bool) -> None:
         if self.kill_at == (step, saved):
             os.kill(os.getpid(), signal.SIGKILL)
+        if step == self.term_at and not saved:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 if __name__ == "__main__":

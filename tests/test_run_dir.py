@@ -122,22 +122,34 @@ def test_a_full_disk_ends_the_run_with_one_line_and_keeps_what_was_committed(
 
 
 @pytest.mark.slow
-def test_a_full_disk_on_every_rank_is_said_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both ranks write step 2's checkpoint to a full disk (tests/faults.py); the launcher says it once."""
+@pytest.mark.parametrize("fault", ["disk full", "SIGTERM"])
+def test_an_ending_of_every_rank_is_said_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fault: str) -> None:
+    """Both ranks write step 2's checkpoint to a full disk, or both get SIGTERM after step 2 (tests/faults.py): the
+    launcher says it once, for both ranks."""
     run_dir = tmp_path / "run"
-    config = tiny_config(run_dir, "train.max_steps=2", "train.save_every=1")
-    monkeypatch.setenv("PIPETUNE_TEST_DISK_FULL_AT", "2")
+    config = tiny_config(run_dir, "train.max_steps=3", "train.save_every=1")
+    monkeypatch.setenv("PIPETUNE_TEST_DISK_FULL_AT" if fault == "disk full" else "PIPETUNE_TEST_TERM_AT", "2")
     config_file = str(write_config(config, tmp_path / "c.toml"))
     result = run_cli("train", "--config", config_file, "--quiet", check=False, faults=True)
 
-    assert result.returncode == 1, result.stderr
     assert result.stderr.count("pipetune: error:") == 1 and "Traceback" not in result.stderr, result.stderr
-    assert (
-        f"pipetune: error: ranks 0, 1: no space left on the device writing into {run_dir / 'checkpoints' / 'step-2'}; "
-        "committed checkpoints are kept: free space, then continue with --resume"
-    ) in result.stderr
+    if fault == "disk full":
+        assert result.returncode == 1, result.stderr
+        said = (
+            f"ranks 0, 1: no space left on the device writing into {run_dir / 'checkpoints' / 'step-2'}; "
+            "committed checkpoints are kept: free space, then continue with --resume"
+        )
+        kept = [1]
+    else:
+        assert result.returncode == 128 + signal.SIGTERM, result.stderr
+        said = (
+            f"ranks 0, 1: stopped by SIGTERM; the newest committed checkpoint, {run_dir / 'checkpoints' / 'step-1'}, "
+            "is kept: continue with --resume"
+        )
+        kept = [1]
+    assert f"pipetune: error: {said}" in result.stderr, result.stderr
     assert not [p for p in run_dir.rglob("*") if p.name.endswith(".tmp")]
-    assert [c.step for c in committed_checkpoints(run_dir)] == [1]
+    assert [c.step for c in committed_checkpoints(run_dir)] == kept
     verify_files(committed_checkpoints(run_dir)[0])
 
 
