@@ -10,13 +10,13 @@ bench() {  # name, extra args...
   echo "== $name: $*"
   timeout 200 python3 -m pipetune bench --config $CFG $BEFORE --out $W/$name "$@" > $W/$name.log 2>&1
   grep -c "Recompiling function" $W/$name.log | sed 's/^/recompiles: /'
-  grep -E -A14 "profile by self_cpu" $W/$name.log | head -40
+  grep -E -A14 "profile of step [0-9]+ by self_cpu" $W/$name.log | head -40
   grep -v -i -E "warn|profile|^-|aten|cuda|Memcpy|Memset|c10d|Self CPU|USDT|nccl|void|triton|^$|autograd|Name|ampere|sm90|cutlass|Kernel|kernel|gemm|flash" $W/$name.log | tail -12
 }
 baselines 12 200 150
 bench balanced18 --strategies pp --steps 20 --warmup 4 --set "parallel.layers_per_stage=[18,18]"
-PIPETUNE_PROFILE=1 TORCH_LOGS=recompiles bench m8-profile --strategies pp --steps 12 --warmup 4 --set parallel.n_microbatches=8
-PIPETUNE_PROFILE=1 bench m4-profile --strategies pp --steps 12 --warmup 4
+PIPETUNE_PROFILE_STEP=5 TORCH_LOGS=recompiles bench m8-profile --strategies pp --steps 12 --warmup 4 --set parallel.n_microbatches=8
+PIPETUNE_PROFILE_STEP=5 bench m4-profile --strategies pp --steps 12 --warmup 4
 python3 - "$W" "$OUT" <<'PY'
 import json, pathlib, shutil, sys
 w, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])

@@ -12,11 +12,13 @@
 #   3: the 72B shape tp=2 without graphs again; Qwen3-4B ddp, tp=2 with one microbatch of 16 compiled without
 #     graphs, pp interleaved v=3; then `pipetune plan --calibrate` with what is left. (The 4B runs' limits were too
 #     short for a fresh machine's cold compile cache, and the tp run's one microbatch was set on the pp=2 config.)
-#   4 (Qwen3-4B, not yet run): ddp, tp=2 with one microbatch of 16, pp interleaved v=3, with limits for a cold
-#     compile cache (or a carried one: h200_common.sh).
+#   4 (Qwen3-4B, not yet run): ddp (its 6th step profiled: PIPETUNE_PROFILE_STEP), tp=2 with one microbatch of
+#     16, pp interleaved v=3, with limits for a cold compile cache (or a carried one: h200_common.sh).
+#   5 (not yet run): the 72B shape tp=2 without graphs, its 4th step profiled, to see why its step is 1.7x the
+#     plan's; Qwen3-4B tp=2 4 x 4 with graphs, given the time its recording takes.
 # Each run is `pipetune bench` with its own --timeout; a run that would not fit the call's budget is skipped and
-# said so. Usage (device machine, repo root, .whl carried): OUT=dir bash benchmarks/run_wave3_h200.sh 1|2|3|4
-# CPU dry run with the tiny model (no GPU; fp8 left out): TINY=1 OUT=dir bash benchmarks/run_wave3_h200.sh 1|2|3|4
+# said so. Usage (device machine, repo root, .whl carried): OUT=dir bash benchmarks/run_wave3_h200.sh 1|2|3|4|5
+# CPU dry run with the tiny model (no GPU; fp8 left out): TINY=1 OUT=dir bash benchmarks/run_wave3_h200.sh 1|2|3|4|5
 CALL=${1:-1}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   >/dev/null 2>&1 && export PYTHONPATH=/tmp/site
@@ -60,11 +62,15 @@ elif [ "$CALL" = 3 ]; then
       grep -v -i warn | tee $OUT/plan-4b-calibrated.txt | tail -8
   fi
 elif [ "$CALL" = 4 ]; then
-  bench 4b-ddp 150 $B4 --strategies ddp $S4
+  PIPETUNE_PROFILE_STEP=6 bench 4b-ddp 150 $B4 --strategies ddp $S4
   TP16="--set parallel.pp=1 --set parallel.strategy=\"tp\" --set parallel.tp=2 --set parallel.n_microbatches=1"
   bench 4b-tp-mb16 150 $B4 --strategies tp $S4 $TP16 --set train.cuda_graphs=false
   V3="--set parallel.schedule=\"interleaved_1f1b\" --set parallel.stages_per_rank=3"
   bench 4b-pp-v3 260 $B4 --strategies pp $S4 $V3
+elif [ "$CALL" = 5 ]; then
+  PIPETUNE_PROFILE_STEP=4 bench 72b-tp 180 $B72 --strategies tp $S72 --set train.cuda_graphs=false
+  grep -A22 "rank 0 profile of step 4 by self_device" $W/72b-tp/tp.log | head -24
+  bench 4b-tp 300 $B4 --strategies tp $S4
 fi
 collect wave3_$CALL
 echo "call $CALL done in $(( $(date +%s) - START )) s"

@@ -99,10 +99,12 @@ def test_the_demo_writes_only_into_a_new_directory(
 
 
 def test_a_full_disk_ends_the_run_with_one_line_and_keeps_what_was_committed(
-    tmp_path: Path, capsys: pytest.CaptureFixture
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The second checkpoint's first file is written to /dev/full (through its temporary name: one process, so
-    its pid is this one's): the write fails with ENOSPC as on a full disk."""
+    its pid is this one's): the write fails with ENOSPC as on a full disk. The same run profiles its first step
+    (PIPETUNE_PROFILE_STEP, for diagnosis)."""
+    monkeypatch.setenv("PIPETUNE_PROFILE_STEP", "1")
     run_dir = tmp_path / "run"
     config = tiny_config(run_dir, "parallel.pp=1", "train.max_steps=2", "train.save_every=1")
     step2 = run_dir / "checkpoints" / "step-2"
@@ -112,7 +114,8 @@ def test_a_full_disk_ends_the_run_with_one_line_and_keeps_what_was_committed(
     with pytest.raises(SystemExit) as stopped:
         _train(write_config(config, tmp_path / "c.toml"))
     assert stopped.value.code == 1
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert out.count("rank 0 profile of step 1 by self_cpu_time_total") == 1, out  # step 1 only
     assert err.count("pipetune: error:") == 1 and "Traceback" not in err
     assert f"rank 0: no space left on the device writing {step2 / 'adapter.rank0.safetensors'}; " in err
     assert "committed checkpoints are kept: free space, then continue with --resume" in err

@@ -59,6 +59,7 @@ from pipetune.parallel.torch_compat import (
 )
 from pipetune.parallel.tp import apply_tp, sum_partial_gradients
 from pipetune.preflight import Prepared, check_optimizer_steps, preflight
+from pipetune.profile import profiled
 from pipetune.schedules import SCHEDULES, stage_ids
 
 
@@ -128,7 +129,8 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         say(f"step 0/{data.total_steps} | val_loss {row['val_loss']:.4f} (before fine-tuning)")
     reset_peak_memory(device)
     for epoch, index, batches, lengths in data.steps_from(position):
-        lr = run_step(loop, batches, lengths)
+        with profiled(loop.step + 1, env.rank, device):  # PIPETUNE_PROFILE_STEP, for diagnosis
+            lr = run_step(loop, batches, lengths)
         loop.hooks.after_step(loop.step, saved=False)
         epoch_end = index == data.steps_per_epoch - 1
         log, evaluate, save = cadence(config, loop.step, data.total_steps, epoch_end, data.validation is not None)

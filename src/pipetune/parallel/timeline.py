@@ -10,7 +10,6 @@ actions within the step is its bubble: waiting for its neighbours.
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -94,13 +93,6 @@ class StageTimeline:
 
     def start(self) -> None:
         self._marks.clear()
-        self._profiler = None
-        if os.environ.get("PIPETUNE_PROFILE") == "1":  # diagnosis: torch.profiler tables of the recorded step
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if self.clock.device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self._profiler = torch.profiler.profile(activities=activities)
-            self._profiler.__enter__()
         self._origin = self.clock.now()
         self.recording = True
 
@@ -110,11 +102,6 @@ class StageTimeline:
         self.recording = False
         if self.clock.device.type == "cuda":
             torch.cuda.synchronize(self.clock.device)
-        if self._profiler is not None:
-            self._profiler.__exit__(None, None, None)
-            averages = self._profiler.key_averages()
-            for sort_by in ("self_cpu_time_total", "self_device_time_total"):
-                print(f"rank {self.rank} profile by {sort_by}:\n{averages.table(sort_by=sort_by, row_limit=12)}")
         actions = [
             Action(
                 self.rank,
