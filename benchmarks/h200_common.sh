@@ -2,6 +2,14 @@
 # $OUT/env.txt (date, GPUs, library versions), $CFG, `baselines`, and for the scripts that run `pipetune bench`
 # in a time budget `left`, `bench` and `collect` (they need $W, the work directory, and $BUDGET, seconds).
 set -uo pipefail
+# Wheels the device image lacks (torchao, gguf, rouge-score), when carried in .whl/.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >/dev/null 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# A CPU dry run's switches (TINY=1): the tiny model in float32, eager, a little data.
+TINY_ARGS="--set model.name=\"tiny-qwen3\" --set model.dtype=\"float32\" --set train.compile=false \
+  --set train.cuda_graphs=false --set data.synthetic_train=64"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PIPETUNE_CACHE=/tmp/pipetune-cache HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

@@ -15,15 +15,12 @@
 # call 2 .carry/smollm2.gguf.partab): OUT=dir bash benchmarks/run_wave2_h200.sh 1|2|3
 # CPU dry run with the tiny model (no GPU; fp8 and the real model left out): TINY=1 OUT=dir bash ... 1|2|3
 CALL=${1:-1}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  >/dev/null 2>&1 && export PYTHONPATH=/tmp/site
 source benchmarks/h200_common.sh
 W=/tmp/wave2-$CALL; rm -rf $W; mkdir -p $W
 BUDGET=${BUDGET:-560}
 B4=configs/bench-qwen3-4b.toml; B72=configs/bench-qwen2.5-72b.toml
 if [ "${TINY:-0}" = 1 ]; then
-  BENCH_ARGS="--set model.name=\"tiny-qwen3\" --set model.dtype=\"float32\" --set train.compile=false \
-    --set train.cuda_graphs=false --set data.synthetic_train=64"
+  BENCH_ARGS=$TINY_ARGS
   S4="--steps 1 --warmup 1"; S72=$S4; CURVE=$S4; FP8=""
 else
   BENCH_ARGS=""; S4="--steps 8 --warmup 4"; S72="--steps 4 --warmup 2"; CURVE="--steps 96 --warmup 4"; FP8=fp8

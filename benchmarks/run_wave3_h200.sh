@@ -20,15 +20,12 @@
 # said so. Usage (device machine, repo root, .whl carried): OUT=dir bash benchmarks/run_wave3_h200.sh 1|2|3|4|5
 # CPU dry run with the tiny model (no GPU; fp8 left out): TINY=1 OUT=dir bash benchmarks/run_wave3_h200.sh 1|2|3|4|5
 CALL=${1:-1}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  >/dev/null 2>&1 && export PYTHONPATH=/tmp/site
 source benchmarks/h200_common.sh
 W=/tmp/wave3-$CALL; rm -rf $W; mkdir -p $W
 BUDGET=${BUDGET:-575}
 B4=configs/bench-qwen3-4b.toml; B72=configs/bench-qwen2.5-72b.toml
 if [ "${TINY:-0}" = 1 ]; then
-  BENCH_ARGS="--set model.name=\"tiny-qwen3\" --set model.dtype=\"float32\" --set train.compile=false \
-    --set train.cuda_graphs=false --set data.synthetic_train=64"
+  BENCH_ARGS=$TINY_ARGS
   S4="--steps 1 --warmup 1"; S72=$S4; FP8=""; MODEL4="--set model.name=\"tiny-qwen3\""
 else
   BENCH_ARGS=""; S4="--steps 8 --warmup 4"; S72="--steps 4 --warmup 2"; FP8=fp8; MODEL4=""
