@@ -23,7 +23,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pipetune.config import Config, ConfigError
-from pipetune.model.graphs import cuda_graphs_pay_off
+from pipetune.model.graphs import choose_cuda_graphs
 from pipetune.model.shapes import ResolvedModel, one_layer_model, resolve_model
 from pipetune.model.split import StageCosts, run_split
 from pipetune.parallel.layouts import Layout, candidate_layouts
@@ -213,14 +213,18 @@ def predict(
         stage_layers.append(layers)
 
     # ------------------------------------------------------------------ time: each stage's work per microbatch
-    mode = _mode(variant, costs)
+    mode, rank_modes = _mode(variant), []
     hidden = resolved.config.hidden_size
     work = LayerWork(share_costs, hidden, microbatch * seq, microbatch, seq, layout.tp, config.model.name)
     element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
     hidden_bytes = microbatch * seq * hidden * element
     forward, backward, gather_seconds = {}, {}, 0.0
     for rank, (layers, k) in enumerate(zip(stage_layers, checkpointed, strict=True)):
-        rank_mode = "compiled" if mode == "graphs" and any(k) else mode  # checkpointing ranks run without graphs
+        rank_mode = mode
+        if mode == "graphs":  # the run's own rule, rank by rank (checkpointing, recording time)
+            graphs = choose_cuda_graphs(costs, sum(layers), any(k), p.n_microbatches, microbatch, seq, layout.tp)
+            rank_mode = "graphs" if graphs[0] else "compiled"
+        rank_modes.append(rank_mode)
         f, b = layer_seconds(work, rates, rank_mode)
         tensor_parallel = 2 * all_reduce_seconds(hidden_bytes, layout.tp, rates)  # attention's and the MLP's outputs
         f, b = f + tensor_parallel, b + tensor_parallel
@@ -234,6 +238,8 @@ def predict(
         for stage, n, recomputed in zip(_stages(p, rank), layers, k, strict=True):
             forward[stage] = n * f + (head if stage == len(ranges) - 1 else 0.0)
             backward[stage] = n * b + recomputed * f
+    if mode == "graphs" and "graphs" not in rank_modes:
+        mode = "compiled"
     if p.pp > 1:
         order = schedule_actions(p.schedule, p.pp, p.stages_per_rank, p.n_microbatches)
         stage_rank = {s: r for r in range(p.pp) for s in _stages(p, r)}
@@ -257,12 +263,12 @@ def _stages(p, rank: int) -> list[int]:
     return stage_ids(p.schedule, rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
 
 
-def _mode(config: Config, costs) -> str:
+def _mode(config: Config) -> str:
     """How this run's layers execute (speed.MODES)."""
     t = config.train
     if not t.compile:
         return "eager" if config.lora.fast_path else "plain"
-    if t.cuda_graphs and cuda_graphs_pay_off(costs, config.microbatch_size, config.data.max_length)[0]:
+    if t.cuda_graphs:  # where the rule of model/graphs.py keeps them: decided rank by rank in predict
         return "graphs"
     return "compiled"
 

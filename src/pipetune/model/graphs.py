@@ -21,6 +21,10 @@ benchmarks/NOTES.md): what replaying it as a graph saves."""
 SECONDS_PER_GRAPH_RECORDING = 0.3
 """Time torch's CUDA-graph trees take to record one compiled layer call, measured on 2x H200 (Qwen3-4B): the
 step that records them took 30-48 s for 144-152 layer calls per rank (benchmarks/2026-11-29-speed-h200.md)."""
+MAX_RECORDING_SECONDS = 120
+"""The longest recording a run accepts: beyond it graphs stay off. At the 72B shape with tensor parallelism or
+microbatches of one sequence a rank would record 1,280 graphs (~6.4 minutes in its second step, measured: the
+bench's limits ended those runs while they recorded); a run that long must not hide in a step that looks stalled."""
 
 
 def graph_recording_seconds(layers_on_rank: int, n_microbatches: int) -> float:
@@ -58,20 +62,27 @@ def choose_cuda_graphs(
     split: int = 1,
 ) -> tuple[bool, str]:
     """Whether this rank replays its compiled layers as CUDA graphs (train.cuda_graphs asked for them), and a
-    note for the user: why not, or what recording them will cost when that is over a minute. `split`: parallel.tp."""
+    note for the user: why not, or what recording them will cost when that is over a minute (more than
+    MAX_RECORDING_SECONDS: not recorded). `split`: parallel.tp."""
     pays, why = cuda_graphs_pay_off(costs, microbatch, seq_len, split)
     if not pays:
         return False, f"train.cuda_graphs off for this run: {why}"
     if checkpointed:  # a recomputed layer would replay its graph inside another's backward
         return False, "train.cuda_graphs off on this rank: it checkpoints layers (activation_checkpointing)"
     recording = graph_recording_seconds(layers_on_rank, n_microbatches)
-    if recording > 60:
-        return True, (
-            f"train.cuda_graphs records one graph per layer, microbatch and direction: {layers_on_rank} layers x "
-            f"{n_microbatches} microbatches x 2 on this rank, ~{recording:.0f} s in the second step; fewer "
-            "microbatches, or more pipeline ranks, record fewer"
+    if recording <= 60:
+        return True, ""
+    cost = (
+        f"one graph per layer, microbatch and direction: {layers_on_rank} layers x {n_microbatches} microbatches "
+        f"x 2 on this rank, ~{recording:.0f} s in the second step"
+    )
+    fewer = "fewer microbatches (parallel.n_microbatches), or more pipeline ranks, record fewer"
+    if recording > MAX_RECORDING_SECONDS:
+        return False, (
+            f"train.cuda_graphs off for this run: recording them would take {cost}, over the "
+            f"{MAX_RECORDING_SECONDS} s a run accepts; it runs compiled without graphs ({fewer})"
         )
-    return True, ""
+    return True, f"train.cuda_graphs records {cost}; {fewer}"
 
 
 def give_gradients_own_memory(params: list[torch.Tensor]) -> None:
