@@ -10,7 +10,15 @@ from transformers import Qwen3Config
 
 from pipetune.config import ConfigError, ModelConfig
 from pipetune.model.load import build_model
-from pipetune.model.quantize import FP8, base_linears, fp8_quantize, quantize_linears, weight_writers
+from pipetune.model.quantize import (
+    FP8,
+    base_linears,
+    fp8_quantize,
+    nf4_dequantize,
+    quantize_linears,
+    torchao_nf4,
+    weight_writers,
+)
 from pipetune.model.shapes import resolve_model
 from pipetune.model.split import split_layers
 from pipetune.preflight import preflight
@@ -55,6 +63,25 @@ def test_quantized_stages_load_per_stage_from_safetensors(tmp_path: Path, tied: 
                 torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=f"{method} {name}")
                 seen.add(name)
         assert seen == set(expected)  # together the stages hold the whole quantized model
+
+
+def test_nf4_linear_is_torchaos_linear_with_its_own_dequantization() -> None:
+    """pipetune dequantizes NF4 itself (compiled on GPUs): the same values as torchao's, and through the linear
+    the same output and input gradient as torchao's own F.linear on an NF4Tensor."""
+    _, to_nf4 = torchao_nf4()
+    torch.manual_seed(0)
+    weight = to_nf4(torch.randn(48, 128, dtype=torch.bfloat16), 64, 32)
+    assert torch.equal(nf4_dequantize(weight, torch.bfloat16), weight.get_original_weight())
+    linear = torch.nn.Linear(128, 48, bias=True, dtype=torch.bfloat16, device="meta")
+    quantize_linears(torch.nn.ModuleDict({"layers": torch.nn.ModuleList([linear])}), "nf4")
+    linear.weight, linear.bias = torch.nn.Parameter(weight, requires_grad=False), torch.nn.Parameter(torch.randn(48, dtype=torch.bfloat16))
+    x = torch.randn(3, 128, dtype=torch.bfloat16, requires_grad=True)
+    ours = linear(x)
+    ours.sum().backward()
+    expected_x = x.detach().clone().requires_grad_()
+    expected = torch.nn.functional.linear(expected_x, weight, linear.bias)
+    expected.sum().backward()
+    assert torch.equal(ours, expected) and torch.equal(x.grad, expected_x.grad)
 
 
 def test_fp8_linear_runs_both_matmuls_in_fp8_against_its_dequantized_weight() -> None:
