@@ -71,6 +71,24 @@ def test_bench_reports_a_strategy_past_its_timeout_and_runs_the_next(tmp_path: P
     assert "bench: single: timed out after 3 s in " in result.stdout
 
 
+def test_a_strategy_timed_out_after_timed_steps_keeps_their_figures(tmp_path: Path) -> None:
+    """The 72B shape's NF4 run ended all its steps, then the timeout came while it saved: its steps count."""
+    from pipetune.bench import strategy_result
+
+    (tmp_path / "metrics.csv").write_text(
+        "step,loss,tokens_per_sec,real_tokens_per_sec,step_time_sec,peak_gb_rank0\n"
+        "1,9.0,100,90,8.0,5.0\n2,8.0,1000,900,0.8,6.0\n3,7.0,2000,1800,0.4,6.5\n"
+    )
+    ended = {"error": "timed out after 155 s in done", "last_phase": "done", "load_s": 38.0}
+    result = strategy_result(ended, tmp_path, "ddp", 1, 2, 1e9, 790.0)
+    assert result["timed_out"] == ended["error"] and "error" not in result
+    assert (result["timed_steps"], result["tokens_per_sec"], result["peak_gb_per_rank"]) == (2, 1500.0, [6.5])
+    warming = {"error": "timed out after 155 s in warm-up step 1/1", "last_phase": "warm-up step 1/1"}
+    assert strategy_result(warming, tmp_path, "ddp", 3, 2, 1e9, 790.0) == {"strategy": "ddp", **warming}
+    failed = {"error": "exit code 1 in timed step 2", "last_phase": "timed step 2"}
+    assert strategy_result(failed, tmp_path, "ddp", 1, 2, 1e9, 790.0) == {"strategy": "ddp", **failed}
+
+
 def test_bench_removes_only_its_own_earlier_runs(tmp_path: Path) -> None:
     from pipetune.bench import clear_previous_run
     from pipetune.config import ConfigError

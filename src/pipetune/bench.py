@@ -80,7 +80,8 @@ def run_bench(
     timeout_s: float = 0.0,
 ) -> list[dict]:
     """Each strategy in turn, saying live where it is; `timeout_s` > 0 ends a strategy that runs longer (it is
-    reported as timed out, with its last phase, and the next one runs)."""
+    reported as timed out, with its last phase and the figures of the timed steps it finished, and the next
+    one runs)."""
     unknown = [s for s in strategies if s not in RUN_STRATEGIES]
     if unknown:
         raise ConfigError(f"--strategies {unknown} unknown; available: {', '.join(RUN_STRATEGIES)}")
@@ -96,12 +97,9 @@ def run_bench(
         save_config(variant, path)
         n_gpus = variant.parallel.world_size
         print(f"bench: {strategy} ({n_gpus} process{'es' if n_gpus > 1 else ''}), {warmup} + {steps} steps", flush=True)
-        run = run_strategy(path, Path(variant.output.dir), out_dir / f"{strategy}.log", strategy, warmup, timeout_s)
-        if "error" in run:
-            results.append({"strategy": strategy, **run})
-            continue
-        result = summarize_run(Path(variant.output.dir), strategy, warmup, n_gpus, flops_per_token, peak_tflops)
-        results.append({**result, **run})
+        run_dir = Path(variant.output.dir)
+        run = run_strategy(path, run_dir, out_dir / f"{strategy}.log", strategy, warmup, timeout_s)
+        results.append(strategy_result(run, run_dir, strategy, warmup, n_gpus, flops_per_token, peak_tflops))
     (out_dir / "bench.json").write_text(json.dumps(results, indent=1))
     print_table(results)
     plot_bench(results, out_dir / "bench.png", "pipetune bench")
@@ -195,9 +193,30 @@ def _stop(process: subprocess.Popen) -> None:
             continue
 
 
+def strategy_result(
+    run: dict, run_dir: Path, strategy: str, warmup: int, n_gpus: int, flops: float, peak_tflops: float
+) -> dict:
+    """bench.json's entry for a strategy: the figures of its timed steps, or its error. One that the timeout
+    ended after some timed steps (or in its final checkpoint, with all of them) keeps their figures, marked
+    "timed_out"."""
+    if "error" in run and not (run["error"].startswith("timed out") and timed_rows(run_dir, warmup)):
+        return {"strategy": strategy, **run}
+    result = {**summarize_run(run_dir, strategy, warmup, n_gpus, flops, peak_tflops), **run}
+    if "error" in result:
+        result["timed_out"] = result.pop("error")
+    return result
+
+
+def timed_rows(run_dir: Path, warmup: int) -> list[dict]:
+    """metrics.csv's training rows after the warm-up (a validation row before step 1 has no loss)."""
+    metrics = run_dir / "metrics.csv"
+    if not metrics.is_file():
+        return []
+    return [row for row in read_metrics_rows(metrics)[0] if int(row["step"]) > warmup and row["loss"]]
+
+
 def summarize_run(run_dir: Path, strategy: str, warmup: int, n_gpus: int, flops: float, peak_tflops: float) -> dict:
-    # Training rows after the warm-up (a validation row before step 1 has no loss).
-    rows = [row for row in read_metrics_rows(run_dir / "metrics.csv")[0] if int(row["step"]) > warmup and row["loss"]]
+    rows = timed_rows(run_dir, warmup)
     tokens = statistics.median(float(r["tokens_per_sec"]) for r in rows)
     peaks = sorted(k for k in rows[0] if k.startswith("peak_gb_rank"))
     reserved = sorted(k for k in rows[0] if k.startswith("reserved_gb_rank") and rows[0][k])
@@ -249,7 +268,7 @@ def print_table(results: list[dict]) -> None:
         if "bubble_per_rank" in r:
             bubble = " ".join(f"{b:.0%}" for b in r["bubble_per_rank"]) + f" (ideal {r['expected_bubble']:.0%})"
         table.add_row(
-            r["strategy"],
+            r["strategy"] + (f" ({r['timed_out']}, {r['timed_steps']} timed steps)" if "timed_out" in r else ""),
             str(r["gpus"]),
             f"{r['tokens_per_sec']:,.0f}",
             f"{r['tokens_per_sec_per_gpu']:,.0f}",

@@ -300,7 +300,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.timeout < 0:
         raise ConfigError(f"--timeout {args.timeout} must be >= 0 seconds (0: no limit)")
     results = run_bench(config, strategies, args.steps, args.warmup, Path(args.out), args.peak_tflops, args.timeout)
-    return 0 if all("error" not in r for r in results) else 1
+    return 0 if all("error" not in r and "timed_out" not in r for r in results) else 1
 
 
 def run_plan(args: argparse.Namespace) -> int:
