@@ -39,6 +39,8 @@ BEFORE_GRAPHS = ["train.cuda_graphs=false", "train.fused_loss=false"]
 CG = ["train.cuda_graphs=true", "train.fused_loss=true"]
 V2 = ["parallel.schedule=interleaved_1f1b", "parallel.stages_per_rank=2"]
 V3 = ["parallel.schedule=interleaved_1f1b", "parallel.stages_per_rank=3"]
+V4 = ["parallel.schedule=interleaved_1f1b", "parallel.stages_per_rank=4"]
+M32 = ['model.name="qwen3-32b"', "data.synthetic_validation=0"]
 LONG8K = [
     "data.max_length=8192",
     "data.max_summary_tokens=1024",
@@ -331,9 +333,73 @@ RUNS = [
         "tp",
         "2026-11-30-wave3-call3-bench.json:72b-tp:tp",
     ),
+    Run("wave4 1: 72B, 1F1B 8 x 2", B72, [], "pp", "2026-11-30-wave4-call1-bench.json:72b-pp:pp"),
+    Run(
+        "wave4 1: 72B fp8, 1F1B 8 x 2",
+        B72,
+        ['model.quantize="fp8"'],
+        "pp",
+        "2026-11-30-wave4-call1-bench.json:72b-pp-fp8:pp",
+        note="the speed model knows no FP8 matmuls",
+        speed=False,
+    ),
+    Run("wave4 1: 72B, v=4 8 x 2", B72, V4, "pp", "2026-11-30-wave4-call1-bench.json:72b-pp-v4:pp"),
+    Run(
+        "wave4 2: 32B, 1F1B 8 x 2",
+        B4,
+        [*M32, "parallel.n_microbatches=8"],
+        "pp",
+        "2026-11-30-wave4-call2-bench.json:32b-pp:pp",
+    ),
+    Run(
+        "wave4 2: 32B fp8, 1F1B 8 x 2",
+        B4,
+        [*M32, "parallel.n_microbatches=8", 'model.quantize="fp8"'],
+        "pp",
+        "2026-11-30-wave4-call2-bench.json:32b-pp-fp8:pp",
+        note="the speed model knows no FP8 matmuls",
+        speed=False,
+    ),
+    Run(
+        "wave4 2: 32B, ddp 4 x 2 accum",
+        B4,
+        [*M32, *REPLICAS, 'parallel.strategy="ddp"', "train.batch_size=4", "train.grad_accum=2"],
+        "ddp",
+        "2026-11-30-wave4-call2-bench.json:32b-ddp:ddp",
+    ),
+    Run(
+        "wave4 2: 72B nf4, ddp 2 x 4 accum",
+        B72,
+        [*REPLICAS, 'parallel.strategy="ddp"', 'model.quantize="nf4"'],
+        "ddp",
+        "2026-11-30-wave4-72b-ddp-nf4-metrics.csv:2",
+        note="the speed model knows no NF4 dequantization",
+        speed=False,
+    ),
+    Run("wave4 3: 4B, ddp 2 x 8", B4, [], "ddp", "2026-11-30-wave4-call3-bench.json:4b-ddp:ddp"),
+    Run(
+        "wave4 3: 4B, tp=2, 1 x 16, no graphs",
+        B4,
+        [
+            "parallel.pp=1",
+            'parallel.strategy="tp"',
+            "parallel.tp=2",
+            "parallel.n_microbatches=1",
+            "train.cuda_graphs=false",
+        ],
+        "tp",
+        "2026-11-30-wave4-call3-bench.json:4b-tp-mb16:tp",
+    ),
+    Run(
+        "wave4 3: 4B, ddp 2 x 8, eager",
+        B4,
+        [*EAGER, "data.synthetic_validation=0"],
+        "ddp",
+        "2026-11-30-wave4-4b-curve-none-metrics.csv:4",
+    ),
 ]
 """Every pipetune training run on 2x H200 in benchmarks/results (the seed script and the baselines are not
-pipetune's; the 72B runs of part A's first call ran a planner since fixed; 32B never reached a timed step)."""
+pipetune's; the 72B runs of part A's first call ran a planner since fixed)."""
 
 
 def measured(run: Run) -> dict:
