@@ -65,6 +65,11 @@ class GpuRates:
     """Host time to launch one layer call (a forward or a backward). Fitted; the profile of compiled 8 x 2 runs
     measured ~1.85 ms with the profiler's own cost in it (model/graphs.py's HOST_SECONDS_PER_LAYER_CALL, which
     decides where graphs pay off); a CUDA graph's replay takes tens of microseconds."""
+    tp_host_seconds: float = 3.7e-3
+    """Host time to launch one layer call under tensor parallelism without CUDA graphs: torch's DTensor dispatch
+    of the split layer and its adapters on top of the launches. Fitted to the one such run that is host-bound
+    (the 72B shape, tp=2, 8 x 2: 5.0 s a step for 1,280 layer calls, where GPU work and all-reduces model 2.98 s;
+    not yet profiled). Qwen3-4B's tp run (1 x 16) is GPU-bound and does not see it."""
     link_bytes_per_s: float = 300e9
     """Between two GPUs of a node (NVLink): pipeline transfers, all-reduces, FSDP's gathers."""
     link_latency_s: float = 3e-5
@@ -122,6 +127,8 @@ def layer_seconds(work: LayerWork, rates: GpuRates, mode: str) -> tuple[float, f
     attention = t * c.attention / 3 / rates.attention_flops
     other = t * work.hidden * rates.other_seconds[mode]
     host, kernels = rates.host_seconds[mode], rates.kernel_seconds[mode]
+    if work.tp > 1 and mode != "graphs":
+        host = max(host, rates.tp_host_seconds)
     forward = max(rates.layer_scale * (kernels + matmul + attention + other), host)
     backward = max(rates.layer_scale * (kernels + matmul + 2 * attention + rates.backward_other * other), host)
     return forward, backward
