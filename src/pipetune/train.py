@@ -378,7 +378,14 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
         checkpointed = any(module.checkpoint_layers for module in modules)
         layers_here = sum(len(module.layers) for module in modules)
         cuda_graphs, note = choose_cuda_graphs(
-            stages.costs, layers_here, checkpointed, p.n_microbatches, config.microbatch_size, max_length, p.tp
+            stages.costs,
+            layers_here,
+            checkpointed,
+            p.n_microbatches,
+            config.microbatch_size,
+            max_length,
+            p.tp,
+            config.model.quantize,
         )
         if note:
             print(f"rank {env.rank}: note: {note}", flush=True)
