@@ -1,6 +1,7 @@
 # Sourced by benchmarks/run_*_h200.sh on the device machine, from the repo root: the environment,
-# $OUT/env.txt (date, GPUs, library versions), $CFG, `baselines`, and for the scripts that run `pipetune bench`
-# in a time budget `left`, `bench` and `collect` (they need $W, the work directory, and $BUDGET, seconds).
+# $OUT/env.txt (date, GPUs, library versions), $B4 / $B72 / $CFG, `quant`, `baselines`, and for the scripts that
+# run `pipetune bench` in a time budget `left`, `bench` and `collect` (they need $W, the work directory, and
+# $BUDGET, seconds).
 set -uo pipefail
 # Wheels the device image lacks (torchao, gguf, rouge-score), when carried in .whl/.
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -21,7 +22,8 @@ export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache TRITON_CACHE_DIR=/tmp/inducto
 mkdir -p $TORCHINDUCTOR_CACHE_DIR
 [ -f .carry/inductor-cache.tar.gz ] && tar xzf .carry/inductor-cache.tar.gz -C $TORCHINDUCTOR_CACHE_DIR && \
   echo "compile cache: $(du -sh $TORCHINDUCTOR_CACHE_DIR | cut -f1) unpacked from .carry/inductor-cache.tar.gz"
-CFG=configs/bench-qwen3-4b.toml
+B4=configs/bench-qwen3-4b.toml; B72=configs/bench-qwen2.5-72b.toml; CFG=$B4  # the bench configs
+quant() { echo "--set model.quantize=\"$1\""; }  # model.quantize as a bench argument
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"; } > "$OUT/env.txt" 2>&1
 baselines() {  # seed steps, seed timeout s, DDP timeout s: the seed script and DDP + PEFT eager, in this run

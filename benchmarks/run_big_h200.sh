@@ -16,7 +16,6 @@ else
   SHAPE72=""; SHAPE32="--set model.name=qwen3-32b"; SHAPE4=""; STEPS="--steps 4 --warmup 2"
   LONGLEN=16384; LONGSUM=1024; SEED=1
 fi
-B72=configs/bench-qwen2.5-72b.toml; B4=configs/bench-qwen3-4b.toml
 # Two whole-model replicas at the same effective batch of 16: 2 sequences each, 4 accumulation steps.
 REPLICAS="--set parallel.pp=1 --set parallel.dp=2 --set train.batch_size=2 --set train.grad_accum=4 \
   --set parallel.n_microbatches=1"

@@ -28,8 +28,6 @@ else
     --set train.cuda_graphs=false"
   STEPS="--steps 4 --warmup 2"; CURVE="--steps 96 --warmup 4"; METHODS="none fp8 nf4"
 fi
-quant() { echo "--set model.quantize=\"$1\""; }
-B72=configs/bench-qwen2.5-72b.toml; B4=configs/bench-qwen3-4b.toml
 if [ "$PART" = A ]; then
   for q in $METHODS; do bench 72b-pp-$q 180 $B72 --strategies pp $STEPS $SHAPE $(quant $q); done
 elif [ "$PART" = B ]; then

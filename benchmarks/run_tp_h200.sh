@@ -20,7 +20,6 @@ if [ "${TINY:-0}" = 1 ]; then  # the same commands on the CPU: tiny model, 1 + 1
 else
   SHAPE=""; STEPS="--steps 8 --warmup 4"
 fi
-B4=configs/bench-qwen3-4b.toml; B72=configs/bench-qwen2.5-72b.toml
 TP="--strategies tp"  # from a pp=2 config: one replica split over both ranks, the config's microbatches
 # Variants set the tp layout in the config itself (the pp config must validate as it is, e.g. 1F1B's microbatches).
 TP2="--set parallel.strategy=\"tp\" --set parallel.pp=1 --set parallel.tp=2"

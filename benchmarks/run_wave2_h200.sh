@@ -18,7 +18,6 @@ CALL=${1:-1}
 source benchmarks/h200_common.sh
 W=/tmp/wave2-$CALL; rm -rf $W; mkdir -p $W
 BUDGET=${BUDGET:-560}
-B4=configs/bench-qwen3-4b.toml; B72=configs/bench-qwen2.5-72b.toml
 if [ "${TINY:-0}" = 1 ]; then
   BENCH_ARGS=$TINY_ARGS
   S4="--steps 1 --warmup 1"; S72=$S4; CURVE=$S4; FP8=""

@@ -23,7 +23,6 @@ CALL=${1:-1}
 source benchmarks/h200_common.sh
 W=/tmp/wave3-$CALL; rm -rf $W; mkdir -p $W
 BUDGET=${BUDGET:-575}
-B4=configs/bench-qwen3-4b.toml; B72=configs/bench-qwen2.5-72b.toml
 if [ "${TINY:-0}" = 1 ]; then
   BENCH_ARGS=$TINY_ARGS
   S4="--steps 1 --warmup 1"; S72=$S4; FP8=""; MODEL4="--set model.name=\"tiny-qwen3\""

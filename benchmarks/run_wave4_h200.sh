@@ -17,14 +17,12 @@ CALL=${1:-1}
 source benchmarks/h200_common.sh
 W=/tmp/wave4-$CALL; rm -rf $W; mkdir -p $W
 BUDGET=${BUDGET:-540}
-B4=configs/bench-qwen3-4b.toml; B72=configs/bench-qwen2.5-72b.toml
 if [ "${TINY:-0}" = 1 ]; then
   BENCH_ARGS=$TINY_ARGS; S="--steps 1 --warmup 1"; CURVE="--steps 2 --warmup 1"; FP8=""; M32=""; V=2
 else
   BENCH_ARGS=""; S="--steps 4 --warmup 2"; CURVE="--steps 96 --warmup 4"; FP8=fp8; V=4
   M32="--set model.name=\"qwen3-32b\" --set data.synthetic_validation=0"
 fi
-quant() { echo "--set model.quantize=\"$1\""; }
 REPLICAS="--set parallel.strategy=\"ddp\" --set parallel.pp=1 --set parallel.dp=2 --set train.batch_size=2 \
   --set train.grad_accum=4 --set parallel.n_microbatches=1"
 if [ "$CALL" = 1 ]; then

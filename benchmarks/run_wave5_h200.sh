@@ -17,14 +17,12 @@ CALL=${1:-1}
 source benchmarks/h200_common.sh
 W=/tmp/wave5-$CALL; rm -rf $W; mkdir -p $W
 BUDGET=${BUDGET:-540}
-B4=configs/bench-qwen3-4b.toml; B72=configs/bench-qwen2.5-72b.toml
 if [ "${TINY:-0}" = 1 ]; then
   BENCH_ARGS=$TINY_ARGS; S="--steps 1 --warmup 1"; CURVE="--steps 2 --warmup 1"; FP8=""; M32=""; LONGLEN=512; LONGSUM=128
 else
   BENCH_ARGS=""; S="--steps 4 --warmup 2"; CURVE="--steps 96 --warmup 4"; FP8=fp8; LONGLEN=16384; LONGSUM=1024
   M32="--set model.name=\"qwen3-32b\" --set data.synthetic_validation=0"
 fi
-quant() { echo "--set model.quantize=\"$1\""; }
 EAGER="--set train.compile=false --set train.cuda_graphs=false --set data.synthetic_validation=0"
 curve() {  # method, limit s: 100 steps of ddp eager on the 4B shape
   bench 4b-curve-$1 $2 $B4 --strategies ddp $CURVE $EAGER $(quant $1)
