@@ -8,6 +8,7 @@ changed learning rate.
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import os
 import signal
@@ -103,8 +104,9 @@ def test_a_full_disk_ends_the_run_with_one_line_and_keeps_what_was_committed(
 ) -> None:
     """The second checkpoint's first file is written to /dev/full (through its temporary name: one process, so
     its pid is this one's): the write fails with ENOSPC as on a full disk. The same run profiles its first step
-    (PIPETUNE_PROFILE_STEP, for diagnosis)."""
+    (PIPETUNE_PROFILE_STEP, for diagnosis) and writes its trace (PIPETUNE_PROFILE_TRACE)."""
     monkeypatch.setenv("PIPETUNE_PROFILE_STEP", "1")
+    monkeypatch.setenv("PIPETUNE_PROFILE_TRACE", str(tmp_path / "traces"))
     run_dir = tmp_path / "run"
     config = tiny_config(run_dir, "parallel.pp=1", "train.max_steps=2", "train.save_every=1")
     step2 = run_dir / "checkpoints" / "step-2"
@@ -116,6 +118,8 @@ def test_a_full_disk_ends_the_run_with_one_line_and_keeps_what_was_committed(
     assert stopped.value.code == 1
     out, err = capsys.readouterr()
     assert out.count("rank 0 profile of step 1 by self_cpu_time_total") == 1, out  # step 1 only
+    with gzip.open(tmp_path / "traces" / "trace-rank0.json.gz") as trace:
+        assert json.load(trace)["traceEvents"]
     assert err.count("pipetune: error:") == 1 and "Traceback" not in err
     assert f"rank 0: no space left on the device writing {step2 / 'adapter.rank0.safetensors'}; " in err
     assert "committed checkpoints are kept: free space, then continue with --resume" in err

@@ -1,6 +1,8 @@
 """PIPETUNE_PROFILE_STEP=N (for diagnosis): torch.profiler tables of optimizer step N on every rank, whatever the
 strategy. Each rank prints its operators by host time and by device time (the kernels on a GPU); the step runs
-as any other, only slower while it is profiled. Choose a step after the warm-up (compilation, graph recording)."""
+as any other, only slower while it is profiled. Choose a step after the warm-up (compilation, graph recording).
+With PIPETUNE_PROFILE_TRACE=DIR each rank also writes the step's Chrome trace (the host's calls and the GPU's
+kernels on one time axis, where the GPU's idle gaps show) to DIR/trace-rank<R>.json.gz."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from collections.abc import Iterator
 import torch
 
 PROFILE_ENV = "PIPETUNE_PROFILE_STEP"
+TRACE_ENV = "PIPETUNE_PROFILE_TRACE"
 ROWS = 15
 
 
@@ -38,3 +41,6 @@ def profiled(step: int, rank: int, device: torch.device) -> Iterator[None]:
     for sort_by in sorts:
         table = averages.table(sort_by=sort_by, row_limit=ROWS)
         print(f"rank {rank} profile of step {step} by {sort_by}:\n{table}", flush=True)
+    if trace_dir := os.environ.get(TRACE_ENV):
+        os.makedirs(trace_dir, exist_ok=True)
+        profiler.export_chrome_trace(os.path.join(trace_dir, f"trace-rank{rank}.json.gz"))
