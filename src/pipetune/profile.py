@@ -14,7 +14,7 @@ import torch
 
 PROFILE_ENV = "PIPETUNE_PROFILE_STEP"
 TRACE_ENV = "PIPETUNE_PROFILE_TRACE"
-ROWS = 15
+ROWS = 25
 
 
 def profile_step() -> int:
