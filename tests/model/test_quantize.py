@@ -155,8 +155,9 @@ def test_quantize_settings_a_run_cannot_serve_are_refused_before_any_weight(
 
 
 def test_a_compiled_nf4_layer_keeps_the_nf4_weight_for_backward_not_its_dequantized_copy() -> None:
-    """Compiled, an NF4 linear keeps what eager keeps: the 4-bit weight, not a [rows, columns] dequantized copy
-    per microbatch in flight (which is what ran the 72B shape out of memory)."""
+    """Compiled, an NF4 linear is part of the layer's graph (fullgraph: no break around it) and keeps what eager
+    keeps: the 4-bit weight, not a [rows, columns] dequantized copy per microbatch in flight (which is what ran
+    the 72B shape out of memory)."""
     with torch.device("meta"):
         model = torch.nn.Module()
         model.layers = torch.nn.ModuleList([torch.nn.Linear(256, 128, bias=False)])
@@ -171,7 +172,7 @@ def test_a_compiled_nf4_layer_keeps_the_nf4_weight_for_backward_not_its_dequanti
         return tensor
 
     x = torch.randn(4, 256, requires_grad=True)
-    layer = torch.compile(model.layers[0], backend="aot_eager")
+    layer = torch.compile(model.layers[0], backend="aot_eager", fullgraph=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         out = layer(x)
     out.sum().backward()

@@ -68,8 +68,7 @@ def nf4_scaler_block(numel: int) -> int:
 def quantize_linears(model: nn.Module, method: str) -> int:
     """Turn the decoder layers' linear weights of a meta-device model into quantized placeholders; returns how many.
 
-    "nf4": the weight becomes an NF4Tensor (F.linear dequantizes it, through torchao's own autograd function),
-    and the module runs `_nf4_linear_forward`.
+    "nf4": the weight becomes an NF4Tensor, and the module runs `_nf4_linear_forward` (`nf4_linear`).
     "fp8": the weight becomes float8_e4m3fn with a `weight_scale` buffer (one float32 per row), and the module
     runs `_fp8_linear_forward`."""
     if method == "none":
@@ -139,41 +138,100 @@ def _write_fp8(linear: nn.Linear, whole: torch.Tensor, rows: slice) -> None:
 
 
 def _nf4_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return _nf4_linear(x, self.weight, self.bias)
+    out = nf4_linear(x, *_nf4_parts(self.weight))
+    return out if self.bias is None else out + self.bias
 
 
-@torch.compiler.disable
-def _nf4_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear with an NF4 weight, run outside compiled graphs. Traced into a compiled layer, the partitioner
-    keeps the dequantized weight for backward: 2 bytes a weight, per layer and microbatch in flight, which undoes
-    what NF4 saves (the 72B shape in NF4 needs 93 GB on one H200 outside, more than 150 GB inside). Here the NF4
-    weight is kept and dequantized again for the input gradient, as torchao's own linear does."""
-    out = _NF4Linear.apply(x, weight)
-    return out if bias is None else out + bias
+def _nf4_parts(weight: torch.Tensor) -> tuple:
+    """An NF4Tensor as the parts `nf4_linear` takes: its tensors, then its block sizes and shape."""
+    rows, columns = weight.shape
+    return (
+        weight.quantized_data,
+        weight.quantized_scalers,
+        weight.quantization_factor,
+        weight.scaler_mean,
+        weight.nf4,
+        weight.block_size,
+        weight.scaler_block_size,
+        rows,
+        columns,
+    )
 
 
-class _NF4Linear(torch.autograd.Function):
-    """y = x W^T and dx = dy W with W dequantized from NF4 in each direction (`nf4_dequantize`); no dW."""
+# An NF4 linear is one operator to torch.compile: a compiled decoder layer stays one graph around it (outside the
+# graph, each of a layer's 7 NF4 linears split it, and the host's launches of the pieces took ~8 ms a layer call
+# at the 72B shape, leaving its GPU idle 43% of a step). Inside the operator the weight is dequantized (one
+# compiled kernel on GPUs) and multiplied; its backward takes only the NF4 parts, so the partitioner cannot keep
+# the 2-byte dequantized copy for backward (per layer and microbatch in flight, that undoes what NF4 saves). The
+# input gradient dequantizes again, as torchao's own linear does; there is no weight gradient.
+@torch.library.custom_op("pipetune::nf4_linear", mutates_args=())
+def nf4_linear(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scalers: torch.Tensor,
+    factor: torch.Tensor,
+    mean: torch.Tensor,
+    table: torch.Tensor,
+    block: int,
+    scaler_block: int,
+    rows: int,
+    columns: int,
+) -> torch.Tensor:
+    """y = x W^T for the NF4 weight W of `rows` x `columns` given by its parts."""
+    weight = _dequantize_parts(data, scalers, factor, mean, table, block, scaler_block, (rows, columns))
+    return nn.functional.linear(x, weight.to(x.dtype))
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(weight)
-        return nn.functional.linear(x, nf4_dequantize(weight, x.dtype))
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        (weight,) = ctx.saved_tensors
-        return grad @ nf4_dequantize(weight, grad.dtype), None
+@nf4_linear.register_fake
+def _(x, data, scalers, factor, mean, table, block, scaler_block, rows, columns):
+    return x.new_empty(*x.shape[:-1], rows)
+
+
+@torch.library.custom_op("pipetune::nf4_input_grad", mutates_args=())
+def nf4_input_grad(
+    grad: torch.Tensor,
+    data: torch.Tensor,
+    scalers: torch.Tensor,
+    factor: torch.Tensor,
+    mean: torch.Tensor,
+    table: torch.Tensor,
+    block: int,
+    scaler_block: int,
+    rows: int,
+    columns: int,
+) -> torch.Tensor:
+    """dx = dy W for the NF4 weight W of `rows` x `columns` given by its parts."""
+    weight = _dequantize_parts(data, scalers, factor, mean, table, block, scaler_block, (rows, columns))
+    return grad @ weight.to(grad.dtype)
+
+
+@nf4_input_grad.register_fake
+def _(grad, data, scalers, factor, mean, table, block, scaler_block, rows, columns):
+    return grad.new_empty(*grad.shape[:-1], columns)
+
+
+def _nf4_setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs[1:6])
+    ctx.sizes = inputs[6:]
+
+
+def _nf4_backward(ctx, grad: torch.Tensor) -> tuple:
+    return (nf4_input_grad(grad, *ctx.saved_tensors, *ctx.sizes), *([None] * 9))
+
+
+nf4_linear.register_autograd(_nf4_backward, setup_context=_nf4_setup_context)
 
 
 def nf4_dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """An NF4Tensor's values as a plain `dtype` matrix: torchao's get_original_weight, written over the tensor's
     parts. On a GPU it runs compiled (one fused kernel per weight shape) instead of torchao's ~10 eager kernels
     per weight, which took ~1.5 ms for each of the ~9,000 dequantizations of a 72B step: 14 of its 21 s."""
-    parts = (weight.quantized_data, weight.quantized_scalers, weight.quantization_factor, weight.scaler_mean)
-    sizes = (weight.block_size, weight.scaler_block_size, tuple(weight.shape))
-    dequantize = _nf4_values_compiled() if weight.quantized_data.is_cuda else _nf4_values
-    return dequantize(*parts, weight.nf4, *sizes).to(dtype)
+    *parts, rows, columns = _nf4_parts(weight)
+    return _dequantize_parts(*parts, (rows, columns)).to(dtype)
+
+
+def _dequantize_parts(*parts) -> torch.Tensor:
+    return (_nf4_values_compiled() if parts[0].is_cuda else _nf4_values)(*parts)
 
 
 def _nf4_values(
