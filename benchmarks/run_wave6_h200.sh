@@ -7,7 +7,10 @@
 #      step 6 profiled with its Chrome trace (where the GPU idles); one decoder layer under each lever
 #      (layer_levers.py); the same run with lora.shared_dropout; DDP + PEFT on one GPU beside it.
 #   3: the 72B shape with an NF4 base on one GPU (`single`, 8 microbatches of 2), its 4th step profiled with its
-#      trace (the ~5.4 s step of 72B NF4 ddp against ~2.9 s modelled).
+#      trace (the ~5.4 s step of 72B NF4 ddp against ~2.9 s modelled); run before and after the NF4 linear
+#      became one operator inside the compiled layer. Then (after) Qwen3-4B NF4 compiled with CUDA graphs, and
+#      the 72B NF4 shape in one microbatch of 16 with every layer checkpointed (3 dequantizations a layer and
+#      step instead of 16).
 # Usage (device machine, repo root, .whl and .baselines carried): OUT=dir bash benchmarks/run_wave6_h200.sh 1|2|3
 # CPU dry run with the tiny model (no GPU; fp8 left out): TINY=1 OUT=dir bash benchmarks/run_wave6_h200.sh 1|2|3
 CALL=${1:-1}
@@ -46,6 +49,10 @@ elif [ "$CALL" = 3 ]; then
     --steps 3 --warmup 2 $M8 $(quant nf4)
   grep -A28 "rank 0 profile of step 4 by self_device" $W/72b-single-nf4/single.log | head -30 > $OUT/profile-72b-nf4.txt
   python3 benchmarks/trace_gaps.py $OUT/trace-72b-nf4/trace-rank0.json.gz 2>&1 | tee $OUT/gaps-72b-nf4.txt
+  rm -rf $OUT/trace-72b-nf4  # over the 16 MB a file may bring back; the gaps above are its digest
+  bench 4b-single-nf4-graphs 110 $B4 --strategies single $S $M2 $(quant nf4)
+  bench 72b-single-nf4-1x16-ckpt 170 $B72 --strategies single --steps 3 --warmup 2 --set parallel.pp=1 --set parallel.n_microbatches=1 \
+    --set train.activation_checkpointing=true $(quant nf4)
 fi
 collect wave6_$CALL
 echo "call $CALL done in $(( $(date +%s) - START )) s"
