@@ -85,6 +85,21 @@ def test_nf4_linear_is_torchaos_linear_with_its_own_dequantization() -> None:
     assert torch.equal(ours, expected) and torch.equal(x.grad, expected_x.grad)
 
 
+def test_nf4_dequantization_runs_without_grad_in_both_directions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled dequantization (GPUs) guards on grad mode: forward and backward must call it in the same one,
+    or each weight shape compiles twice (past dynamo's limit of 8 recompilations at Qwen3-4B's 5 shapes)."""
+    from pipetune.model import quantize
+
+    modes = []
+    values = quantize._nf4_values
+    monkeypatch.setattr(quantize, "_nf4_values", lambda *parts: modes.append(torch.is_grad_enabled()) or values(*parts))
+    _, to_nf4 = torchao_nf4()
+    weight = to_nf4(torch.randn(48, 128), 64, 32)
+    x = torch.randn(3, 128, requires_grad=True)
+    quantize.nf4_linear(x, *quantize._nf4_parts(weight)).sum().backward()
+    assert modes == [False, False] and x.grad is not None
+
+
 def test_fp8_linear_runs_both_matmuls_in_fp8_against_its_dequantized_weight() -> None:
     generator = torch.Generator().manual_seed(0)
     with torch.device("meta"):

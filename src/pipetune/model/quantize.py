@@ -231,7 +231,10 @@ def nf4_dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _dequantize_parts(*parts) -> torch.Tensor:
-    return (_nf4_values_compiled() if parts[0].is_cuda else _nf4_values)(*parts)
+    # Without grad (the weight has none): the forward runs with grad mode on and the backward with it off, and
+    # the compiled function would otherwise compile each weight shape twice, past dynamo's limit of 8 at Qwen3-4B.
+    with torch.no_grad():
+        return (_nf4_values_compiled() if parts[0].is_cuda else _nf4_values)(*parts)
 
 
 def _nf4_values(
