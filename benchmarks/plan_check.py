@@ -298,7 +298,7 @@ RUNS = [
         ['model.quantize="nf4"'],
         "single",
         "2026-11-30-wave2-72b-single-nf4-metrics.csv:2",
-        note="the speed model knows no NF4 dequantization",
+        note="torchao's eager NF4 linear, since replaced",
         speed=False,
     ),
     Run(
@@ -373,7 +373,7 @@ RUNS = [
         [*REPLICAS, 'parallel.strategy="ddp"', 'model.quantize="nf4"'],
         "ddp",
         "2026-11-30-wave4-72b-ddp-nf4-metrics.csv:2",
-        note="the speed model knows no NF4 dequantization",
+        note="NF4 linears outside the compiled layers, since moved inside",
         speed=False,
     ),
     Run("wave4 3: 4B, ddp 2 x 8", B4, [], "ddp", "2026-11-30-wave4-call3-bench.json:4b-ddp:ddp"),
@@ -396,6 +396,26 @@ RUNS = [
         [*EAGER, "data.synthetic_validation=0"],
         "ddp",
         "2026-11-30-wave4-4b-curve-none-metrics.csv:4",
+    ),
+    *(
+        Run(
+            f"wave6 1: 4B{'' if method == 'none' else ' ' + method}, one GPU, 2 x 8, eager",
+            B4,
+            [*EAGER, "data.synthetic_validation=0", "parallel.n_microbatches=2", f'model.quantize="{method}"'],
+            "single",
+            f"2026-11-30-wave6-call1-bench.json:4b-curve-{method}:single",
+            note="the speed model knows no FP8 matmuls" if method == "fp8" else "",
+            speed=method != "fp8",
+        )
+        for method in ("none", "fp8", "nf4")
+    ),
+    Run(
+        "wave6 3: 72B nf4, one GPU, 8 x 2",
+        B72,
+        ["parallel.n_microbatches=8", 'model.quantize="nf4"'],
+        "single",
+        "2026-11-30-wave6-call3-after-bench.json:72b-single-nf4:single",
+        note="the NF4 dequantization rate was fitted to this run",
     ),
 ]
 """Every pipetune training run on 2x H200 in benchmarks/results (the seed script and the baselines are not

@@ -61,6 +61,26 @@ def test_layouts_over_the_gpu_memory_are_marked_and_never_picked() -> None:
     assert sum("no: " in line for line in lines) == len(plan.predictions) - len(fitting)
 
 
+def test_an_nf4_base_pays_one_dequantization_per_layer_call() -> None:
+    """The 72B shape on one GPU in 8 microbatches of 2: NF4 adds, to the same layout in bf16, one dequantization of
+    a layer's weights per layer call (80 layers x 8 microbatches x forward and backward), no more (the head and
+    the loss are not quantized)."""
+    from pipetune.model.quantize import linear_shapes
+    from pipetune.parallel.speed import GpuRates
+
+    config = load_config(QWEN25_72B)
+    steps = {}
+    for method in ("none", "nf4"):
+        config.model.quantize = method
+        layouts = make_plan(config, gpus=1).predictions
+        (row,) = [
+            p for p in layouts if (p.layout.microbatch, p.layout.grad_accum, p.layout.checkpointing) == (2, 8, False)
+        ]
+        steps[method] = row.step_seconds
+    weights = sum(rows * columns for _, rows, columns in linear_shapes(resolve_model(config.model).config))
+    assert steps["nf4"] - steps["none"] == pytest.approx(80 * 8 * 2 * weights * GpuRates().nf4_weight_seconds)
+
+
 def test_nothing_fits_names_the_smallest_change_that_would() -> None:
     config = load_config(QWEN25_72B)  # 145 GB of weights on one 151 GB GPU
     config.parallel.strategy = "auto"

@@ -24,6 +24,7 @@ from transformers import PretrainedConfig
 
 from pipetune.config import Config, ConfigError
 from pipetune.model.graphs import choose_cuda_graphs
+from pipetune.model.quantize import linear_shapes
 from pipetune.model.shapes import ResolvedModel, one_layer_model, resolve_model
 from pipetune.model.split import StageCosts, run_split
 from pipetune.parallel.layouts import Layout, candidate_layouts
@@ -215,7 +216,10 @@ def predict(
     # ------------------------------------------------------------------ time: each stage's work per microbatch
     mode, rank_modes = _mode(variant), []
     hidden = resolved.config.hidden_size
-    work = LayerWork(share_costs, hidden, microbatch * seq, microbatch, seq, layout.tp, config.model.name)
+    nf4 = [rows * columns for _, rows, columns in linear_shapes(shape.config)] if config.model.quantize == "nf4" else []
+    work = LayerWork(
+        share_costs, hidden, microbatch * seq, microbatch, seq, layout.tp, config.model.name, sum(nf4), len(nf4)
+    )
     element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
     hidden_bytes = microbatch * seq * hidden * element
     forward, backward, gather_seconds = {}, {}, 0.0
@@ -234,7 +238,9 @@ def predict(
                 f, b = f + gather, b + gather
             else:  # kept gathered through the schedule step: once per layer and step
                 gather_seconds = max(gather_seconds, sum(layers) * gather)
-        head = head_seconds(share_costs, f, b)
+        head = head_seconds(
+            share_costs, *layer_seconds(dataclasses.replace(work, nf4_weights=0, nf4_linears=0), rates, rank_mode)
+        )
         for stage, n, recomputed in zip(_stages(p, rank), layers, k, strict=True):
             forward[stage] = n * f + (head if stage == len(ranges) - 1 else 0.0)
             backward[stage] = n * b + recomputed * f

@@ -4,6 +4,7 @@ A decoder layer's forward or backward on a microbatch of T tokens takes the long
 host's time to launch it (a host that launches faster than the GPU runs stays ahead and costs nothing):
 
     GPU time = T x (matmul FLOPs / matmul rate + attention FLOPs / attention rate + hidden x other)
+               + NF4 weights x dequantization time (model.quantize = "nf4": once per call, in each direction)
 
 with FLOPs per token from the stage cost model (model/split.py: forward + input-gradient backward, half each;
 attention's backward twice its forward) and `other` the time per token and hidden unit of everything that is not
@@ -70,6 +71,12 @@ class GpuRates:
     of the split layer and its adapters on top of the launches. Fitted to the one such run that is host-bound
     (the 72B shape, tp=2, 8 x 2: 5.0 s a step for 1,280 layer calls, where GPU work and all-reduces model 2.98 s;
     not yet profiled). Qwen3-4B's tp run (1 x 16) is GPU-bound and does not see it."""
+    nf4_weight_seconds: float = 1.96e-12
+    """GPU time to dequantize one NF4 weight, once in an NF4 linear's forward and once in its input gradient: the
+    72B shape's 8,936 dequantizations a step took 2.2 s (~1.3 TB/s; 2026-11-30-wave6-h200.md)."""
+    nf4_call_seconds: float = 0.3e-3
+    """Host time per NF4 linear call on top of its layer call's: the operator and its compiled dequantization
+    (0.34 ms in the profile of the 72B shape, the profiler's own cost in it)."""
     link_bytes_per_s: float = 300e9
     """Between two GPUs of a node (NVLink): pipeline transfers, all-reduces, FSDP's gathers."""
     link_latency_s: float = 3e-5
@@ -111,6 +118,10 @@ class LayerWork:
     tp: int = 1
     model: str = ""
     """The model's name: measured layer times are kept by model and shape."""
+    nf4_weights: int = 0
+    """Weights of this share of a layer stored in NF4 (model.quantize = "nf4"): dequantized in every call."""
+    nf4_linears: int = 0
+    """Its NF4 linears: one operator call each, forward and backward."""
 
     def key(self, mode: str) -> str:
         """What a measured time is filed under: model, microbatch shape, tp and how the layer runs."""
@@ -126,11 +137,16 @@ def layer_seconds(work: LayerWork, rates: GpuRates, mode: str) -> tuple[float, f
     matmul = t * (c.layer - c.attention) / 2 / rates.matmul_flops
     attention = t * c.attention / 3 / rates.attention_flops
     other = t * work.hidden * rates.other_seconds[mode]
+    dequantize = work.nf4_weights * rates.nf4_weight_seconds
     host, kernels = rates.host_seconds[mode], rates.kernel_seconds[mode]
     if work.tp > 1 and mode != "graphs":
         host = max(host, rates.tp_host_seconds)
-    forward = max(rates.layer_scale * (kernels + matmul + attention + other), host)
-    backward = max(rates.layer_scale * (kernels + matmul + 2 * attention + rates.backward_other * other), host)
+    if mode != "graphs":
+        host += work.nf4_linears * rates.nf4_call_seconds
+    forward = max(rates.layer_scale * (kernels + matmul + attention + other + dequantize), host)
+    backward = max(
+        rates.layer_scale * (kernels + matmul + 2 * attention + rates.backward_other * other + dequantize), host
+    )
     return forward, backward
 
 
