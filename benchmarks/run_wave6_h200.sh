@@ -4,8 +4,9 @@
 #   1: 100 optimizer steps of Qwen3-4B `single` eager (2 microbatches of 8) with a bf16, an FP8 and an NF4 base,
 #      and the three loss curves in one PNG with their largest relative gap.
 #   2: Qwen3-4B `single` compiled with CUDA graphs, 2 microbatches of 8 (one GPU's share of `ddp` 1 x 8 on two):
-#      step 6 profiled with its Chrome trace (where the GPU idles); one decoder layer under each lever
-#      (layer_levers.py); the same run with lora.shared_dropout; DDP + PEFT on one GPU beside it.
+#      step 6 profiled with its Chrome trace (where the GPU idles); the same run with lora.shared_dropout, and
+#      with an NF4 base; the 72B shape with an NF4 base as the plan picks it for one GPU (4 x 4 accumulation);
+#      DDP + PEFT on one GPU beside them; one decoder layer under each lever (layer_levers.py) if time is left.
 #   3: the 72B shape with an NF4 base on one GPU (`single`, 8 microbatches of 2), its 4th step profiled with its
 #      trace (the ~5.4 s step of 72B NF4 ddp against ~2.9 s modelled); run before and after the NF4 linear
 #      became one operator inside the compiled layer. Then (after) Qwen3-4B NF4 compiled with CUDA graphs, and
@@ -34,13 +35,20 @@ if [ "$CALL" = 1 ]; then
 elif [ "$CALL" = 2 ]; then
   PIPETUNE_PROFILE_STEP=6 PIPETUNE_PROFILE_TRACE=$OUT/trace-4b-single bench 4b-single 150 $B4 --strategies single $S $M2
   python3 benchmarks/trace_gaps.py $OUT/trace-4b-single/trace-rank0.json.gz 2>&1 | tee $OUT/gaps-4b-single.txt
-  timeout 100 python3 benchmarks/layer_levers.py --config $B4 --microbatch 8 $LEVERS --out $OUT/levers-4b.json \
-    2>&1 | grep -v -i warn | tail -40 | tee $OUT/levers-4b.txt
-  bench 4b-single-shared-dropout 130 $B4 --strategies single $S $M2 --set lora.shared_dropout=true
-  if [ "${TINY:-0}" != 1 ]; then
-    echo "== DDP + PEFT compiled per layer, one GPU, micro-batch 8 x 2 ($(date +%T))"
-    (cd $W && MB=8 GA=2 MAX_STEPS=12 COMPILE=1 timeout 120 torchrun --nproc_per_node=1 $OLDPWD/.baselines/lora_ddp.py \
-      2>&1 | grep -E "RESULT|rror" | tail -3) | tee $OUT/ddp-peft-1gpu.txt
+  rm -rf $OUT/trace-4b-single
+  grep -q shared_dropout src/pipetune/config.py && \
+    bench 4b-single-shared-dropout 120 $B4 --strategies single $S $M2 --set lora.shared_dropout=true
+  bench 4b-single-nf4-graphs 120 $B4 --strategies single $S $M2 $(quant nf4)
+  PICK="--set parallel.pp=1 --set parallel.n_microbatches=1 --set train.batch_size=4 --set train.grad_accum=4"
+  bench 72b-single-nf4-pick 170 $B72 --strategies single --steps 3 --warmup 2 $PICK $(quant nf4)
+  if [ "${TINY:-0}" != 1 ] && [ "$(left)" -gt 70 ]; then
+    echo "== DDP + PEFT compiled per layer, one GPU, micro-batch 8 x 2 accumulation ($(date +%T))"
+    (cd $W && MB=8 GA=2 MAX_STEPS=10 COMPILE=1 timeout $(( $(left) - 10 )) torchrun --nproc_per_node=1 \
+      $OLDPWD/.baselines/lora_ddp.py 2>&1 | grep -E "RESULT|rror" | tail -3) | tee $OUT/ddp-peft-1gpu.txt
+  fi
+  if [ "$(left)" -gt 50 ]; then
+    timeout $(( $(left) - 10 )) python3 benchmarks/layer_levers.py --config $B4 --microbatch 8 $LEVERS \
+      --out $OUT/levers-4b.json 2>&1 | grep -v -i warn | tail -40 | tee $OUT/levers-4b.txt
   fi
 elif [ "$CALL" = 3 ]; then
   M8="--set parallel.n_microbatches=8"
