@@ -8,6 +8,11 @@ other), under the config's own settings.
 
     python3 benchmarks/layer_levers.py --config configs/bench-qwen3-4b.toml --microbatch 8 --out levers.json
 
+The LoRA levers: "LoRA dropout 0" (no dropout masks, each adapter's down-projection its own matmul), "grouped
+(dropout 0)" (no masks, and the down-projections of q/k/v and of gate/up as one matmul each: what a run does
+without dropout), "shared_dropout" (the config's dropout with one mask per shared input, grouped: lora.shared_dropout);
+the last two on the fast LoRA path.
+
 GPU only for the SDPA backends and CUDA graphs; on a CPU (--set model.name="tiny-qwen3") it checks that it runs.
 """
 
@@ -25,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from pipetune.calibrate import time_layer  # noqa: E402
-from pipetune.config import load_config  # noqa: E402
+from pipetune.config import Config, load_config  # noqa: E402
 from pipetune.model.shapes import resolve_model  # noqa: E402
 from pipetune.model.split import estimate_costs  # noqa: E402
 from pipetune.parallel.speed import LayerWork  # noqa: E402
@@ -72,6 +77,11 @@ def profile(config, work: LayerWork, mode: str, device: torch.device) -> dict:
     return {"top": rows[:20], "groups_ms": groups}
 
 
+def with_lora(config: Config, **changes: object) -> Config:
+    """`config` with the LoRA settings `changes` (a copy)."""
+    return dataclasses.replace(config, lora=dataclasses.replace(config.lora, **changes))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", required=True)
@@ -86,22 +96,25 @@ def main() -> None:
     costs = estimate_costs(resolved.config, seq)
     work = LayerWork(costs, resolved.config.hidden_size, args.microbatch * seq, args.microbatch, seq, 1, resolved.name)
     own_mode = "graphs" if config.train.cuda_graphs else ("compiled" if config.train.compile else "eager")
-    lora = config.lora
-    variants = [  # name, config, mode, SDPA backend
-        ("as configured", config, own_mode, None),
-        ("LoRA dropout 0", dataclasses.replace(config, lora=dataclasses.replace(lora, dropout=0.0)), own_mode, None),
-        ("compiled, no graphs", config, "compiled", None),
+    no_dropout = with_lora(config, dropout=0.0)
+    variants = [  # name, config, mode, SDPA backend, grouped down-projections where the config allows them
+        ("as configured", config, own_mode, None, True),
+        ("LoRA dropout 0", no_dropout, own_mode, None, False),
+        ("grouped (dropout 0)", with_lora(no_dropout, fast_path=True), own_mode, None, True),
+        ("shared_dropout", with_lora(config, fast_path=True, shared_dropout=True), own_mode, None, True),
+        ("compiled, no graphs", config, "compiled", None, True),
     ]
     if device.type == "cuda":
         variants += [
-            (f"SDPA {b}", config, own_mode, b) for b in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
+            (f"SDPA {b}", config, own_mode, b, True)
+            for b in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
         ]
     results = []
-    for name, variant, mode, backend in variants:
+    for name, variant, mode, backend, grouped in variants:
         torch._dynamo.reset()
         try:
             with sdpa(backend):
-                forward, backward = time_layer(variant, work, mode, device)
+                forward, backward = time_layer(variant, work, mode, device, grouped)
         except Exception as error:  # a backend that does not serve this shape: say so, go on
             print(f"lever {name}: failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
             results.append({"lever": name, "error": f"{type(error).__name__}: {error}"[:500]})

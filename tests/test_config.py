@@ -171,6 +171,12 @@ def test_seed_job_config_matches_the_seed_script() -> None:
         (["train.memory_gb=-1"], 2, r"train.memory_gb = -1.0 must be >= 0 \(0: the GPU's total memory\)"),
         (["train.loss_chunk=0"], 2, r"train.loss_chunk = 0 must be at least 1"),
         (["parallel.p2p_channels=-1"], 2, r"parallel.p2p_channels = -1 must be >= 0 \(0: NCCL's choice; e.g. 1\)"),
+        (["lora.shared_dropout=true"], 2, r"but lora.fast_path = false: set lora.fast_path = true, or lora.shared"),
+        (
+            ["lora.shared_dropout=true", "lora.fast_path=true", "parallel.pp=1", "parallel.tp=2"],
+            2,
+            r"lora.shared_dropout = true with parallel.tp = 2: .* set lora.shared_dropout = false, or parallel.tp = 1",
+        ),
     ],
 )
 def test_validation_errors_name_value_and_fix(

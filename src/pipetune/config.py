@@ -94,7 +94,14 @@ class LoraConfig:
     """Names of the linear layers that get adapters."""
     fast_path: bool = False
     """Run adapters in the base dtype, the scaling applied to the rank-r intermediate (fewer, cheaper kernels than
-    PEFT's float32 path; same math). The adapters' master weights and optimizer state stay float32."""
+    PEFT's float32 path; same math). The adapters' master weights and optimizer state stay float32. Without LoRA
+    dropout, the adapters that read one input (q/k/v; gate/up) also compute their down-projections as one matmul
+    (PEFT's math; not under parallel.tp > 1)."""
+    shared_dropout: bool = False
+    """With lora.fast_path: one LoRA dropout mask per input that several adapters read (q/k/v share one, gate/up
+    another; o and down keep their own), and those adapters' down-projections as one matmul. Not PEFT's draws:
+    each element is dropped with probability lora.dropout and scaled by 1 / (1 - lora.dropout) as before, but
+    q, k and v drop the same ones. Fewer random numbers and kernels; not with parallel.tp > 1."""
 
 
 @dataclass
@@ -403,7 +410,7 @@ def validate(config: Config, world_size: int) -> None:
     message names first, or (microbatches, sequence lengths) with the parallel layout that needs it."""
     _check_model(config.model, config.parallel)
     _check_data(config.data)
-    _check_lora(config.lora)
+    _check_lora(config.lora, config.parallel)
     _check_train(config.train)
     _check_parallel(config.parallel, config.train, config.data, world_size)
     _check_output(config.output)
@@ -455,7 +462,7 @@ def _check_data(d: DataConfig) -> None:
     )
 
 
-def _check_lora(lora: LoraConfig) -> None:
+def _check_lora(lora: LoraConfig, p: ParallelConfig) -> None:
     _at_least_one(("lora.r", lora.r))
     _check(
         lora.alpha > 0 and math.isfinite(lora.alpha),
@@ -466,6 +473,16 @@ def _check_lora(lora: LoraConfig) -> None:
     _check(
         all(isinstance(name, str) and name for name in lora.target_modules),
         f"lora.target_modules = {lora.target_modules} must be names of linear layers, e.g. ['q_proj', 'v_proj']",
+    )
+    _check(
+        not lora.shared_dropout or lora.fast_path,
+        "lora.shared_dropout = true shares dropout masks on the fast LoRA path, but lora.fast_path = false: "
+        "set lora.fast_path = true, or lora.shared_dropout = false",
+    )
+    _check(
+        not lora.shared_dropout or p.tp == 1,
+        f"lora.shared_dropout = true with parallel.tp = {p.tp}: tensor parallelism splits each adapter on its own "
+        "and draws its masks per adapter; set lora.shared_dropout = false, or parallel.tp = 1",
     )
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import peft
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save as save_tensors
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -92,14 +93,24 @@ def save_adapter(state: dict[str, torch.Tensor], lora: LoraConfig, base_name: st
     return out_dir
 
 
-def use_fast_path(peft_model: peft.PeftModel) -> int:
-    """Switch every LoRA linear of the model to `_fast_lora_forward`; returns how many were switched.
+SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Projections of a decoder layer that read one input: the attention's q/k/v (its normed hidden states), the
+MLP's gate/up (its own)."""
+
+
+def use_fast_path(peft_model: peft.PeftModel, grouped: bool = True, shared_dropout: bool = False) -> int:
+    """Switch every LoRA linear of the model to the fast path (`_fast_lora_forward`); returns how many were switched.
 
     PEFT keeps float32 adapters and casts each activation to float32 for them, then back: with a
     bfloat16 base that is an extra read and write of every adapted activation, and float32 matmuls.
     The fast path casts the (tiny) adapter weights to the activation dtype instead and applies the
     scaling to the rank-r intermediate. Gradients still flow into the float32 adapter weights. The
     adapter linears stay modules, so hooks on them (tensor parallelism's plans) run as before.
+
+    `grouped`: the LoRA linears of one module that read one input (SHARED_INPUTS) compute their down-projections
+    as one matmul (`SharedInput`, `_grouped_lora_forward`) where that is PEFT's math, without LoRA dropout, or
+    where `shared_dropout` (lora.shared_dropout) draws one mask for all of them. That matmul bypasses their lora_A
+    modules, so it must be off under tensor parallelism, whose plans hook them.
     """
     from peft.tuners.lora import Linear as LoraLinear
 
@@ -110,7 +121,26 @@ def use_fast_path(peft_model: peft.PeftModel) -> int:
             for adapter in (*module.lora_A.values(), *module.lora_B.values()):
                 adapter.forward = types.MethodType(_linear_in_input_dtype, adapter)
             switched += 1
+    for module in peft_model.modules() if grouped else ():
+        for names in SHARED_INPUTS:
+            members = [getattr(module, name, None) for name in names]
+            members = [m for m in members if isinstance(m, LoraLinear) and _groupable(m, shared_dropout)]
+            if len(members) < 2:
+                continue
+            group = SharedInput(members)
+            for index, member in enumerate(members):
+                member.shared_input, member.shared_input_index = group, index
+                member.forward = types.MethodType(_grouped_lora_forward, member)
     return switched
+
+
+def _groupable(module: nn.Module, shared_dropout: bool) -> bool:
+    """A LoRA linear (one adapter, no lora_A bias) whose down-projection may be one of a group's: its dropout is
+    none (PEFT's math) or shared."""
+    if len(module.lora_A) != 1:
+        return False
+    (name,) = module.lora_A.keys()
+    return module.lora_A[name].bias is None and (shared_dropout or isinstance(module.lora_dropout[name], nn.Identity))
 
 
 def _fast_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -120,6 +150,51 @@ def _fast_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     name = self.active_adapters[0]
     down = self.lora_A[name](self.lora_dropout[name](x)) * self.scaling[name]
     return self.base_layer(x, *args, **kwargs) + self.lora_B[name](down)
+
+
+def _grouped_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """`_fast_lora_forward` with the down-projection computed for the whole group (`SharedInput`)."""
+    if self.disable_adapters or self.merged or len(self.active_adapters) != 1:
+        return type(self).forward(self, x, *args, **kwargs)
+    name = self.active_adapters[0]
+    down = self.shared_input.down(self.shared_input_index, x, name)
+    return self.base_layer(x, *args, **kwargs) + self.lora_B[name](down)
+
+
+class SharedInput:
+    """The LoRA linears of one module that read one input: their down-projections as one matmul over their
+    concatenated lora_A weights, on the input dropped out once, then split per linear.
+
+    The first member called with an input computes every member's down-projection and holds the others' until
+    each is called with that same tensor, in whatever order the model calls them; the last one called lets go,
+    so no tensor outlives the layer's call (a CUDA-graphed layer must leave none behind, and a compiled one then
+    ends with the state it started with). A member called with another input computes the group's anew: slower,
+    never wrong. Without dropout (nn.Identity) this is PEFT's math; with dropout all members see one mask, drawn
+    by the first member's dropout module (lora.shared_dropout)."""
+
+    def __init__(self, members: list[nn.Module]) -> None:
+        self.members = members
+        self.source: torch.Tensor | None = None
+        """The input of the held down-projections (None when none is held)."""
+        self.held: list[torch.Tensor | None] = [None] * len(members)
+
+    def down(self, index: int, x: torch.Tensor, name: str) -> torch.Tensor:
+        """Member `index`'s scaled down-projection of `x` for adapter `name`."""
+        if self.source is not x or self.held[index] is None:
+            self.source = x
+            for i, computed in enumerate(self._downs(x, name)):
+                self.held[i] = computed
+        down = self.held[index]
+        self.held[index] = None
+        if all(other is None for other in self.held):
+            self.source = None
+        return down
+
+    def _downs(self, x: torch.Tensor, name: str) -> list[torch.Tensor]:
+        weights = [member.lora_A[name].weight for member in self.members]
+        dropped = self.members[0].lora_dropout[name](x)
+        downs = F.linear(dropped, torch.cat(weights).to(x.dtype)).split([w.shape[0] for w in weights], dim=-1)
+        return [down * member.scaling[name] for down, member in zip(downs, self.members, strict=True)]
 
 
 def _linear_in_input_dtype(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
