@@ -226,7 +226,9 @@ def predict(
     for rank, (layers, k) in enumerate(zip(stage_layers, checkpointed, strict=True)):
         rank_mode = mode
         if mode == "graphs":  # the run's own rule, rank by rank (checkpointing, recording time)
-            graphs = choose_cuda_graphs(costs, sum(layers), any(k), p.n_microbatches, microbatch, seq, layout.tp)
+            graphs = choose_cuda_graphs(
+                costs, sum(layers), any(k), p.n_microbatches, microbatch, seq, layout.tp, config.model.quantize
+            )
             rank_mode = "graphs" if graphs[0] else "compiled"
         rank_modes.append(rank_mode)
         f, b = layer_seconds(work, rates, rank_mode)

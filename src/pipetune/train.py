@@ -386,6 +386,7 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
             config.microbatch_size,
             max_length,
             p.tp,
+            config.model.quantize,
         )
         if note:
             print(f"rank {env.rank}: note: {note}", flush=True)

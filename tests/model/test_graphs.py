@@ -23,6 +23,9 @@ def test_graphs_stay_off_where_a_layer_outlasts_its_launch_or_recording_takes_mi
     on, note = choose_cuda_graphs(half, 80, False, 8, 2, 512, split=2)
     assert not on and "~384 s" in note  # measured: the runs that recorded these ran out of their limits
     assert choose_cuda_graphs(small, 19, True, 4, 4, 512)[0] is False  # a rank that checkpoints layers
+    on, note = choose_cuda_graphs(small, 19, False, 4, 4, 512, quantize="nf4")  # not yet measured with NF4
+    assert not on and 'model.quantize = "nf4"' in note
+    assert choose_cuda_graphs(small, 19, False, 4, 4, 512, quantize="fp8") == (True, "")
 
 
 def test_preallocated_gradients_are_added_into_not_replaced() -> None:
