@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# What ONE H200 can measure of what is still open (the 2-GPU runs are run_wave5_h200.sh), in device calls of
+# What ONE H200 can measure of what is still open (and call 4 on two), in device calls of
 # < 10 minutes each. Random weights, seq 512, effective batch 16, LoRA r16 / dropout 0.15 on 7 projections.
 #   1: 100 optimizer steps of Qwen3-4B `single` eager (2 microbatches of 8) with a bf16, an FP8 and an NF4 base,
 #      and the three loss curves in one PNG with their largest relative gap.
@@ -12,7 +12,9 @@
 #      became one operator inside the compiled layer. Then (after) Qwen3-4B NF4 compiled with CUDA graphs, and
 #      the 72B NF4 shape in one microbatch of 16 with every layer checkpointed (3 dequantizations a layer and
 #      step instead of 16).
-# Usage (device machine, repo root, .whl and .baselines carried): OUT=dir bash benchmarks/run_wave6_h200.sh 1|2|3
+#   4 (2 GPUs, when lent): Qwen3-4B tp=2 1 x 16 with the fused (vocabulary-parallel) loss and with the plain one;
+#      `ddp` 1 x 8 with and without lora.shared_dropout; DDP + PEFT eager beside them.
+# Usage (device machine, repo root, .whl and .baselines carried): OUT=dir bash benchmarks/run_wave6_h200.sh 1|2|3|4
 # CPU dry run with the tiny model (no GPU; fp8 left out): TINY=1 OUT=dir bash benchmarks/run_wave6_h200.sh 1|2|3
 CALL=${1:-1}
 source benchmarks/h200_common.sh
@@ -61,6 +63,18 @@ elif [ "$CALL" = 3 ]; then
   bench 4b-single-nf4-graphs 110 $B4 --strategies single $S $M2 $(quant nf4)
   bench 72b-single-nf4-1x16-ckpt 170 $B72 --strategies single --steps 3 --warmup 2 --set parallel.pp=1 --set parallel.n_microbatches=1 \
     --set train.activation_checkpointing=true $(quant nf4)
+elif [ "$CALL" = 4 ]; then  # on 2 GPUs (nvidia-h200-x2)
+  TP16="--set parallel.pp=1 --set parallel.strategy=\"tp\" --set parallel.tp=2 --set parallel.n_microbatches=1 \
+    --set train.cuda_graphs=false"
+  bench 4b-tp-fused-loss 130 $B4 --strategies tp --steps 8 --warmup 4 $TP16 --set train.fused_loss=true
+  bench 4b-tp-plain-loss 100 $B4 --strategies tp --steps 8 --warmup 4 $TP16 --set train.fused_loss=false
+  bench 4b-ddp 120 $B4 --strategies ddp $S
+  bench 4b-ddp-shared-dropout 110 $B4 --strategies ddp $S --set lora.shared_dropout=true
+  if [ "${TINY:-0}" != 1 ] && [ "$(left)" -gt 80 ]; then
+    echo "== DDP + PEFT eager, micro-batch 8 ($(date +%T))"
+    (cd $W && MB=8 GA=1 MAX_STEPS=20 timeout $(( $(left) - 10 )) torchrun --nproc_per_node=2 $OLDPWD/.baselines/lora_ddp.py \
+      2>&1 | grep -E "RESULT|rror" | tail -3) | tee $OUT/ddp-peft-2gpu.txt
+  fi
 fi
 collect wave6_$CALL
 echo "call $CALL done in $(( $(date +%s) - START )) s"
