@@ -417,6 +417,33 @@ RUNS = [
         "2026-11-30-wave6-call3-after-bench.json:72b-single-nf4:single",
         note="the NF4 dequantization rate was fitted to this run",
     ),
+    *(
+        Run(
+            f"wave6 4: 4B, tp=2, 1 x 16, no graphs, {'fused' if fused else 'plain'} loss",
+            B4,
+            [
+                "parallel.pp=1",
+                'parallel.strategy="tp"',
+                "parallel.tp=2",
+                "parallel.n_microbatches=1",
+                "train.cuda_graphs=false",
+                f"train.fused_loss={'true' if fused else 'false'}",
+            ],
+            "tp",
+            f"2026-11-30-wave6-call4-bench.json:4b-tp-{'fused' if fused else 'plain'}-loss:tp",
+        )
+        for fused in (True, False)
+    ),
+    Run("wave6 4: 4B, ddp 2 x 8", B4, [], "ddp", "2026-11-30-wave6-call4-bench.json:4b-ddp:ddp"),
+    Run(
+        "wave6 4: 4B, ddp 2 x 8, shared dropout",
+        B4,
+        ["lora.shared_dropout=true"],
+        "ddp",
+        "2026-11-30-wave6-call4-bench.json:4b-ddp-shared-dropout:ddp",
+        note="the speed model knows no shared dropout masks",
+        speed=False,
+    ),
 ]
 """Every pipetune training run on 2x H200 in benchmarks/results (the seed script and the baselines are not
 pipetune's; the 72B runs of part A's first call ran a planner since fixed)."""

@@ -193,6 +193,8 @@ def predict(
     weights = rank_weight_bytes(variant, shape.config, ranges)
     layer_weights = weights[0][0] / sum(len(ranges[s]) for s in _stages(p, 0))
     fsdp = p.sharded and p.pp == 1  # layers gathered one at a time; in a pipeline they stay gathered all step
+    # Under tp the fused loss works on this rank's vocabulary columns; the plain one on gathered, whole logits.
+    vocab = (shape.config if t.fused_loss else resolved.config).vocab_size
 
     # ------------------------------------------------------------------ memory, rank by rank
     peaks, checkpointed, stage_layers = [], [], []
@@ -202,7 +204,7 @@ def predict(
         stored, root = weights[rank]
         fixed = (stored / p.dp + 2 * layer_weights if fsdp else stored) + root  # FSDP: this layer and the next
         fixed += (4 + OPTIMIZER_BYTES) * trainable  # float32 adapters, their gradients and AdamW moments
-        fixed += loss_bytes(variant, shape.config.vocab_size) if len(ranges) - 1 in _stages(p, rank) else 0.0
+        fixed += loss_bytes(variant, vocab) if len(ranges) - 1 in _stages(p, rank) else 0.0
         timeline = rank_timeline(p, rank)
         if t.activation_checkpointing == "auto":
             plan = plan_checkpointing(layers, timeline, layer_bytes, input_bytes, fixed + MARGIN * budget, budget)
