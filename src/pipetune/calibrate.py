@@ -72,7 +72,7 @@ def time_layer(
     config: Config, work: LayerWork, mode: str, device: torch.device, grouped: bool = True
 ) -> tuple[float, float]:
     """Median seconds of one forward and one backward of a fresh layer (this rank's share of it under tp).
-    `grouped`: on the fast LoRA path, group the down-projections of one input where a run would (off under tp)."""
+    `grouped`: on the fast LoRA path, the down-projections of one input as one matmul where a run would."""
     from pipetune.model.graphs import give_gradients_own_memory
     from pipetune.model.load import DTYPES, build_meta, materialize
     from pipetune.model.lora import apply_lora, use_fast_path
@@ -87,7 +87,7 @@ def time_layer(
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         model = apply_lora(build_meta(shape_only, dtype, [0], first=False, last=False), config.lora, resolved.name, 0)
         if config.lora.fast_path:
-            use_fast_path(model, grouped=grouped and work.tp == 1, shared_dropout=config.lora.shared_dropout)
+            use_fast_path(model, config.lora.shared_dropout, work.tp, grouped)
         materialize(model, shape_only, device)
         model.train()
         stage = StageModule(model)

@@ -101,7 +101,8 @@ class LoraConfig:
     """With lora.fast_path: one LoRA dropout mask per input that several adapters read (q/k/v share one, gate/up
     another; o and down keep their own), and those adapters' down-projections as one matmul. Not PEFT's draws:
     each element is dropped with probability lora.dropout and scaled by 1 / (1 - lora.dropout) as before, but
-    q, k and v drop the same ones. Fewer random numbers and kernels; not with parallel.tp > 1."""
+    q, k and v drop the same ones. Fewer random numbers and kernels, one dropped input kept for backward per
+    shared input instead of one per adapter; not with parallel.tp > 1."""
 
 
 @dataclass

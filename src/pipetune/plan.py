@@ -338,6 +338,7 @@ def _layer_memory(config: Config, resolved: ResolvedModel, seq: int) -> tuple[in
         tuple(config.lora.target_modules),
         config.lora.dropout > 0,
         config.lora.fast_path,
+        config.lora.shared_dropout,
         seq,
     )
     if key not in _LAYER_MEMORY or _LAYER_MEMORY[key][0] is not resolved.config:

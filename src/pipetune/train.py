@@ -296,8 +296,7 @@ def build_stages(
     peft_model = apply_lora(model, config.lora, config.model.name, t.seed)
     quantize_linears(peft_model, config.model.quantize)  # placeholders, quantized as materialize fills them
     if config.lora.fast_path:
-        # Grouped down-projections bypass the lora_A modules, which tensor parallelism's plans hook.
-        use_fast_path(peft_model, grouped=p.tp == 1, shared_dropout=config.lora.shared_dropout)
+        use_fast_path(peft_model, config.lora.shared_dropout, p.tp)
     peft_model.train()
     modules = [StageModule(peft_model, list(ranges[s]), first=s == 0, last=s == n_stages - 1) for s in my_stages]
     # Split (tp) and sharded (FSDP) on the meta device: parameters become DTensor shards, before the optimizer

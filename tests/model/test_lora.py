@@ -16,7 +16,7 @@ from pipetune.model.stage import StageModule
 TINY = resolve_model(ModelConfig(name="tiny-qwen3", init="random"))
 
 
-def _stage(lora: LoraConfig, fast: bool, layers: range = range(2), **grouping: bool) -> StageModule:
+def _stage(lora: LoraConfig, fast: bool, layers: range = range(2), **fast_path: bool | int) -> StageModule:
     """A float32 stage of tiny-qwen3 with LoRA; lora_B random (at its initial zeros lora_A would get no gradient)."""
     model, _ = build_model(TINY, torch.float32, torch.device("cpu"), layers=layers, seed=0)
     peft_model = apply_lora(model, lora, "tiny-qwen3", seed=0)
@@ -26,7 +26,7 @@ def _stage(lora: LoraConfig, fast: bool, layers: range = range(2), **grouping: b
             if ".lora_B." in name:
                 param.normal_(0, 0.1, generator=generator)
     if fast:
-        use_fast_path(peft_model, **grouping)
+        use_fast_path(peft_model, **fast_path)
     return StageModule(peft_model).train()
 
 
@@ -68,7 +68,7 @@ def test_grouped_down_projections_are_pefts_math(targets: list[str], groups: lis
     assert group.source is None and group.held == [None] * len(group.members)
     # With dropout, PEFT's independent masks: no group unless lora.shared_dropout.
     assert _groups(_stage(LoraConfig(dropout=0.1), fast=True)) == []
-    assert _groups(_stage(LoraConfig(dropout=0.0), fast=True, grouped=False)) == []  # tensor parallelism
+    assert _groups(_stage(LoraConfig(dropout=0.0), fast=True, tp=2)) == []  # its plans hook each lora_A
 
 
 def test_shared_dropout_draws_one_mask_for_the_projections_of_one_input() -> None:

@@ -98,7 +98,7 @@ SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 MLP's gate/up (its own)."""
 
 
-def use_fast_path(peft_model: peft.PeftModel, grouped: bool = True, shared_dropout: bool = False) -> int:
+def use_fast_path(peft_model: peft.PeftModel, shared_dropout: bool = False, tp: int = 1, grouped: bool = True) -> int:
     """Switch every LoRA linear of the model to the fast path (`_fast_lora_forward`); returns how many were switched.
 
     PEFT keeps float32 adapters and casts each activation to float32 for them, then back: with a
@@ -107,10 +107,11 @@ def use_fast_path(peft_model: peft.PeftModel, grouped: bool = True, shared_dropo
     scaling to the rank-r intermediate. Gradients still flow into the float32 adapter weights. The
     adapter linears stay modules, so hooks on them (tensor parallelism's plans) run as before.
 
-    `grouped`: the LoRA linears of one module that read one input (SHARED_INPUTS) compute their down-projections
-    as one matmul (`SharedInput`, `_grouped_lora_forward`) where that is PEFT's math, without LoRA dropout, or
-    where `shared_dropout` (lora.shared_dropout) draws one mask for all of them. That matmul bypasses their lora_A
-    modules, so it must be off under tensor parallelism, whose plans hook them.
+    The LoRA linears of one module that read one input (SHARED_INPUTS) compute their down-projections as one
+    matmul (`SharedInput`, `_grouped_lora_forward`) where that is PEFT's math, without LoRA dropout, or where
+    `shared_dropout` (lora.shared_dropout) draws one mask for all of them. That matmul bypasses their lora_A
+    modules, so it is off under tensor parallelism (`tp`: parallel.tp > 1), whose plans hook them, and where
+    `grouped` is false (benchmarks).
     """
     from peft.tuners.lora import Linear as LoraLinear
 
@@ -121,7 +122,7 @@ def use_fast_path(peft_model: peft.PeftModel, grouped: bool = True, shared_dropo
             for adapter in (*module.lora_A.values(), *module.lora_B.values()):
                 adapter.forward = types.MethodType(_linear_in_input_dtype, adapter)
             switched += 1
-    for module in peft_model.modules() if grouped else ():
+    for module in peft_model.modules() if grouped and tp == 1 else ():
         for names in SHARED_INPUTS:
             members = [getattr(module, name, None) for name in names]
             members = [m for m in members if isinstance(m, LoraLinear) and _groupable(m, shared_dropout)]

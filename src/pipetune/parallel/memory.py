@@ -223,7 +223,7 @@ def measure_layer_memory(
             seed=0,
         )
         if config.lora.fast_path:
-            use_fast_path(model)
+            use_fast_path(model, config.lora.shared_dropout, config.parallel.tp)
         if device.type != "meta":  # a quantized weight is saved as itself, never as activations: the same count
             quantize_linears(model, config.model.quantize)
         stage = StageModule(model)
