@@ -24,7 +24,6 @@ from transformers import PretrainedConfig
 
 from pipetune.config import Config, ConfigError
 from pipetune.model.graphs import choose_cuda_graphs
-from pipetune.model.quantize import linear_shapes
 from pipetune.model.shapes import ResolvedModel, one_layer_model, resolve_model
 from pipetune.model.split import StageCosts, run_split
 from pipetune.parallel.layouts import Layout, candidate_layouts
@@ -116,6 +115,8 @@ class _Shape:
     config: PretrainedConfig
     resolved: ResolvedModel
     trainable_per_layer: int
+    linear_sizes: list[int]
+    """Weights of each linear layer of one decoder layer's share (what model.quantize stores quantized)."""
 
 
 def make_plan(
@@ -218,7 +219,7 @@ def predict(
     # ------------------------------------------------------------------ time: each stage's work per microbatch
     mode, rank_modes = _mode(variant), []
     hidden = resolved.config.hidden_size
-    nf4 = [rows * columns for _, rows, columns in linear_shapes(shape.config)] if config.model.quantize == "nf4" else []
+    nf4 = shape.linear_sizes if config.model.quantize == "nf4" else []
     work = LayerWork(
         share_costs, hidden, microbatch * seq, microbatch, seq, layout.tp, config.model.name, sum(nf4), len(nf4)
     )
@@ -287,12 +288,14 @@ def _shape(config: Config, resolved: ResolvedModel, tp: int) -> _Shape:
     share = tensor_parallel_share(resolved.config, tp)
     layer = one_layer_model(share).model.layers[0]
     targets = set(config.lora.target_modules)
+    linears = [(name, module) for name, module in layer.named_modules() if isinstance(module, nn.Linear)]
     trainable = sum(
         config.lora.r * (module.in_features + module.out_features)
-        for name, module in layer.named_modules()
-        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets
+        for name, module in linears
+        if name.rsplit(".", 1)[-1] in targets
     )
-    return _Shape(share, dataclasses.replace(resolved, config=share, weights_dir=None), trainable)
+    sizes = [module.in_features * module.out_features for _, module in linears]
+    return _Shape(share, dataclasses.replace(resolved, config=share, weights_dir=None), trainable, sizes)
 
 
 def tensor_parallel_share(model_config: PretrainedConfig, tp: int) -> PretrainedConfig:
