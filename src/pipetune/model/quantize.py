@@ -138,12 +138,12 @@ def _write_fp8(linear: nn.Linear, whole: torch.Tensor, rows: slice) -> None:
 
 
 def _nf4_linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    out = nf4_linear(x, *_nf4_parts(self.weight))
+    out = nf4_matmul(x, *_nf4_parts(self.weight), False)
     return out if self.bias is None else out + self.bias
 
 
 def _nf4_parts(weight: torch.Tensor) -> tuple:
-    """An NF4Tensor as the parts `nf4_linear` takes: its tensors, then its block sizes and shape."""
+    """An NF4Tensor as the parts `nf4_matmul` takes: its tensors, then its block sizes and shape."""
     rows, columns = weight.shape
     return (
         weight.quantized_data,
@@ -163,9 +163,10 @@ def _nf4_parts(weight: torch.Tensor) -> tuple:
 # at the 72B shape, leaving its GPU idle 43% of a step). Inside the operator the weight is dequantized (one
 # compiled kernel on GPUs) and multiplied; its backward takes only the NF4 parts, so the partitioner cannot keep
 # the 2-byte dequantized copy for backward (per layer and microbatch in flight, that undoes what NF4 saves). The
-# input gradient dequantizes again, as torchao's own linear does; there is no weight gradient.
-@torch.library.custom_op("pipetune::nf4_linear", mutates_args=())
-def nf4_linear(
+# input gradient is the same operator on the transposed weight, dequantized again, as torchao's own linear does;
+# there is no weight gradient.
+@torch.library.custom_op("pipetune::nf4_matmul", mutates_args=())
+def nf4_matmul(
     x: torch.Tensor,
     data: torch.Tensor,
     scalers: torch.Tensor,
@@ -176,50 +177,29 @@ def nf4_linear(
     scaler_block: int,
     rows: int,
     columns: int,
+    transposed: bool,
 ) -> torch.Tensor:
-    """y = x W^T for the NF4 weight W of `rows` x `columns` given by its parts."""
+    """x W^T for the NF4 weight W of `rows` x `columns` given by its parts; `transposed`: x W (an input gradient)."""
     weight = _dequantize_parts(data, scalers, factor, mean, table, block, scaler_block, (rows, columns))
-    return nn.functional.linear(x, weight.to(x.dtype))
+    weight = weight.to(x.dtype)
+    return x @ weight if transposed else nn.functional.linear(x, weight)
 
 
-@nf4_linear.register_fake
-def _(x, data, scalers, factor, mean, table, block, scaler_block, rows, columns):
-    return x.new_empty(*x.shape[:-1], rows)
-
-
-@torch.library.custom_op("pipetune::nf4_input_grad", mutates_args=())
-def nf4_input_grad(
-    grad: torch.Tensor,
-    data: torch.Tensor,
-    scalers: torch.Tensor,
-    factor: torch.Tensor,
-    mean: torch.Tensor,
-    table: torch.Tensor,
-    block: int,
-    scaler_block: int,
-    rows: int,
-    columns: int,
-) -> torch.Tensor:
-    """dx = dy W for the NF4 weight W of `rows` x `columns` given by its parts."""
-    weight = _dequantize_parts(data, scalers, factor, mean, table, block, scaler_block, (rows, columns))
-    return grad @ weight.to(grad.dtype)
-
-
-@nf4_input_grad.register_fake
-def _(grad, data, scalers, factor, mean, table, block, scaler_block, rows, columns):
-    return grad.new_empty(*grad.shape[:-1], columns)
+@nf4_matmul.register_fake
+def _(x, data, scalers, factor, mean, table, block, scaler_block, rows, columns, transposed):
+    return x.new_empty(*x.shape[:-1], columns if transposed else rows)
 
 
 def _nf4_setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
     ctx.save_for_backward(*inputs[1:6])
-    ctx.sizes = inputs[6:]
+    ctx.sizes, ctx.transposed = inputs[6:10], inputs[10]
 
 
 def _nf4_backward(ctx, grad: torch.Tensor) -> tuple:
-    return (nf4_input_grad(grad, *ctx.saved_tensors, *ctx.sizes), *([None] * 9))
+    return (nf4_matmul(grad, *ctx.saved_tensors, *ctx.sizes, not ctx.transposed), *([None] * 10))
 
 
-nf4_linear.register_autograd(_nf4_backward, setup_context=_nf4_setup_context)
+nf4_matmul.register_autograd(_nf4_backward, setup_context=_nf4_setup_context)
 
 
 def nf4_dequantize(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
