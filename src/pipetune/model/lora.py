@@ -108,7 +108,7 @@ def use_fast_path(peft_model: peft.PeftModel, shared_dropout: bool = False, tp: 
     adapter linears stay modules, so hooks on them (tensor parallelism's plans) run as before.
 
     The LoRA linears of one module that read one input (SHARED_INPUTS) compute their down-projections as one
-    matmul (`SharedInput`, `_grouped_lora_forward`) where that is PEFT's math, without LoRA dropout, or where
+    matmul (`SharedInput`) where that is PEFT's math, without LoRA dropout, or where
     `shared_dropout` (lora.shared_dropout) draws one mask for all of them. That matmul bypasses their lora_A
     modules, so it is off under tensor parallelism (`tp`: parallel.tp > 1), whose plans hook them, and where
     `grouped` is false (benchmarks).
@@ -131,7 +131,6 @@ def use_fast_path(peft_model: peft.PeftModel, shared_dropout: bool = False, tp: 
             group = SharedInput(members)
             for index, member in enumerate(members):
                 member.shared_input, member.shared_input_index = group, index
-                member.forward = types.MethodType(_grouped_lora_forward, member)
     return switched
 
 
@@ -149,16 +148,11 @@ def _fast_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if self.disable_adapters or self.merged or len(self.active_adapters) != 1:
         return type(self).forward(self, x, *args, **kwargs)
     name = self.active_adapters[0]
-    down = self.lora_A[name](self.lora_dropout[name](x)) * self.scaling[name]
-    return self.base_layer(x, *args, **kwargs) + self.lora_B[name](down)
-
-
-def _grouped_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """`_fast_lora_forward` with the down-projection computed for the whole group (`SharedInput`)."""
-    if self.disable_adapters or self.merged or len(self.active_adapters) != 1:
-        return type(self).forward(self, x, *args, **kwargs)
-    name = self.active_adapters[0]
-    down = self.shared_input.down(self.shared_input_index, x, name)
+    group = getattr(self, "shared_input", None)  # a SharedInput computes the down-projections of its members
+    if group is not None:
+        down = group.down(self.shared_input_index, x, name)
+    else:
+        down = self.lora_A[name](self.lora_dropout[name](x)) * self.scaling[name]
     return self.base_layer(x, *args, **kwargs) + self.lora_B[name](down)
 
 
