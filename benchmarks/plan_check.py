@@ -59,6 +59,14 @@ LONG16K = [
 ]
 REPLICAS = ["parallel.pp=1", "parallel.dp=2", "train.batch_size=2", "train.grad_accum=4", "parallel.n_microbatches=1"]
 EAGER = ["train.compile=false", "train.cuda_graphs=false"]
+TP16 = [
+    'parallel.strategy="tp"',
+    "parallel.pp=1",
+    "parallel.tp=2",
+    "parallel.n_microbatches=1",
+    "train.cuda_graphs=false",
+]
+"""Qwen3-4B as tp=2, one microbatch of 16, compiled without graphs."""
 SINGLE4 = ['parallel.strategy="single"', "parallel.pp=1", "parallel.n_microbatches=1", "train.cuda_graphs=false"]
 
 
@@ -380,13 +388,7 @@ RUNS = [
     Run(
         "wave4 3: 4B, tp=2, 1 x 16, no graphs",
         B4,
-        [
-            "parallel.pp=1",
-            'parallel.strategy="tp"',
-            "parallel.tp=2",
-            "parallel.n_microbatches=1",
-            "train.cuda_graphs=false",
-        ],
+        TP16,
         "tp",
         "2026-11-30-wave4-call3-bench.json:4b-tp-mb16:tp",
     ),
@@ -421,14 +423,7 @@ RUNS = [
         Run(
             f"wave6 4: 4B, tp=2, 1 x 16, no graphs, {'fused' if fused else 'plain'} loss",
             B4,
-            [
-                "parallel.pp=1",
-                'parallel.strategy="tp"',
-                "parallel.tp=2",
-                "parallel.n_microbatches=1",
-                "train.cuda_graphs=false",
-                f"train.fused_loss={'true' if fused else 'false'}",
-            ],
+            [*TP16, f"train.fused_loss={'true' if fused else 'false'}"],
             "tp",
             f"2026-11-30-wave6-call4-bench.json:4b-tp-{'fused' if fused else 'plain'}-loss:tp",
         )
