@@ -26,11 +26,12 @@ B4=configs/bench-qwen3-4b.toml; B72=configs/bench-qwen2.5-72b.toml; CFG=$B4  # t
 quant() { echo "--set model.quantize=\"$1\""; }  # model.quantize as a bench argument
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"; } > "$OUT/env.txt" 2>&1
-baselines() {  # seed steps, seed timeout s, DDP timeout s: the seed script and DDP + PEFT eager, in this run
+baselines() {  # seed steps, seed timeout s, DDP timeout s[, 1: DDP + PEFT compiled per layer]: the seed script and
+  # DDP + PEFT (micro-batch 8, eager unless compiled), in this run
   echo "== seed script (batch 8, 8 microbatches, grad accum 2) ($(date +%T))"
   (cd $W && MAX_STEPS=$1 LOG_FILE=$W/seed.csv timeout $2 torchrun --nproc_per_node=2 $OLDPWD/.baselines/train_seed.py 2>&1 | tail -3)
-  echo "== DDP + PEFT eager, micro-batch 8 ($(date +%T))"
-  (cd $W && MB=8 GA=1 MAX_STEPS=20 timeout $3 torchrun --nproc_per_node=2 $OLDPWD/.baselines/lora_ddp.py 2>&1 | grep -E "RESULT|rror" | tail -3)
+  echo "== DDP + PEFT, micro-batch 8, compile ${4:-0} ($(date +%T))"
+  (cd $W && MB=8 GA=1 MAX_STEPS=20 COMPILE=${4:-0} timeout $3 torchrun --nproc_per_node=2 $OLDPWD/.baselines/lora_ddp.py 2>&1 | grep -E "RESULT|rror" | tail -3)
 }
 START=$(date +%s)
 left() { echo $((${BUDGET:-570} - $(date +%s) + START)); }  # seconds of the call's budget left

@@ -198,6 +198,10 @@ class ParallelConfig:
     """Virtual stages per rank (interleaved schedules)."""
     layers_per_stage: list[int] = field(default_factory=list)
     """Decoder layers of each stage; [] = split evenly."""
+    overlap_gradient_sum: bool = True
+    """Whole-model replicas (pp = 1, no tp, not sharded): all-reduce the LoRA gradients in buckets while the
+    step's last backward runs, each as soon as its parameters are done (parallel/mesh.py). false: one all-reduce
+    after the backward."""
     timeout_s: float = 600.0
     """Seconds a rank waits for a peer in a collective or pipeline send/recv before the run fails."""
     p2p_channels: int = 0

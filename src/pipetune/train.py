@@ -45,7 +45,7 @@ from pipetune.model.split import StageCosts, run_split, stage_costs
 from pipetune.model.stage import StageModule
 from pipetune.parallel.fsdp import shard_stages
 from pipetune.parallel.memory import auto_checkpointing
-from pipetune.parallel.mesh import Mesh, all_reduce_gradients, build_mesh, clip_global_grad_norm
+from pipetune.parallel.mesh import GradientSync, Mesh, build_mesh, clip_global_grad_norm
 from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, evaluate_validation
 from pipetune.parallel.process_group import (
     DistEnv,
@@ -337,7 +337,7 @@ def build_stages(
 @dataclass
 class Runners:
     """What runs a schedule step: one runner per padded length (a pipeline stage fixes its shapes at its first
-    step), the loss they share, and the timelines that record a step."""
+    step), the loss they share, the timelines that record a step, and the gradients' sum over the replicas."""
 
     by_length: dict[int, PipelineRunner | SingleRunner]
     timelines: dict[int, StageTimeline]
@@ -345,6 +345,7 @@ class Runners:
     validation: PipelineRunner | SingleRunner
     """The full-length runner, which validation uses."""
     cuda_graphs: bool
+    gradients: GradientSync
 
 
 def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, stages: Stages) -> Runners:
@@ -394,7 +395,14 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
     if t.compile:
         for module in modules:
             module.compile_layers(cuda_graphs=cuda_graphs)
-    return Runners(runners, timelines, loss_fn, runners[max_length], cuda_graphs)
+    # Whole-model replicas overlap their all-reduce with the backward; FSDP reduce-scatters during it.
+    gradients = GradientSync(
+        stages.params,
+        None if p.sharded else mesh.dp_group,
+        t.grad_accum * p.n_microbatches,
+        overlap=p.overlap_gradient_sum and p.n_stages == 1 and p.tp == 1,
+    )
+    return Runners(runners, timelines, loss_fn, runners[max_length], cuda_graphs, gradients)
 
 
 def build_optimizer(
@@ -511,7 +519,7 @@ def reduce_gradients(loop: Loop, step_loss: torch.Tensor) -> tuple[torch.Tensor,
         sum_partial_gradients(params)
     if not p.sharded:  # FSDP reduce-scattered them during backward
         loop.status.phase = "gradient all-reduce over dp"
-        all_reduce_gradients(params, mesh)
+        loop.runners.gradients.finish()
     loop.hooks.before_grad_norm(loop.step + 1, params)
     loop.status.phase = "gradient-norm all-reduce"
     return clip_global_grad_norm(params, loop.config.train.max_grad_norm, loop.env.device, step_loss, p.dp * p.tp)

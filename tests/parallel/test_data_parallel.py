@@ -43,3 +43,37 @@ def test_ddp_strategy_refuses_pipeline_stages(tmp_path: Path, capsys: pytest.Cap
     config = tiny_config(tmp_path / "run", 'parallel.strategy="ddp"', "parallel.pp=2", "parallel.dp=2")
     assert main(["train", "--config", str(write_config(config, tmp_path / "c.toml"))]) == 2  # before any worker
     assert "parallel.strategy = 'ddp' runs whole-model replicas: set parallel.pp = 1 (got 2)" in capsys.readouterr().err
+
+
+def test_the_gradient_all_reduce_starts_during_the_last_backward(tmp_path: Path) -> None:
+    """Overlapped buckets: each starts once every parameter in it has had the step's last accumulation (so not
+    during the first of two backwards), all start before the backward ends, in bucket order, and the sums land in
+    the gradients (one rank: the sum is the gradient itself); a parameter accumulated once too often is an error."""
+    import torch.distributed as dist
+
+    from pipetune.parallel.mesh import MIN_BUCKETS, GradientSync
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(6)))
+        params = list(model.parameters())
+        sync = GradientSync(params, dist.group.WORLD, accumulations=2, overlap=True)
+        assert len(sync.buckets) >= MIN_BUCKETS and sync.buckets[0][0] is params[-1]  # the last layer's first
+        x = torch.randn(4, 8)
+        model(x).square().sum().backward()
+        assert sync._started == []
+        model(2 * x).square().sum().backward()
+        assert len(sync._started) == len(sync.buckets)
+        expected = [param.grad.clone() for param in params]
+        for param in params:  # what the all-reduce must overwrite
+            param.grad.zero_()
+        sync.finish()
+        for got, want in zip((param.grad for param in params), expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+        for _ in range(3):
+            model(x).sum().backward()
+        with pytest.raises(RuntimeError, match="accumulated more than 2 times in one step"):
+            sync.finish()
+    finally:
+        dist.destroy_process_group()

@@ -8,6 +8,7 @@ stages of one pipeline replica are dp x tp ranks apart.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -65,20 +66,97 @@ def build_mesh(env: DistEnv, pp: int, dp: int, tp: int = 1) -> Mesh:
     )
 
 
-def all_reduce_gradients(params: list[torch.Tensor], mesh: Mesh) -> None:
-    """Sum the LoRA gradients over the dp replicas, in one flat buffer (the loss is already normalized by
-    the step's global supervised-token count, so the sum is the gradient of the global mean).
+BUCKET_BYTES = 25 * 2**20
+"""At most about how many bytes of gradients one overlapped all-reduce carries (DDP's default bucket size)..."""
+MIN_BUCKETS = 4
+"""... and at least how many buckets the gradients make, so that a small model's all-reduce overlaps too."""
 
-    Tensor-parallel gradients (DTensors over the tp mesh) are reduced as the local shards they are."""
-    if mesh.dp_group is None:
-        return
-    grads = [local_part(param.grad) for param in params if param.grad is not None]
-    flat = torch.cat([grad.flatten() for grad in grads])
-    dist.all_reduce(flat, group=mesh.dp_group)
+
+class GradientSync:
+    """The LoRA gradients summed over the dp replicas, once per optimizer step (the loss is already normalized by
+    the step's global supervised-token count, so the sum is the gradient of the global mean). Tensor-parallel
+    gradients (DTensors over the tp mesh) are reduced as the local shards they are.
+
+    Whole-model replicas (`overlap`: pp = 1, no tp, not sharded) overlap it with the backward: the parameters in
+    buckets (BUCKET_BYTES, MIN_BUCKETS) in the order the backward finishes them (the last layer's first); a hook after
+    each accumulation into a parameter's gradient counts them, and when every parameter of a bucket has had the
+    step's last one (`accumulations`: its backwards per step), the bucket's gradients are copied into one flat
+    tensor whose all-reduce starts at once. Buckets start in bucket order, the same on every rank. `finish()`
+    waits for them, copies the sums back, and all-reduces whatever no hook started (every gradient, without
+    `overlap`) in one flat tensor."""
+
+    def __init__(
+        self, params: list[torch.Tensor], group: dist.ProcessGroup | None, accumulations: int, overlap: bool
+    ) -> None:
+        self.group, self.accumulations = group, accumulations
+        self.params = params
+        self.buckets: list[list[torch.Tensor]] = []
+        self._bucket_of: list[int] = []  # by the parameter's place in reversed(params)
+        self._hooks = []  # kept for as long as the run
+        if group is None or not overlap:
+            return
+        limit = min(BUCKET_BYTES, sum(param.numel() * param.element_size() for param in params) / MIN_BUCKETS)
+        size = limit
+        for param in reversed(params):
+            if size > 0 and size + param.numel() * param.element_size() > limit:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(param)
+            self._hooks.append(
+                param.register_post_accumulate_grad_hook(functools.partial(self._accumulated, len(self._bucket_of)))
+            )
+            self._bucket_of.append(len(self.buckets) - 1)
+            size += param.numel() * param.element_size()
+        self._reset()
+
+    def _reset(self) -> None:
+        self._counts = [0] * len(self._bucket_of)
+        self._missing = [len(bucket) for bucket in self.buckets]  # parameters short of their last accumulation
+        self._started: list[tuple[torch.Tensor, dist.Work]] = []
+
+    def _accumulated(self, index: int, _: torch.Tensor) -> None:
+        self._counts[index] += 1
+        if self._counts[index] == self.accumulations:
+            self._missing[self._bucket_of[index]] -= 1
+            while len(self._started) < len(self.buckets) and self._missing[len(self._started)] == 0:
+                flat = flatten_gradients(self.buckets[len(self._started)])
+                self._started.append((flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+
+    def finish(self) -> None:
+        """The step's gradients summed over the replicas (every rank calls it once per optimizer step)."""
+        if self.group is None:
+            return
+        over = sum(count > self.accumulations for count in self._counts) if self.buckets else 0
+        if over:
+            raise RuntimeError(
+                f"{over} LoRA gradients were accumulated more than {self.accumulations} times in one step: their "
+                "overlapped all-reduce started before their last backward"
+            )
+        for bucket, (flat, work) in zip(self.buckets, self._started, strict=False):
+            work.wait()
+            unflatten_gradients(flat, bucket)
+        rest = [p for bucket in self.buckets[len(self._started) :] for p in bucket] if self.buckets else self.params
+        if any(param.grad is not None for param in rest):
+            flat = flatten_gradients(rest)
+            dist.all_reduce(flat, group=self.group)
+            unflatten_gradients(flat, rest)
+        if self.buckets:
+            self._reset()
+
+
+def flatten_gradients(params: list[torch.Tensor]) -> torch.Tensor:
+    """The (local parts of the) gradients of `params` that exist, in one new flat tensor."""
+    return torch.cat([local_part(param.grad).flatten() for param in params if param.grad is not None])
+
+
+def unflatten_gradients(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
+    """Copy `flat` (flatten_gradients' layout) back into the gradients of `params`."""
     offset = 0
-    for grad in grads:
-        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
-        offset += grad.numel()
+    for param in params:
+        if param.grad is not None:
+            grad = local_part(param.grad)
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
 
 
 def clip_global_grad_norm(
