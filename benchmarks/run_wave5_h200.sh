@@ -33,10 +33,10 @@ if [ "$CALL" = 1 ]; then
   PIPETUNE_PROFILE_STEP=8 PIPETUNE_PROFILE_TRACE=$W/trace bench 4b-ddp-shared 120 $B4 --strategies ddp $LONGRUN $SHARED
   [ -f $W/trace/trace-rank0.json.gz ] && python3 benchmarks/trace_gaps.py $W/trace/trace-rank0.json.gz > $OUT/gaps-4b-ddp.txt
   bench 4b-ddp-shared-serial 80 $B4 --strategies ddp $S $SHARED --set parallel.overlap_gradient_sum=false
-  bench 4b-ddp-plain 90 $B4 --strategies ddp $LONGRUN --set train.compile=false --set train.cuda_graphs=false \
-    --set train.fused_loss=false --set lora.fast_path=false
   bench 4b-pp-v3-shared 150 $B4 --strategies pp $S $SHARED --set parallel.schedule=\"interleaved_1f1b\" \
     --set parallel.stages_per_rank=$V
+  bench 4b-ddp-plain 90 $B4 --strategies ddp $LONGRUN --set train.compile=false --set train.cuda_graphs=false \
+    --set train.fused_loss=false --set lora.fast_path=false
   [ "${TINY:-0}" != 1 ] && baselines 20 80 100 1
   P44="--set parallel.n_microbatches=4"
   bench 32b-pp-4x4 130 $B4 --strategies pp $S $M32 $P44

@@ -75,5 +75,11 @@ def test_the_gradient_all_reduce_starts_during_the_last_backward(tmp_path: Path)
             model(x).sum().backward()
         with pytest.raises(RuntimeError, match="accumulated more than 2 times in one step"):
             sync.finish()
+        serial = GradientSync(params, dist.group.WORLD, accumulations=2, overlap=False)  # one all-reduce in finish
+        expected = [param.grad.clone() for param in params]
+        serial.finish()
+        serial.finish()
+        for got, want in zip((param.grad for param in params), expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
     finally:
         dist.destroy_process_group()

@@ -93,6 +93,7 @@ class GradientSync:
         self.buckets: list[list[torch.Tensor]] = []
         self._bucket_of: list[int] = []  # by the parameter's place in reversed(params)
         self._hooks = []  # kept for as long as the run
+        self._reset()
         if group is None or not overlap:
             return
         limit = min(BUCKET_BYTES, sum(param.numel() * param.element_size() for param in params) / MIN_BUCKETS)
