@@ -67,6 +67,8 @@ TP16 = [
     "train.cuda_graphs=false",
 ]
 """Qwen3-4B as tp=2, one microbatch of 16, compiled without graphs."""
+NF4 = ['model.quantize="nf4"']
+LONG_DATA = ["data.synthetic_train=32", "data.synthetic_validation=0"]
 SINGLE4 = ['parallel.strategy="single"', "parallel.pp=1", "parallel.n_microbatches=1", "train.cuda_graphs=false"]
 
 
@@ -438,6 +440,109 @@ RUNS = [
         "2026-11-30-wave6-call4-bench.json:4b-ddp-shared-dropout:ddp",
         note="the speed model knows no shared dropout masks",
         speed=False,
+    ),
+    *(
+        Run(
+            f"wave7 1: 4B, ddp 2 x 8, shared dropout, all-reduce {when}",
+            B4,
+            [
+                "lora.shared_dropout=true",
+                f"parallel.overlap_gradient_sum={'true' if when == 'overlapped' else 'false'}",
+            ],
+            "ddp",
+            f"2026-11-30-wave7-call1-bench.json:4b-ddp-shared{'' if when == 'overlapped' else '-serial'}:ddp",
+            note="the speed model knows no shared dropout masks",
+            speed=False,
+        )
+        for when in ("overlapped", "after the backward")
+    ),
+    Run(
+        "wave7 1: 4B, ddp 2 x 8, plain path (eager, PEFT)",
+        B4,
+        [*EAGER, "train.fused_loss=false", "lora.fast_path=false"],
+        "ddp",
+        "2026-11-30-wave7-call1-bench.json:4b-ddp-plain:ddp",
+    ),
+    Run(
+        "wave7 2: 72B nf4, ddp 4 x 2 accum",
+        B72,
+        [
+            *NF4,
+            "parallel.pp=1",
+            "parallel.dp=2",
+            "train.batch_size=4",
+            "train.grad_accum=2",
+            "parallel.n_microbatches=1",
+        ],
+        "ddp",
+        "2026-11-30-wave7-call2-bench.json:72b-ddp-nf4:ddp",
+        note="the run's own checkpointing plan recomputed 10 of 80 layers, the plan's none",
+    ),
+    Run(
+        "wave7 2: 72B nf4, v=4 4 x 4",
+        B72,
+        [*V4, "parallel.n_microbatches=4", *NF4],
+        "pp",
+        "2026-11-30-wave7-call2-bench.json:72b-pp-v4-nf4:pp",
+    ),
+    Run(
+        "wave7 2: 72B, tp=2, 1 x 4 x 4 accum (step 4 profiled)",
+        B72,
+        ["parallel.pp=1", "parallel.tp=2", "parallel.n_microbatches=1", "train.batch_size=4", "train.grad_accum=4"],
+        "tp",
+        "2026-11-30-wave7-call2-bench.json:72b-tp:tp",
+    ),
+    Run(
+        "wave7 3: 16,384 tokens, ddp 1 x 1 x 2 accum, eager (the plan's pick)",
+        B4,
+        [
+            *LONG16K,
+            *LONG_DATA,
+            'parallel.strategy="ddp"',
+            "parallel.pp=1",
+            "parallel.dp=2",
+            "train.batch_size=1",
+            "train.grad_accum=2",
+            "parallel.n_microbatches=1",
+        ],
+        "ddp",
+        "2026-11-30-wave7-call3-bench.json:long-ddp-pick:ddp",
+    ),
+    Run(
+        "wave7 3: 16,384 tokens, v=4 4 x 1, eager, checkpointing auto",
+        B4,
+        [*LONG16K, *LONG_DATA, "parallel.n_microbatches=4", *V4, 'train.activation_checkpointing="auto"'],
+        "pp",
+        "2026-11-30-wave7-call3-bench.json:long-pp-v4-auto:pp",
+    ),
+    Run(
+        "wave7 3: 32B, fsdp 4 x 2 accum",
+        B4,
+        [
+            *M32,
+            "parallel.pp=1",
+            "parallel.dp=2",
+            "parallel.n_microbatches=1",
+            "train.batch_size=4",
+            "train.grad_accum=2",
+        ],
+        "fsdp",
+        "2026-11-30-wave7-call3-bench.json:32b-fsdp:fsdp",
+    ),
+    Run(
+        "wave7 3: 32B, tp=2, 1 x 8 x 2 accum",
+        B4,
+        [
+            *M32,
+            "parallel.pp=1",
+            "parallel.tp=2",
+            "parallel.dp=1",
+            "parallel.n_microbatches=1",
+            "train.batch_size=8",
+            "train.grad_accum=2",
+        ],
+        "tp",
+        "2026-11-30-wave7-call3-bench.json:32b-tp:tp",
     ),
 ]
 """Every pipetune training run on 2x H200 in benchmarks/results (the seed script and the baselines are not

@@ -19,7 +19,7 @@ def main(out: str, runs: list[str]) -> None:
     for item in runs:
         name, path = item.rsplit("=", 1)
         with open(path) as f:
-            curves[name] = [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f)]
+            curves[name] = [(int(r["step"]), float(r["loss"])) for r in csv.DictReader(f) if r["loss"]]
     figure, axis = plt.subplots(figsize=(7, 4))
     for name, points in curves.items():
         axis.plot(*zip(*points, strict=True), marker=".", label=name)

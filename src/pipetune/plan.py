@@ -23,7 +23,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pipetune.config import Config, ConfigError
-from pipetune.model.graphs import choose_cuda_graphs
+from pipetune.model.graphs import choose_cuda_graphs, graphs_untried
 from pipetune.model.shapes import ResolvedModel, one_layer_model, resolve_model
 from pipetune.model.split import StageCosts, run_split
 from pipetune.parallel.layouts import Layout, candidate_layouts
@@ -229,8 +229,9 @@ def predict(
     for rank, (layers, k) in enumerate(zip(stage_layers, checkpointed, strict=True)):
         rank_mode = mode
         if mode == "graphs":  # the run's own rule, rank by rank (checkpointing, recording time)
+            untried = graphs_untried(config.model.quantize, config.lora.shared_dropout, p.n_stages)
             graphs = choose_cuda_graphs(
-                costs, sum(layers), any(k), p.n_microbatches, microbatch, seq, layout.tp, config.model.quantize
+                costs, sum(layers), any(k), p.n_microbatches, microbatch, seq, layout.tp, untried
             )
             rank_mode = "graphs" if graphs[0] else "compiled"
         rank_modes.append(rank_mode)

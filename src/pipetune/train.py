@@ -37,7 +37,7 @@ from pipetune.data.batching import SampleStore, bucket_lengths, bucketed_epoch_b
 from pipetune.data.cache import tokenized_data
 from pipetune.export import PROMPT_FILE, write_prompt_settings
 from pipetune.metrics import MetricsLog, PhaseLog, host_peak_gb, peak_memory_gb, reset_peak_memory
-from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory
+from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory, graphs_untried
 from pipetune.model.load import DTYPES, build_meta, materialize
 from pipetune.model.lora import adapter_state, apply_lora, save_adapter, use_fast_path
 from pipetune.model.quantize import quantize_linears
@@ -386,7 +386,7 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
             config.microbatch_size,
             max_length,
             p.tp,
-            config.model.quantize,
+            graphs_untried(config.model.quantize, config.lora.shared_dropout, p.n_stages),
         )
         if note:
             print(f"rank {env.rank}: note: {note}", flush=True)

@@ -52,6 +52,23 @@ def cuda_graphs_pay_off(costs: StageCosts, microbatch: int, seq_len: int, split:
     )
 
 
+def graphs_untried(quantize: str, shared_dropout: bool, n_stages: int) -> str:
+    """Why CUDA graphs stay off for a run with these settings although they might pay ("": none): what has not
+    run with them on a GPU yet, or failed there."""
+    if quantize == "nf4":
+        return (
+            'with model.quantize = "nf4" they have not been measured yet (each NF4 linear launches its own '
+            "compiled dequantization inside the layer)"
+        )
+    if shared_dropout and n_stages > 1:
+        return (
+            "lora.shared_dropout in a pipeline failed with them on 2x H200 (Qwen3-4B, interleaved 1F1B v=3: an "
+            "error at the last stage's first backward send, in the step that records them; "
+            "benchmarks/2026-11-30-wave7-h200.md)"
+        )
+    return ""
+
+
 def choose_cuda_graphs(
     costs: StageCosts,
     layers_on_rank: int,
@@ -60,17 +77,13 @@ def choose_cuda_graphs(
     microbatch: int,
     seq_len: int,
     split: int = 1,
-    quantize: str = "none",
+    untried: str = "",
 ) -> tuple[bool, str]:
     """Whether this rank replays its compiled layers as CUDA graphs (train.cuda_graphs asked for them), and a
     note for the user: why not, or what recording them will cost when that is over a minute (more than
-    MAX_RECORDING_SECONDS: not recorded). `split`: parallel.tp; `quantize`: model.quantize."""
-    if quantize == "nf4":
-        return False, (
-            'train.cuda_graphs off for this run: with model.quantize = "nf4" they have not been measured yet '
-            "(each NF4 linear launches its own compiled dequantization inside the layer); it runs compiled "
-            "without graphs"
-        )
+    MAX_RECORDING_SECONDS: not recorded). `split`: parallel.tp; `untried`: graphs_untried's reason, if any."""
+    if untried:
+        return False, f"train.cuda_graphs off for this run: {untried}; it runs compiled without graphs"
     pays, why = cuda_graphs_pay_off(costs, microbatch, seq_len, split)
     if not pays:
         return False, f"train.cuda_graphs off for this run: {why}"
