@@ -61,7 +61,7 @@ def test_replay_waits_for_the_slowest_stage_and_transfers() -> None:
 
 def test_layer_activations_on_meta_are_the_cpu_measurement() -> None:
     """The meta device runs no kernel and allocates nothing, yet keeps the tensors a real forward keeps (no dropout:
-    the one place where CUDA's kernels, which meta imitates, and the CPU's differ)."""
+    the one place where CUDA's kernels, which meta imitates, and the CPU's differ); an NF4 base changes nothing."""
     config = Config()
     for item in ('model.name="tiny-qwen3"', 'model.init="random"', 'model.dtype="float32"', "lora.dropout=0.0"):
         apply_override(config, item)
@@ -73,6 +73,10 @@ def test_layer_activations_on_meta_are_the_cpu_measurement() -> None:
     assert measure_layer_memory(config, resolved, torch.device("meta"), 4, 128)[0] == pytest.approx(
         2 * meta[0], rel=0.01
     )
+    # An NF4 layer keeps the same activations: the 4-bit weight's tensors that its operator saves are weights
+    # (counted as activations, they had made a 72B NF4 run checkpoint 10 of 80 layers it did not need to).
+    apply_override(config, 'model.quantize="nf4"')
+    assert measure_layer_memory(config, resolved, torch.device("cpu"), 2, 128) == cpu
 
 
 def test_calibration_times_a_layer_and_the_model_uses_the_times(tmp_path, monkeypatch) -> None:

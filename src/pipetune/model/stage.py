@@ -147,10 +147,12 @@ class StageModule(nn.Module):
         hidden.requires_grad_(True)  # as a received activation: gradients flow to the previous stage
         saved: dict[int, int] = {}
         # A linear layer saves its weight for the input gradient: memory the weights hold anyway, not activations.
-        # So does a quantized one (model.quantize), a tensor subclass with no storage of its own.
+        # So does a quantized one (model.quantize): an FP8 weight with its scales buffer, or the tensors inside an
+        # NF4 weight (a tensor subclass with no storage of its own), which its operator saves for backward.
         # Storages are told apart by identity (views share one), which also holds on the meta device.
-        parts = [local_part(param) for param in layer.parameters()]
-        weights = {part.untyped_storage()._cdata for part in parts if not is_subclass(part)}
+        weights = {
+            storage for tensor in [*layer.parameters(), *layer.buffers()] for storage in _storages(local_part(tensor))
+        }
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             local = local_part(tensor)
@@ -206,3 +208,11 @@ class StageModule(nn.Module):
             return hidden.clone() if self.own_boundary_memory else hidden
         hidden = self.norm(hidden)
         return hidden if self.head_in_loss else self.lm_head(hidden)
+
+
+def _storages(tensor: torch.Tensor) -> list[int]:
+    """The identities of the storages a tensor's values live in: its own, or a tensor subclass's inner tensors'."""
+    if not is_subclass(tensor):
+        return [tensor.untyped_storage()._cdata]
+    names, _ = tensor.__tensor_flatten__()
+    return [storage for name in names for storage in _storages(getattr(tensor, name))]
