@@ -127,3 +127,33 @@ def test_validation_and_checkpoint_time_stay_out_of_the_step_time(monkeypatch: p
     step()
     row = window.flush(env, holds_loss=True)
     assert (row["step_time_sec"], row["tokens_per_sec"]) == (2.0, 50.0)
+
+
+def test_a_rank_that_fails_says_why_at_once_and_leaves_without_teardown(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """An unexpected error on one rank of several: its traceback right away, then out without destroying the
+    process group, whose NCCL teardown can wait forever on a peer blocked in a transfer with it (a pipeline
+    stage's send on 2x H200 hung so until the bench's limit, and said nothing)."""
+    from pipetune import launch, train
+
+    def fail(config, env, quiet, status):
+        status.step, status.phase = 1, "pipeline send/recv"
+        raise RuntimeError("stage 5 has no gradient to send")
+
+    events = []
+
+    def exit_now(code: int):  # os._exit: what follows never runs; here it does, after the exit is recorded
+        events.append(("exit", code))
+        raise SystemExit(code)
+
+    monkeypatch.setattr(launch, "init_distributed", lambda *_: DistEnv(1, 2, 1, torch.device("cpu")))
+    monkeypatch.setattr(train, "train", fail)
+    monkeypatch.setattr(launch, "exit_skipping_teardown", exit_now)
+    monkeypatch.setattr(launch, "close_distributed", lambda: events.append("teardown"))
+    with pytest.raises(SystemExit):
+        launch.run_training(tiny_config(tmp_path / "run"))
+    assert events[0] == ("exit", 1)
+    err = capsys.readouterr().err
+    assert "pipetune: rank 1 failed in the pipeline send/recv of step 1:" in err
+    assert "RuntimeError: stage 5 has no gradient to send" in err  # the traceback

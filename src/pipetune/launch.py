@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -187,20 +188,29 @@ def run_training(config: Config, quiet: bool = False) -> RunResult:
                 if env.is_main:
                     print(f"pipetune: error: {e}", file=sys.stderr, flush=True)
                 raise SystemExit(1) from None
-            except RuntimeError as e:
-                ending = peer_failure(e, env.rank, status, config.parallel.timeout_s)
-                if ending is None:
+            except Exception as e:
+                ending = None
+                if isinstance(e, RuntimeError):
+                    ending = peer_failure(e, env.rank, status, config.parallel.timeout_s)
+                elif isinstance(e, OSError) and (message := disk_full_message(e, env.rank)) is not None:
+                    ending = Ending("disk full", env.rank, message, file=e.filename)
+                if ending is not None:
+                    end_worker(ending)
+                    raise SystemExit(1) from None
+                if not env.distributed:
                     raise
-                end_worker(ending)
-                raise SystemExit(1) from None
-            except OSError as e:
-                message = disk_full_message(e, env.rank)
-                if message is None:
-                    raise
-                end_worker(Ending("disk full", env.rank, message, file=e.filename))
-                raise SystemExit(1) from None
+                # A crash on one rank of several: its traceback now, then out without the process group's teardown,
+                # which can wait forever on a peer blocked in a transfer with this rank (NCCL); the launcher sees
+                # the exit and stops the peers.
+                where = status.where()
+                print(f"pipetune: rank {env.rank} failed in {where}:", file=sys.stderr, flush=True)
+                traceback.print_exc()
+                if lock is not None:
+                    lock.release()
+                log.close()
+                exit_skipping_teardown(1)
         except Stopped as e:  # the files being written were removed on the way here; committed ones stay
-            where = f"the {status.phase} of step {status.step}" if status.step else f"the {status.phase}"
+            where = status.where()
             message = f"stopped by {e} in {where}; committed checkpoints are kept: continue with --resume"
             end_worker(Ending("stopped", env.rank, message, signum=e.signum))
             if env.distributed:  # a peer blocked in a collective with this rank returns only once this process is gone
@@ -219,7 +229,7 @@ def peer_failure(error: RuntimeError, rank: int, status: LoopStatus, timeout_s: 
     """One line for a collective that failed because a peer timed out or died (gloo raises both), else None."""
     text = str(error)
     detail = text.strip().splitlines()[0][:200] if text.strip() else type(error).__name__
-    where = f"the {status.phase} of step {status.step}" if status.step else f"the {status.phase}"
+    where = status.where()
     if "Timed out" in text or "timed out" in text:
         return Ending(
             "timeout",

@@ -78,10 +78,13 @@ class TrainingError(Exception):
 
 @dataclass
 class LoopStatus:
-    """Where this rank is, for the message when a peer stops responding."""
+    """Where this rank is, for the message when a peer stops responding or the rank fails."""
 
     step: int = 0
     phase: str = "setup"
+
+    def where(self) -> str:
+        return f"the {self.phase} of step {self.step}" if self.step else f"the {self.phase}"
 
 
 def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus | None = None) -> RunResult:
