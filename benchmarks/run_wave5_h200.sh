@@ -2,11 +2,11 @@
 # What is still unmeasured on 2x H200, in three device calls of < 10 minutes each (wave 6 measured the tp losses,
 # shared dropout on `ddp` and the 100-step curves). Random weights, seq 512, effective batch 16, LoRA r16 on 7
 # projections, every speed switch of the bench configs.
-#   1 (Qwen3-4B, then 32B if time is left): `ddp` 1 x 8 with lora.shared_dropout, its gradient all-reduce
-#     overlapped with the backward (30 steps, step 8 traced) and not; the plain path (eager, PEFT's dropout, no
-#     fused loss) over the same 30 steps for the loss curves; `pp` interleaved v=3 4 x 4 with shared dropout
-#     (pp >= 0.95x ddp?); the seed script and DDP + PEFT compiled per layer beside; Qwen3-32B pp 1F1B 4 x 4 in
-#     bf16 and with an FP8 base (CUDA graphs kept: ~77 s of recording a rank).
+#   1 (Qwen3-4B, then 32B if time is left): `pp` interleaved v=3 4 x 4, with PEFT's dropout and then with
+#     lora.shared_dropout, beside `ddp` 1 x 8 with shared dropout (pp >= 0.95x ddp?), the seed script and DDP + PEFT
+#     compiled per layer; Qwen3-32B pp 1F1B 4 x 4 in bf16 and with an FP8 base (CUDA graphs kept: ~77 s of
+#     recording a rank). WAVE7=1: what wave 7 ran instead (the overlapped all-reduce's A/B, 30 steps of the plain
+#     and the fastest `ddp` for the loss curves, step 8 traced).
 #   2 (the 72B shape, each the plan's best layout of its strategy): an NF4 base under `ddp` 1 x 4 x 2 accumulation
 #     steps (the plan's pick for NF4 on 2 GPUs) and under `pp` interleaved v=4 4 x 4 (its best pipeline), both with
 #     the NF4 linear inside the compiled layer; bf16 tp=2 1 x 4 x 4 accumulation with its 4th step profiled (the
@@ -29,15 +29,27 @@ else
 fi
 SHARED="--set lora.shared_dropout=true"
 if [ "$CALL" = 1 ]; then
-  LONGRUN="--steps 26 --warmup 4"; [ "${TINY:-0}" = 1 ] && LONGRUN="--steps 3 --warmup 1"
-  PIPETUNE_PROFILE_STEP=8 PIPETUNE_PROFILE_TRACE=$W/trace bench 4b-ddp-shared 120 $B4 --strategies ddp $LONGRUN $SHARED
-  [ -f $W/trace/trace-rank0.json.gz ] && python3 benchmarks/trace_gaps.py $W/trace/trace-rank0.json.gz > $OUT/gaps-4b-ddp.txt
-  bench 4b-ddp-shared-serial 80 $B4 --strategies ddp $S $SHARED --set parallel.overlap_gradient_sum=false
-  bench 4b-pp-v3-shared 150 $B4 --strategies pp $S $SHARED --set parallel.schedule=\"interleaved_1f1b\" \
-    --set parallel.stages_per_rank=$V
-  bench 4b-ddp-plain 90 $B4 --strategies ddp $LONGRUN --set train.compile=false --set train.cuda_graphs=false \
-    --set train.fused_loss=false --set lora.fast_path=false
-  [ "${TINY:-0}" != 1 ] && baselines 20 80 100 1
+  # Wave 7 ran the first three (the curves and the overlap's A/B); `pp` v=3 with shared dropout failed with CUDA
+  # graphs (they now stay off for it). Next: `pp` v=3 with graphs and PEFT's dropout first (not run on a GPU since
+  # the fast path became one forward), then with shared dropout (no graphs), beside `ddp` and the baselines.
+  # A fresh machine compiles pp v=3 for > 135 s: carry .carry/inductor-cache.tar.gz from a 4B call when there is one.
+  if [ "${WAVE7:-0}" = 1 ]; then
+    LONGRUN="--steps 26 --warmup 4"; [ "${TINY:-0}" = 1 ] && LONGRUN="--steps 3 --warmup 1"
+    PIPETUNE_PROFILE_STEP=8 PIPETUNE_PROFILE_TRACE=$W/trace bench 4b-ddp-shared 120 $B4 --strategies ddp $LONGRUN $SHARED
+    [ -f $W/trace/trace-rank0.json.gz ] && python3 benchmarks/trace_gaps.py $W/trace/trace-rank0.json.gz > $OUT/gaps-4b-ddp.txt
+    bench 4b-ddp-shared-serial 80 $B4 --strategies ddp $S $SHARED --set parallel.overlap_gradient_sum=false
+    bench 4b-pp-v3-shared 150 $B4 --strategies pp $S $SHARED --set parallel.schedule=\"interleaved_1f1b\" \
+      --set parallel.stages_per_rank=$V
+    bench 4b-ddp-plain 90 $B4 --strategies ddp $LONGRUN --set train.compile=false --set train.cuda_graphs=false \
+      --set train.fused_loss=false --set lora.fast_path=false
+    [ "${TINY:-0}" != 1 ] && baselines 20 80 100 1
+  else
+    V3="--set parallel.schedule=\"interleaved_1f1b\" --set parallel.stages_per_rank=$V"
+    bench 4b-pp-v3 190 $B4 --strategies pp $S $V3
+    bench 4b-pp-v3-shared 110 $B4 --strategies pp $S $V3 $SHARED
+    bench 4b-ddp-shared 80 $B4 --strategies ddp $S $SHARED
+    [ "${TINY:-0}" != 1 ] && baselines 20 100 90 1
+  fi
   P44="--set parallel.n_microbatches=4"
   bench 32b-pp-4x4 130 $B4 --strategies pp $S $M32 $P44
   [ -n "$FP8" ] && bench 32b-pp-4x4-fp8 130 $B4 --strategies pp $S $M32 $P44 $(quant fp8)
