@@ -61,7 +61,9 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_one(
     monkeypatch.setenv("PIPETUNE_TEST_KILL_AT_STEP", "6")  # before step 6's checkpoint is committed
     killed = _train(config_file, check=False, faults=True)
     assert killed.returncode != 0
-    assert "lost a peer" in killed.stderr  # the survivor says what happened instead of hanging
+    # What happened, not a hang: the survivor's line when its collective fails first, else (the launcher's monitor
+    # stops it first: a race, seen once) the launcher's line naming the killed worker.
+    assert "lost a peer" in killed.stderr or "worker 1 failed (exit code -9)" in killed.stderr, killed.stderr[-2000:]
     assert [c.step for c in committed_checkpoints(run_dir)] == [3, 4]  # a part-written step-6 does not count
     assert not (run_dir / "adapter").exists()
 
