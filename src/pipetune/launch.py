@@ -202,8 +202,7 @@ def run_training(config: Config, quiet: bool = False) -> RunResult:
                 # A crash on one rank of several: its traceback now, then out without the process group's teardown,
                 # which can wait forever on a peer blocked in a transfer with this rank (NCCL); the launcher sees
                 # the exit and stops the peers.
-                where = status.where()
-                print(f"pipetune: rank {env.rank} failed in {where}:", file=sys.stderr, flush=True)
+                print(f"pipetune: rank {env.rank} failed in {status.where()}:", file=sys.stderr, flush=True)
                 traceback.print_exc()
                 if lock is not None:
                     lock.release()

@@ -93,21 +93,18 @@ class GradientSync:
         self.buckets: list[list[torch.Tensor]] = []
         self._bucket_of: list[int] = []  # by the parameter's place in reversed(params)
         self._hooks = []  # kept for as long as the run
-        self._reset()
-        if group is None or not overlap:
-            return
-        limit = min(BUCKET_BYTES, sum(param.numel() * param.element_size() for param in params) / MIN_BUCKETS)
-        size = limit
-        for param in reversed(params):
-            if size > 0 and size + param.numel() * param.element_size() > limit:
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(param)
-            self._hooks.append(
-                param.register_post_accumulate_grad_hook(functools.partial(self._accumulated, len(self._bucket_of)))
-            )
-            self._bucket_of.append(len(self.buckets) - 1)
-            size += param.numel() * param.element_size()
+        if group is not None and overlap:
+            limit = min(BUCKET_BYTES, sum(param.numel() * param.element_size() for param in params) / MIN_BUCKETS)
+            size = limit
+            for param in reversed(params):
+                if size > 0 and size + param.numel() * param.element_size() > limit:
+                    self.buckets.append([])
+                    size = 0
+                self.buckets[-1].append(param)
+                hook = functools.partial(self._accumulated, len(self._bucket_of))
+                self._hooks.append(param.register_post_accumulate_grad_hook(hook))
+                self._bucket_of.append(len(self.buckets) - 1)
+                size += param.numel() * param.element_size()
         self._reset()
 
     def _reset(self) -> None:
@@ -127,7 +124,7 @@ class GradientSync:
         """The step's gradients summed over the replicas (every rank calls it once per optimizer step)."""
         if self.group is None:
             return
-        over = sum(count > self.accumulations for count in self._counts) if self.buckets else 0
+        over = sum(count > self.accumulations for count in self._counts)
         if over:
             raise RuntimeError(
                 f"{over} LoRA gradients were accumulated more than {self.accumulations} times in one step: their "
@@ -141,8 +138,7 @@ class GradientSync:
             flat = flatten_gradients(rest)
             dist.all_reduce(flat, group=self.group)
             unflatten_gradients(flat, rest)
-        if self.buckets:
-            self._reset()
+        self._reset()
 
 
 def flatten_gradients(params: list[torch.Tensor]) -> torch.Tensor:
