@@ -76,6 +76,7 @@ def time_layer(
     from pipetune.model.graphs import give_gradients_own_memory
     from pipetune.model.load import DTYPES, build_meta, materialize
     from pipetune.model.lora import apply_lora, use_fast_path
+    from pipetune.model.quantize import quantize_linears
     from pipetune.model.shapes import resolve_model
     from pipetune.model.stage import StageModule
     from pipetune.plan import tensor_parallel_share
@@ -86,6 +87,8 @@ def time_layer(
     dtype = DTYPES[config.model.dtype]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         model = apply_lora(build_meta(shape_only, dtype, [0], first=False, last=False), config.lora, resolved.name, 0)
+        if work.nf4_weights:  # the NF4 base the run's layers dequantize in every call
+            quantize_linears(model, "nf4")
         if config.lora.fast_path:
             use_fast_path(model, config.lora.shared_dropout, work.tp, grouped)
         materialize(model, shape_only, device)

@@ -124,8 +124,8 @@ class LayerWork:
     """Its NF4 linears: one operator call each, forward and backward."""
 
     def key(self, mode: str) -> str:
-        """What a measured time is filed under: model, microbatch shape, tp and how the layer runs."""
-        return f"{self.model} {self.microbatch}x{self.seq} tp={self.tp} {mode}"
+        """What a measured time is filed under: model, microbatch shape, tp, how the layer runs and an NF4 base."""
+        return f"{self.model} {self.microbatch}x{self.seq} tp={self.tp} {mode}" + (" nf4" if self.nf4_weights else "")
 
 
 def layer_seconds(work: LayerWork, rates: GpuRates, mode: str) -> tuple[float, float]:
