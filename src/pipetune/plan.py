@@ -229,7 +229,7 @@ def predict(
     for rank, (layers, k) in enumerate(zip(stage_layers, checkpointed, strict=True)):
         rank_mode = mode
         if mode == "graphs":  # the run's own rule, rank by rank (checkpointing, recording time)
-            untried = graphs_untried(config.model.quantize, config.lora.shared_dropout, p.n_stages)
+            untried = graphs_untried(config.model.quantize)
             graphs = choose_cuda_graphs(
                 costs, sum(layers), any(k), p.n_microbatches, microbatch, seq, layout.tp, untried
             )

@@ -346,7 +346,7 @@ class Runners:
     timelines: dict[int, StageTimeline]
     loss_fn: TokenLoss
     validation: PipelineRunner | SingleRunner
-    """The full-length runner, which validation uses."""
+    """What validation runs: the full-length shape; in a pipeline, stages of its own (see build_runners)."""
     cuda_graphs: bool
     gradients: GradientSync
 
@@ -361,17 +361,23 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
     if t.fused_loss and last_stage is not None:
         last_stage.head_in_loss = True
         loss_fn = TokenLoss(head=last_stage.lm_head, chunk=t.loss_chunk)
+    def runner() -> PipelineRunner | SingleRunner:
+        if p.n_stages == 1:
+            return SingleRunner(modules[0], p.n_microbatches, loss_fn)
+        return PipelineRunner(
+            modules, stages.ids, p.n_stages, device, mesh.pp_group, p.schedule, p.n_microbatches, loss_fn
+        )
+
     runners: dict[int, PipelineRunner | SingleRunner] = {}
     timelines: dict[int, StageTimeline] = {}
     for length in config.data.buckets or [max_length]:
-        if p.n_stages == 1:
-            runners[length] = SingleRunner(modules[0], p.n_microbatches, loss_fn)
-            continue
-        runners[length] = PipelineRunner(
-            modules, stages.ids, p.n_stages, device, mesh.pp_group, p.schedule, p.n_microbatches, loss_fn
-        )
-        if t.timeline_step:
+        runners[length] = runner()
+        if t.timeline_step and p.n_stages > 1:
             timelines[length] = StageTimeline(runners[length].stages, runners[length].schedule, env.rank, device)
+    # Validation's forward-only steps run on pipeline stages of their own: on torch 2.11 a training step on
+    # stages whose first step was forward-only (the validation before step 1) sent no input gradient ("[5] for
+    # chunk 0 has gradients None", 2x H200), and torch re-infers a stage's shapes after every forward-only step.
+    validation = runner() if p.n_stages > 1 else runners[max_length]
     if t.activation_checkpointing == "auto":
         plan = auto_checkpointing(modules, stages.ids, mesh.pp_rank, config, prepared.model, device, mesh.tp_mesh)
         for module, count in zip(modules, plan.layers, strict=True):
@@ -389,7 +395,7 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
             config.microbatch_size,
             max_length,
             p.tp,
-            graphs_untried(config.model.quantize, config.lora.shared_dropout, p.n_stages),
+            graphs_untried(config.model.quantize),
         )
         if note:
             print(f"rank {env.rank}: note: {note}", flush=True)
@@ -405,7 +411,7 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
         t.grad_accum * p.n_microbatches,
         overlap=p.overlap_gradient_sum and p.n_stages == 1 and p.tp == 1,
     )
-    return Runners(runners, timelines, loss_fn, runners[max_length], cuda_graphs, gradients)
+    return Runners(runners, timelines, loss_fn, validation, cuda_graphs, gradients)
 
 
 def build_optimizer(

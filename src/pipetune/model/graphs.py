@@ -52,19 +52,13 @@ def cuda_graphs_pay_off(costs: StageCosts, microbatch: int, seq_len: int, split:
     )
 
 
-def graphs_untried(quantize: str, shared_dropout: bool, n_stages: int) -> str:
-    """Why CUDA graphs stay off for a run with these settings although they might pay ("": none): what has not
-    run with them on a GPU yet, or failed there."""
+def graphs_untried(quantize: str) -> str:
+    """Why CUDA graphs stay off for a run with this base although they might pay ("": none): what has not run
+    with them on a GPU yet."""
     if quantize == "nf4":
         return (
             'with model.quantize = "nf4" they have not been measured yet (each NF4 linear launches its own '
             "compiled dequantization inside the layer)"
-        )
-    if shared_dropout and n_stages > 1:
-        return (
-            "lora.shared_dropout in a pipeline failed with them on 2x H200 (Qwen3-4B, interleaved 1F1B v=3: an "
-            "error at the last stage's first backward send, in the step that records them; "
-            "benchmarks/2026-11-30-wave7-h200.md)"
         )
     return ""
 
