@@ -5,20 +5,28 @@
 (device machine, repo root, 2 GPUs). For every run in benchmarks/plan_check.py it times one decoder layer, as
 that run ran it (model, microbatch shape, dtype, adapters, LoRA path, compilation, CUDA graphs), forward and
 backward on GPU 0, and one transfer of a microbatch's hidden states from GPU 0 to GPU 1; the shapes that matter
-most first (the accuracy targets' rows: Qwen3-4B at 512 and 16,384 tokens, the 72B shape), until --budget seconds
-are spent. It writes under $OUT:
+most first (the accuracy targets' leading layouts, then the measured runs, larger models first), until --budget
+seconds are spent. Tensor-parallel shapes are not timed: one process times a share of a layer without the
+all-reduces and the DTensor dispatch that make its cost in a run (calibrate.py); the model predicts them, scaled
+as the other untimed shapes by how far it was off on the timed ones. It writes under $OUT:
 
     rates.json           the calibrated rates (`benchmarks/plan_check.py --rates`, `GpuRates.load`)
     plan-check.md        every run's prediction with those rates beside its measurement
     picks.txt            the plan's pick, calibrated, for Qwen3-4B (512, 16,384 tokens), Qwen3-32B and the 72B shape
     calibrate.log        each timing as it was taken
+
+    PYTHONPATH=src python3 benchmarks/plan_calibrate.py --rates FILE   (any machine)
+
+writes plan-check.md and picks.txt again from a rates.json a call brought back (no timing), by the rules above.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -35,7 +43,8 @@ import plan_check  # noqa: E402
 from pipetune.config import load_config  # noqa: E402
 from pipetune.calibrate import time_layer, time_transfer  # noqa: E402
 from pipetune.parallel.layouts import Layout  # noqa: E402
-from pipetune.parallel.speed import GpuRates  # noqa: E402
+from pipetune.calibrate import timed_alone  # noqa: E402
+from pipetune.parallel.speed import GpuRates, layer_seconds  # noqa: E402
 from pipetune.plan import H200_MEMORY, format_plan, make_plan  # noqa: E402
 
 TARGETS = {
@@ -50,11 +59,12 @@ TARGETS = {
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=float, default=540, help="seconds to spend timing layers (default: 540)")
+    parser.add_argument("--rates", default=None, help="a rates.json to predict from again instead of timing")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "/tmp/plan-calibrate"))
     out.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    log = open(out / "calibrate.log", "w")  # noqa: SIM115
+    log = open(out / "calibrate.log", "a" if args.rates else "w")  # noqa: SIM115
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -74,17 +84,39 @@ def main() -> int:
         plan = make_plan(config, p.pp * p.dp, H200_MEMORY, layouts=[Layout.of(config)])
         prediction = plan.predictions[0]
         shapes.setdefault(prediction.work.key(prediction.mode), (config, prediction.work, prediction.mode))
-    if not torch.cuda.is_available():
+    shapes = {key: shape for key, shape in shapes.items() if timed_alone(shape[1])}
+    measured, link, name = {}, None, ""
+
+    def rates() -> GpuRates:
+        """The defaults with the timed layers, the others scaled by the timed ones' measured over modelled time."""
+        ratios = [sum(measured[k]) / sum(layer_seconds(shapes[k][1], GpuRates(), shapes[k][2])) for k in measured]
+        return dataclasses.replace(
+            GpuRates(),
+            name=name,
+            layer_seconds=dict(measured),
+            layer_scale=math.exp(statistics.mean(map(math.log, ratios))) if ratios else 1.0,
+            **({"link_bytes_per_s": link, "link_latency_s": 0.0} if link else {}),
+        )
+
+    if args.rates:  # predict again from another call's timings, by this script's rules
+        loaded = GpuRates.load(args.rates)
+        measured = {k: tuple(v) for k, v in loaded.layer_seconds.items() if k in shapes}
+        link, name = loaded.link_bytes_per_s, f"{loaded.name}, predicted again by its rules of today"
+        left = sorted(set(loaded.layer_seconds) - set(measured))
+        say(f"from {args.rates}: {len(measured)} timed shapes used, {len(left)} left out ({', '.join(left)})")
+    elif not torch.cuda.is_available():
         say("no GPU here: the shapes it would time, in order:\n  " + "\n  ".join(shapes))
         return 1
-    say(f"GPUs: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
-    measured, link = {}, None
+    else:
+        name = f"calibrated on {torch.cuda.get_device_name(0)} (benchmarks/plan_calibrate.py)"
+        say(f"GPUs: {torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
 
     def time_shapes(todo: dict) -> None:
         nonlocal link
         for key, (config, work, mode) in todo.items():
-            if key in measured:
+            if key in measured or not timed_alone(work):
                 continue
+            shapes[key] = (config, work, mode)
             if time.time() - started > args.budget:
                 say(f"{key}: not timed, budget spent")
                 continue
@@ -101,29 +133,23 @@ def main() -> int:
                 link = nbytes / time_transfer(nbytes)
                 say(f"transfer: {nbytes / 1e6:.1f} MB GPU 0 -> 1 at {link / 1e9:.0f} GB/s")
 
-    def rates() -> GpuRates:
-        return dataclasses.replace(
-            GpuRates(),
-            name=f"calibrated on {torch.cuda.get_device_name(0)} (benchmarks/plan_calibrate.py)",
-            layer_seconds=dict(measured),
-            **({"link_bytes_per_s": link, "link_latency_s": 0.0} if link else {}),
-        )
-
-    time_shapes(shapes)
-    # The targets' leading layouts once more, with the calibrated rates: a pick that moved gets its shape timed.
-    for path, overrides in TARGETS.values():
-        config = load_config(ROOT / path, overrides)
-        leading = [p for p in make_plan(config, 2, rates=rates()).predictions if p.fits][:3]
-        time_shapes({p.work.key(p.mode): (config, p.work, p.mode) for p in leading})
+    if not args.rates:
+        time_shapes(shapes)
+        # The targets' leading layouts once more, with the calibrated rates: a pick that moved gets its shape timed.
+        for path, overrides in TARGETS.values():
+            config = load_config(ROOT / path, overrides)
+            leading = [p for p in make_plan(config, 2, rates=rates()).predictions if p.fits][:3]
+            time_shapes({p.work.key(p.mode): (config, p.work, p.mode) for p in leading})
+    say(f"layer scale for untimed shapes: {rates().layer_scale:.3f}")
     rates().save(out / "rates.json")
     check = [sys.executable, str(ROOT / "benchmarks" / "plan_check.py"), "--rates", str(out / "rates.json")]
     subprocess.run([*check, "--out", str(out / "plan-check.md")], check=False)
     with open(out / "picks.txt", "w") as picks:
-        for name, (path, overrides) in TARGETS.items():
+        for target, (path, overrides) in TARGETS.items():
             config = load_config(ROOT / path, overrides)
             text = format_plan(make_plan(config, 2, rates=rates()), top=10)
-            picks.write(f"== {name}\n{text}\n\n")
-            say(f"{name}: {text.splitlines()[-1]}")
+            picks.write(f"== {target}\n{text}\n\n")
+            say(f"{target}: {text.splitlines()[-1]}")
     say(f"done in {time.time() - started:.0f} s")
     return 0
 

@@ -544,6 +544,23 @@ RUNS = [
         "tp",
         "2026-11-30-wave7-call3-bench.json:32b-tp:tp",
     ),
+    Run("wave8 3: 4B, v=3 4 x 4", B4, V3, "pp", "2026-11-30-wave8-call3-bench.json:4b-pp-v3:pp"),
+    *(
+        Run(
+            f"wave8 {call}: 4B, {name}, shared dropout",
+            B4,
+            ["lora.shared_dropout=true", *layout],
+            strategy,
+            f"2026-11-30-wave8-call{call}-bench.json:{entry}:{strategy}",
+            note="the speed model knows no shared dropout masks",
+            speed=False,
+        )
+        for call, name, layout, strategy, entry in (
+            (1, "ddp 2 x 8", [], "ddp", "4b-ddp-shared"),
+            (3, "ddp 2 x 8", [], "ddp", "4b-ddp-shared"),
+            (3, "v=3 4 x 4", V3, "pp", "4b-pp-v3-shared"),
+        )
+    ),
 ]
 """Every pipetune training run on 2x H200 in benchmarks/results (the seed script and the baselines are not
 pipetune's; the 72B runs of part A's first call ran a planner since fixed)."""
