@@ -12,6 +12,9 @@
 #      validation before step 1 on its training stages, every one that passed at 32B and 72B had none. Validation
 #      now runs on pipeline stages of its own: `pp` v=3 4 x 4 with graphs and validation (if it fails again: the
 #      same without validation), then with shared dropout and graphs, beside `ddp` 1 x 8 with shared dropout.
+#   4: issue 22's figures in one call, after the loss stopped waiting for the GPU (supervised positions found on
+#      the host): `ddp` 1 x 8 and `pp` v=3 4 x 4, both with shared dropout and graphs, beside the seed script and
+#      DDP + PEFT compiled per layer; then `pp` v=4 4 x 4 (the plan's best pipeline) if the budget holds it.
 # Usage (device machine, repo root, .whl and .baselines carried): OUT=dir bash benchmarks/run_wave8_h200.sh 1
 # CPU dry run with the tiny model: TINY=1 OUT=dir bash benchmarks/run_wave8_h200.sh 1
 CALL=${1:-1}
@@ -52,6 +55,13 @@ elif [ "$CALL" = 3 ]; then
   fi
   bench 4b-pp-v3-shared 120 $B4 --strategies pp $S $V3 $SHARED
   bench 4b-ddp-shared 80 $B4 --strategies ddp $S $SHARED
+  collect wave8_$CALL
+elif [ "$CALL" = 4 ]; then
+  bench 4b-ddp-shared 80 $B4 --strategies ddp $S $SHARED
+  bench 4b-pp-v3-shared 120 $B4 --strategies pp $S $V3 $SHARED
+  [ "${TINY:-0}" != 1 ] && baselines 20 100 90 1
+  [ "${TINY:-0}" != 1 ] && bench 4b-pp-v4-shared 110 $B4 --strategies pp $S $SHARED --set parallel.schedule=\"interleaved_1f1b\" \
+    --set parallel.stages_per_rank=$((V + 1))
   collect wave8_$CALL
 fi
 echo "call $CALL done in $(( $(date +%s) - START )) s"

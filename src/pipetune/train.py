@@ -510,7 +510,11 @@ def forward_backward(loop: Loop, batches: torch.Tensor, lengths: torch.Tensor) -
         # A sharded pipeline stage may drop earlier gradients on its first step (see restore_gradients).
         stashed = stash_gradients(params) if p.sharded and p.n_stages > 1 and j > 0 else None
         input_ids, labels = loop.data.split.batch(index, length, loop.data.pad_id)
-        out = runners.by_length[length].step(input_ids.to(env.device), labels.to(env.device))
+        # The ids are copied from pinned memory without waiting for the device; the labels stay on the host,
+        # where the loss finds its supervised positions (model/loss.py) and copies them likewise.
+        if env.device.type == "cuda":
+            input_ids = input_ids.pin_memory()
+        out = runners.by_length[length].step(input_ids.to(env.device, non_blocking=True), labels)
         if stashed is not None:
             restore_gradients(params, stashed)
         if out is not None:

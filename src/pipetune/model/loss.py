@@ -32,10 +32,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         vocab: VocabShard | None,
     ) -> torch.Tensor:
         flat = hidden.reshape(-1, hidden.shape[-1])
-        # Only supervised rows reach the head: the prompt's tokens have no loss and get no gradient.
-        # Reading their count is the one host sync of the loss.
-        keep = (labels.reshape(-1) != ignore_index).nonzero().squeeze(1)
-        rows, targets = flat.index_select(0, keep), labels.reshape(-1).index_select(0, keep)
+        # Only supervised rows reach the head: the prompt's tokens have no loss and get no gradient. Their
+        # positions are found where the labels live: on the host for a training batch (no wait for the GPU), on
+        # the device for validation's (a host sync: their count sizes the rows).
+        keep, targets = supervised_positions(labels, ignore_index, hidden.device)
+        rows = flat.index_select(0, keep)
         if vocab is not None:  # this rank's columns: targets outside them pick nothing here
             targets = targets - vocab.start
             owned = ((targets >= 0) & (targets < weight.shape[0])).unsqueeze(1)
@@ -67,6 +68,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output: torch.Tensor):
         (grad,) = ctx.saved_tensors
         return (grad * grad_output).view(ctx.shape), None, None, None, None, None, None, None
+
+
+def supervised_positions(
+    labels: torch.Tensor, ignore_index: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(flat positions of the labels that count, their targets), on `device`. Labels on the host are read there
+    and copied without waiting for the device's queue, so the loss's launches never wait for the forward."""
+    flat = labels.reshape(-1)
+    keep = (flat != ignore_index).nonzero().squeeze(1)
+    targets = flat.index_select(0, keep)
+    if keep.device != device:
+        keep, targets = keep.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+    return keep, targets
 
 
 @dataclass

@@ -103,7 +103,8 @@ class TokenLoss:
     def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.head is not None:
             return linear_cross_entropy(output, self.head, labels, self.chunk, ignore_index=IGNORE) / self.normalizer
-        total = F.cross_entropy(output.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+        labels = labels.flatten().to(output.device, non_blocking=True)
+        total = F.cross_entropy(output.flatten(0, 1).float(), labels, ignore_index=IGNORE, reduction="sum")
         return total / self.normalizer
 
 
