@@ -559,6 +559,8 @@ RUNS = [
             (1, "ddp 2 x 8", [], "ddp", "4b-ddp-shared"),
             (3, "ddp 2 x 8", [], "ddp", "4b-ddp-shared"),
             (3, "v=3 4 x 4", V3, "pp", "4b-pp-v3-shared"),
+            (4, "ddp 2 x 8", [], "ddp", "4b-ddp-shared"),
+            (4, "v=4 4 x 4", V4, "pp", "4b-pp-v4-shared"),
         )
     ),
 ]
