@@ -361,6 +361,7 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
     if t.fused_loss and last_stage is not None:
         last_stage.head_in_loss = True
         loss_fn = TokenLoss(head=last_stage.lm_head, chunk=t.loss_chunk)
+
     def runner() -> PipelineRunner | SingleRunner:
         if p.n_stages == 1:
             return SingleRunner(modules[0], p.n_microbatches, loss_fn)
