@@ -138,7 +138,8 @@ class TrainConfig:
     """Compute lm_head and the cross-entropy together, on the supervised tokens only (the summary, not the
     transcript), a chunk of train.loss_chunk rows at a time, writing the hidden states' gradient in the
     forward: the [tokens, vocab] float32 logits and their gradient are never whole in memory (Qwen3: 151,936
-    columns). Same math as the plain loss; one host sync per microbatch (the supervised-row count)."""
+    columns). Same math as the plain loss; the supervised rows are found on the host, where a training batch's
+    labels are made, so the loss never waits for the GPU (validation's, on the device, sync once a batch)."""
     loss_chunk: int = 2048
     """Rows (tokens) per chunk of train.fused_loss: peak extra memory ~ loss_chunk x vocab x 12 bytes."""
     activation_checkpointing: bool | str = field(default=False, metadata={"also": ("auto",)})
