@@ -15,6 +15,8 @@
 #   4: issue 22's figures in one call, after the loss stopped waiting for the GPU (supervised positions found on
 #      the host): `ddp` 1 x 8 and `pp` v=3 4 x 4, both with shared dropout and graphs, beside the seed script and
 #      DDP + PEFT compiled per layer; then `pp` v=4 4 x 4 (the plan's best pipeline) if the budget holds it.
+#   5: the loss's labels on the host, on the GPUs' other paths: the tiny model in bf16 under tp=2 (vocabulary-
+#      parallel fused loss) and as a pipeline with the plain loss.
 # Usage (device machine, repo root, .whl and .baselines carried): OUT=dir bash benchmarks/run_wave8_h200.sh 1
 # CPU dry run with the tiny model: TINY=1 OUT=dir bash benchmarks/run_wave8_h200.sh 1
 CALL=${1:-1}
@@ -62,6 +64,11 @@ elif [ "$CALL" = 4 ]; then
   [ "${TINY:-0}" != 1 ] && baselines 20 100 90 1
   [ "${TINY:-0}" != 1 ] && bench 4b-pp-v4-shared 110 $B4 --strategies pp $S $SHARED --set parallel.schedule=\"interleaved_1f1b\" \
     --set parallel.stages_per_rank=$((V + 1))
+  collect wave8_$CALL
+elif [ "$CALL" = 5 ]; then
+  T="--set model.name=\"tiny-qwen3\" --set data.synthetic_train=64 --steps 2 --warmup 1"
+  bench tiny-tp 60 $B4 --strategies tp $T --set parallel.pp=1 --set parallel.tp=2 --set parallel.n_microbatches=1
+  bench tiny-pp-plainloss 60 $B4 --strategies pp $T --set train.fused_loss=false
   collect wave8_$CALL
 fi
 echo "call $CALL done in $(( $(date +%s) - START )) s"
