@@ -41,9 +41,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import plan_check  # noqa: E402
 
 from pipetune.config import load_config  # noqa: E402
-from pipetune.calibrate import time_layer, time_transfer  # noqa: E402
+from pipetune.calibrate import time_layer, time_transfer, timed_alone  # noqa: E402
 from pipetune.parallel.layouts import Layout  # noqa: E402
-from pipetune.calibrate import timed_alone  # noqa: E402
 from pipetune.parallel.speed import GpuRates, layer_seconds  # noqa: E402
 from pipetune.plan import H200_MEMORY, format_plan, make_plan  # noqa: E402
 
