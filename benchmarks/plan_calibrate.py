@@ -23,10 +23,7 @@ writes plan-check.md and picks.txt again from a rates.json a call brought back (
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import math
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -40,8 +37,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import plan_check  # noqa: E402
 
+from pipetune.calibrate import time_layer, time_transfer, timed_alone, with_timings  # noqa: E402
 from pipetune.config import load_config  # noqa: E402
-from pipetune.calibrate import time_layer, time_transfer, timed_alone  # noqa: E402
 from pipetune.parallel.layouts import Layout  # noqa: E402
 from pipetune.parallel.speed import GpuRates, layer_seconds  # noqa: E402
 from pipetune.plan import H200_MEMORY, format_plan, make_plan  # noqa: E402
@@ -89,13 +86,7 @@ def main() -> int:
     def rates() -> GpuRates:
         """The defaults with the timed layers, the others scaled by the timed ones' measured over modelled time."""
         ratios = [sum(measured[k]) / sum(layer_seconds(shapes[k][1], GpuRates(), shapes[k][2])) for k in measured]
-        return dataclasses.replace(
-            GpuRates(),
-            name=name,
-            layer_seconds=dict(measured),
-            layer_scale=math.exp(statistics.mean(map(math.log, ratios))) if ratios else 1.0,
-            **({"link_bytes_per_s": link, "link_latency_s": 0.0} if link else {}),
-        )
+        return with_timings(GpuRates(), name, measured, ratios, link)
 
     if args.rates:  # predict again from another call's timings, by this script's rules
         loaded = GpuRates.load(args.rates)

@@ -59,13 +59,25 @@ def calibrate(
         nbytes = work.tokens * work.hidden * torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
         link = nbytes / time_transfer(nbytes)
         print(f"calibrate: {nbytes / 1e6:.1f} MB from GPU 0 to GPU 1 at {link / 1e9:.0f} GB/s", flush=True)
+    name = f"calibrated on {torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type}"
+    return with_timings(rates, name, measured, ratios, link)
+
+
+def with_timings(
+    rates: GpuRates,
+    name: str,
+    measured: dict[str, tuple[float, float]],
+    ratios: list[float],
+    link: float | None = None,
+) -> GpuRates:
+    """`rates` with the timed layers, the untimed ones scaled by the timed ones' measured over modelled times
+    (`ratios`, their geometric mean), and a measured link (no separate latency: it is in the timing)."""
     return dataclasses.replace(
         rates,
-        name=f"calibrated on {torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type}",
-        layer_seconds=measured,
+        name=name,
+        layer_seconds=dict(measured),
         layer_scale=math.exp(statistics.mean(map(math.log, ratios))) if ratios else 1.0,
-        link_bytes_per_s=link,
-        link_latency_s=0.0,
+        **({"link_bytes_per_s": link, "link_latency_s": 0.0} if link is not None else {}),
     )
 
 
