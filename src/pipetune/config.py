@@ -102,8 +102,7 @@ class LoraConfig:
     another; o and down keep their own), and those adapters' down-projections as one matmul. Not PEFT's draws:
     each element is dropped with probability lora.dropout and scaled by 1 / (1 - lora.dropout) as before, but
     q, k and v drop the same ones. Fewer random numbers and kernels, one dropped input kept for backward per
-    shared input instead of one per adapter; not with parallel.tp > 1. In a pipeline (parallel.pp > 1) CUDA
-    graphs stay off with it: that combination failed on 2x H200 in the step that records them."""
+    shared input instead of one per adapter; not with parallel.tp > 1."""
 
 
 @dataclass
