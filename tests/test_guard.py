@@ -17,8 +17,9 @@ from safetensors.torch import load_file
 
 from pipetune.checkpoint import committed_checkpoints, verify_files
 from pipetune.metrics import MetricsWindow
-from pipetune.parallel.mesh import clip_global_grad_norm
+from pipetune.parallel.mesh import bad_ranks, clip_global_grad_norm
 from pipetune.parallel.process_group import DistEnv
+from pipetune.train import lr_factor
 from tests.conftest import run_cli, tiny_config, write_config
 
 
@@ -26,16 +27,16 @@ def test_grad_norm_flags_non_finite_values_and_leaves_such_gradients_alone() -> 
     params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))]
     params[0].grad, params[1].grad = torch.tensor([3.0, 0.0, 0.0]), torch.tensor([4.0, 0.0, 0.0, 0.0])
 
-    norm, bad = clip_global_grad_norm(params, 1.0, torch.device("cpu"), loss=torch.tensor(2.0))
-    assert bad == [] and float(norm) == pytest.approx(5.0)
+    norm, flags = clip_global_grad_norm(params, 1.0, torch.device("cpu"), loss=torch.tensor(2.0))
+    assert bad_ranks(flags) == [] and float(norm) == pytest.approx(5.0)
     assert float(torch.cat([p.grad for p in params]).norm()) == pytest.approx(1.0)  # clipped
 
     params[1].grad = torch.tensor([float("inf"), 0.0, 0.0, 0.0])
-    _, bad = clip_global_grad_norm(params, 1.0, torch.device("cpu"))
-    assert bad == [0]
+    _, flags = clip_global_grad_norm(params, 1.0, torch.device("cpu"))
+    assert bad_ranks(flags) == [0]
     params[1].grad = torch.tensor([1.0, 0.0, 0.0, 0.0])
-    _, bad = clip_global_grad_norm(params, 1.0, torch.device("cpu"), loss=torch.tensor(float("nan")))
-    assert bad == [0]
+    _, flags = clip_global_grad_norm(params, 1.0, torch.device("cpu"), loss=torch.tensor(float("nan")))
+    assert bad_ranks(flags) == [0]
     assert params[1].grad[0] == 1.0  # nothing was clipped by a non-finite norm
 
 
@@ -48,41 +49,46 @@ def _rows(run_dir: Path) -> dict[int, dict[str, str]]:
 def test_nan_on_a_middle_stage_is_skipped_by_all_then_stops_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Skips are decided on the device and settled one step late, or before a row or checkpoint: steps 5 and 7
+    are settled inside the next step, 2 and 6 before their row."""
     run_dir = tmp_path / "run"
     config = tiny_config(
         run_dir,
         "parallel.pp=4",
         "train.epochs=2",
         "train.max_steps=8",
-        "train.save_every=1",
+        "train.log_every=2",
+        "train.save_every=2",
         "train.max_skipped_steps=3",
         "train.warmup_steps=0",
     )
-    # Stage 1 of 4 gets NaN gradients at step 2 (once), then at steps 4, 5, 6 (three in a row: stop).
-    monkeypatch.setenv("PIPETUNE_TEST_NAN_AT", "1:2,4,5,6")
+    # Stage 1 of 4 gets NaN gradients at step 2 (once), then at steps 5, 6, 7 (three in a row: stop).
+    monkeypatch.setenv("PIPETUNE_TEST_NAN_AT", "1:2,5,6,7")
     result = run_cli(
         "train", "--config", str(write_config(config, tmp_path / "c.toml")), "--quiet", check=False, faults=True
     )
 
     assert result.returncode != 0
     assert "step 2: non-finite loss or gradient norm on stage 1; optimizer step skipped (1 in a row" in result.stderr
-    assert "step 6: non-finite loss or gradient norm on stage 1; optimizer step skipped (3 in a row" in result.stderr
-    assert "3 optimizer steps in a row (up to step 6) had a non-finite loss or gradient norm; stopping" in result.stderr
+    assert "step 5: non-finite loss or gradient norm on stage 1; optimizer step skipped (1 in a row" in result.stderr
+    assert "step 7: non-finite loss or gradient norm on stage 1; optimizer step skipped (3 in a row" in result.stderr
+    assert "3 optimizer steps in a row (up to step 7) had a non-finite loss or gradient norm; stopping" in result.stderr
     assert result.stderr.count("; stopping.") == 1  # said once, by rank 0
-    assert (  # steps 4 and 5 were skipped: step-5 holds the weights of step 3
-        f"The newest committed checkpoint, {run_dir / 'checkpoints' / 'step-5'}, holds weights from before them "
-        "(those of step 3: a skipped step changes no weight). Lower train.lr (applied on resume" in result.stderr
+    assert (  # steps 5 and 6 were skipped: step-6 holds the weights of step 4
+        f"The newest committed checkpoint, {run_dir / 'checkpoints' / 'step-6'}, holds weights from before them "
+        "(those of step 4: a skipped step changes no weight). Lower train.lr (applied on resume" in result.stderr
     )
 
     rows = _rows(run_dir)
-    assert sorted(rows) == [0, 1, 2, 3, 4, 5]  # step 0: validation; stopped before step 6 was logged or saved
-    assert math.isfinite(float(rows[1]["loss"])) and math.isfinite(float(rows[3]["loss"]))
-    assert math.isnan(float(rows[2]["loss"]))
-    assert rows[3]["lr"] == rows[2]["lr"]  # the skipped step did not advance the schedule
+    assert sorted(rows) == [0, 2, 4, 6]  # step 0: validation; stopped in step 8, before its row or checkpoint
+    assert math.isfinite(float(rows[2]["loss"])) and math.isfinite(float(rows[4]["loss"]))  # step 2's left out
+    assert math.isnan(float(rows[6]["loss"]))  # both of its steps skipped
+    # The schedule advanced after steps 1 and 3 only: step 4 ran at the schedule's third lr.
+    assert float(rows[4]["lr"]) == pytest.approx(config.train.lr * lr_factor(2, 0, 8, config.train.min_lr_ratio))
 
     # The last committed checkpoint is intact, and a skipped step changed no adapter weight.
     checkpoints = committed_checkpoints(run_dir)
-    assert [c.step for c in checkpoints] == [4, 5]
+    assert [c.step for c in checkpoints] == [4, 6]
     verify_files(checkpoints[-1])
     for rank in range(4):
         before = load_file(checkpoints[0].path / f"adapter.rank{rank}.safetensors")

@@ -291,16 +291,24 @@ class MetricsWindow:
     def _reset(self) -> None:
         self.loss = torch.zeros((), device=self.device)
         self.grad_norm = torch.zeros((), device=self.device)
-        self.steps = self.skipped = self.tokens = self.real_tokens = self.supervised = 0
+        self.skipped = torch.zeros((), device=self.device)
+        self.steps = self.tokens = self.real_tokens = self.supervised = 0
         self.start = time.perf_counter()
 
     def add(
-        self, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: int, real: int, supervised: int, skipped: bool
+        self,
+        loss: torch.Tensor,
+        grad_norm: torch.Tensor,
+        tokens: int,
+        real: int,
+        supervised: int,
+        skipped: torch.Tensor | bool,
     ) -> None:
-        if skipped:  # a skipped step's non-finite loss stays out of the row's mean
-            self.skipped += 1
-        else:
-            self.loss += loss
+        """One optimizer step's figures; `skipped` (1 or 0, on the device: the step's non-finite flag) keeps a
+        skipped step's loss out of the row's mean."""
+        skipped = torch.as_tensor(skipped, dtype=torch.float32, device=self.device)
+        self.loss += torch.where(skipped > 0, 0.0, loss)
+        self.skipped += skipped
         self.grad_norm = grad_norm.detach()
         self.steps += 1
         self.tokens += tokens
@@ -354,7 +362,7 @@ class MetricsWindow:
 
     def _mean_loss(self) -> torch.Tensor:
         counted = self.steps - self.skipped
-        return self.loss / counted if counted else torch.full((), float("nan"), device=self.device)
+        return torch.where(counted > 0, self.loss / counted.clamp(min=1), float("nan"))
 
 
 class MetricsLog:

@@ -45,7 +45,7 @@ from pipetune.model.split import StageCosts, run_split, stage_costs
 from pipetune.model.stage import StageModule
 from pipetune.parallel.fsdp import shard_stages
 from pipetune.parallel.memory import auto_checkpointing
-from pipetune.parallel.mesh import GradientSync, Mesh, build_mesh, clip_global_grad_norm
+from pipetune.parallel.mesh import GradientSync, Mesh, bad_ranks, build_mesh, clip_global_grad_norm
 from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, evaluate_validation
 from pipetune.parallel.process_group import (
     DistEnv,
@@ -113,7 +113,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     data = build_data(config, env, prepared, run_dir, say)
     stages = build_stages(config, env, mesh, prepared, phases, say, quiet)
     runners = build_runners(config, env, mesh, prepared, stages)
-    optimizer, scheduler = build_optimizer(config, stages.params, data.total_steps, device)
+    optimizer, scheduler = build_optimizer(config, stages.params, data.total_steps)
     state = TrainState.of(stages.peft_model, optimizer, scheduler)
     position = Position()
     if resume_from is not None:  # adapters, optimizer, RNG and the data position
@@ -137,11 +137,14 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         loop.hooks.after_step(loop.step, saved=False)
         epoch_end = index == data.steps_per_epoch - 1
         log, evaluate, save = cadence(config, loop.step, data.total_steps, epoch_end, data.validation is not None)
+        if log or save:  # both wait for the GPU anyway; a checkpoint holds the settled schedule and skip count
+            settle(loop)
         if log:
             log_row(loop, epoch, lr, evaluate)
         if save:  # with the position after this step, where a resumed run continues
             next_epoch, next_batch = (epoch + 1, 0) if epoch_end else (epoch, index + 1)
             save_step(loop, checkpoints, Position(loop.step, next_epoch, next_batch, loop.skipped_in_row))
+    settle(loop)
     metrics.close()
     if env.rank == 0 and t.timeline_step:
         plot_saved_timeline(run_dir, config)
@@ -416,13 +419,14 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
 
 
 def build_optimizer(
-    config: Config, params: list[torch.Tensor], total_steps: int, device: torch.device, fused: bool | None = None
+    config: Config, params: list[torch.Tensor], total_steps: int
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW over the LoRA parameters, and its learning-rate schedule (lr_factor) over the run's steps.
 
-    Fused (one kernel for all parameters) on GPUs unless `fused` says otherwise. Under tensor parallelism some
-    adapters are DTensors and some plain tensors (parallel/tp.py), and a fused step refuses a group that mixes
-    them: each kind gets a group of its own, with the same settings."""
+    Fused (one kernel for all parameters, on GPUs and CPUs alike): its step takes a `found_inf` flag on the
+    device and then changes nothing, which is how a non-finite step is skipped without the host waiting for the
+    GPU (run_step). Under tensor parallelism some adapters are DTensors and some plain tensors (parallel/tp.py),
+    and a fused step refuses a group that mixes them: each kind gets a group of its own, with the same settings."""
     t = config.train
     kinds = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
     optimizer = torch.optim.AdamW(
@@ -430,7 +434,7 @@ def build_optimizer(
         lr=t.lr,
         betas=(0.9, 0.999),
         weight_decay=t.weight_decay,
-        fused=device.type == "cuda" if fused is None else fused,
+        fused=True,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, t.warmup_steps, total_steps, t.min_lr_ratio)
@@ -460,41 +464,61 @@ class Loop:
     step: int = 0
     """Optimizer steps done (skipped ones included)."""
     skipped_in_row: int = 0
-    """Consecutive steps skipped for a non-finite loss or gradient norm, up to this one."""
+    """Consecutive steps skipped for a non-finite loss or gradient norm, up to this one (once settled)."""
+    unsettled: tuple[int, torch.Tensor] | None = None
+    """The last step and its per-rank non-finite flags on the device, until `settle` reads them."""
 
 
 def run_step(loop: Loop, batches: torch.Tensor, lengths: torch.Tensor) -> float:
     """One optimizer step over `batches` (grad_accum schedule steps of the global batch, padded to `lengths`):
-    forward and backward, the gradients reduced and clipped, then the optimizer's step, or none where a loss or
-    norm is non-finite (every rank gets the same flags from the all-reduce, so all skip together). Returns the
-    step's lr."""
-    t, data, optimizer = loop.config.train, loop.data, loop.state.optimizer
+    forward and backward, the gradients reduced and clipped, then the optimizer's step, which changes nothing
+    where a loss or norm is non-finite (every rank gets the same flags from the all-reduce, so all skip
+    together). The host does not wait for the flags: the step is settled (counted, warned about, the schedule
+    advanced) after the next step's forward and backward are queued, or before a metrics row or checkpoint.
+    Returns the step's lr."""
+    data, optimizer = loop.data, loop.state.optimizer
     loop.status.step, loop.status.phase = loop.step + 1, "pipeline send/recv"
     loop.phases.mark("step", step=loop.step + 1)
     n_supervised = int(data.supervised[batches.flatten()].sum())
     loop.runners.loss_fn.normalizer = max(n_supervised, 1)  # all-masked step: loss 0, never 0/0
     step_loss = forward_backward(loop, batches, lengths)
-    grad_norm, bad_stages = reduce_gradients(loop, step_loss)
+    settle(loop)  # the previous step: its flags are long computed while this step's work waits in the queue
+    grad_norm, flags = reduce_gradients(loop, step_loss)
     lr = optimizer.param_groups[0]["lr"]
-    if bad_stages:
-        optimizer.zero_grad(set_to_none=not loop.runners.cuda_graphs)
-        loop.skipped_in_row += 1
-        warn0(
-            loop.env,
-            f"step {loop.step + 1}: non-finite loss or gradient norm on stage {', '.join(map(str, bad_stages))}; "
-            f"optimizer step skipped ({loop.skipped_in_row} in a row, the run stops at {t.max_skipped_steps})",
-        )
-        if loop.skipped_in_row >= t.max_skipped_steps:
-            raise too_many_skipped(Path(loop.config.output.dir), loop.skipped_in_row, loop.step + 1)
-    else:
+    skipped = flags.amax().clamp(max=1)  # 0-dim: under tp a DTensor step takes it as replicated
+    optimizer.found_inf = skipped  # fused AdamW: no change to weights, moments or step count when set
+    try:
         optimizer.step()
-        loop.state.scheduler.step()
-        optimizer.zero_grad(set_to_none=not loop.runners.cuda_graphs)
-        loop.skipped_in_row = 0
+    finally:
+        del optimizer.found_inf
+    optimizer.zero_grad(set_to_none=not loop.runners.cuda_graphs)
     loop.step += 1
+    loop.unsettled = (loop.step, flags)
     tokens, real = data.global_batch * int(lengths.sum()), int(data.real_tokens[batches.flatten()].sum())
-    loop.metrics.window.add(step_loss, grad_norm, tokens, real, n_supervised, skipped=bool(bad_stages))
+    loop.metrics.window.add(step_loss, grad_norm, tokens, real, n_supervised, skipped)
     return lr
+
+
+def settle(loop: Loop) -> None:
+    """Read the last step's non-finite flags (a host sync): a skipped step is counted and warned about, and the
+    run stops after train.max_skipped_steps in a row; a step taken advances the learning-rate schedule."""
+    if loop.unsettled is None:
+        return
+    (step, flags), loop.unsettled = loop.unsettled, None
+    t = loop.config.train
+    bad_stages = bad_ranks(flags)
+    if not bad_stages:
+        loop.state.scheduler.step()
+        loop.skipped_in_row = 0
+        return
+    loop.skipped_in_row += 1
+    warn0(
+        loop.env,
+        f"step {step}: non-finite loss or gradient norm on stage {', '.join(map(str, bad_stages))}; "
+        f"optimizer step skipped ({loop.skipped_in_row} in a row, the run stops at {t.max_skipped_steps})",
+    )
+    if loop.skipped_in_row >= t.max_skipped_steps:
+        raise too_many_skipped(Path(loop.config.output.dir), loop.skipped_in_row, step)
 
 
 def forward_backward(loop: Loop, batches: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -525,9 +549,9 @@ def forward_backward(loop: Loop, batches: torch.Tensor, lengths: torch.Tensor) -
     return step_loss
 
 
-def reduce_gradients(loop: Loop, step_loss: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+def reduce_gradients(loop: Loop, step_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum the step's gradients over tp shards and dp replicas, then clip them by their global norm; returns the
-    norm and the ranks that saw a non-finite loss or norm."""
+    norm and the per-rank flags of a non-finite loss or norm, on the device."""
     p, params, mesh = loop.config.parallel, loop.stages.params, loop.mesh
     if mesh.tp_mesh is not None:
         sum_partial_gradients(params)

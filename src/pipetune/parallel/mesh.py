@@ -162,14 +162,15 @@ def clip_global_grad_norm(
     device: torch.device,
     loss: torch.Tensor | None = None,
     stage_ranks: int = 1,
-) -> tuple[torch.Tensor, list[int]]:
-    """The L2 norm of all stages' gradients together, and the ranks that saw a non-finite loss or gradient norm.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The L2 norm of all stages' gradients together, and one flag per rank (1: it saw a non-finite loss or
+    gradient norm), both on the device: nothing here waits for it (`bad_ranks` reads the flags).
 
-    One all-reduce over the world carries the squared norms and one flag per rank. Each of a stage's
-    `stage_ranks` (dp x tp) ranks adds its gradients' squares divided by the number of ranks holding the same
-    values: all of them for a plain (replicated) gradient, fewer for a DTensor split over some of them (by tp:
-    the dp replicas; by FSDP over dp: one), so every value counts once. Clips by the norm when all are finite,
-    scaling each rank's own tensors (shards included).
+    One all-reduce over the world carries the squared norms and the flags. Each of a stage's `stage_ranks`
+    (dp x tp) ranks adds its gradients' squares divided by the number of ranks holding the same values: all of
+    them for a plain (replicated) gradient, fewer for a DTensor split over some of them (by tp: the dp replicas;
+    by FSDP over dp: one), so every value counts once. Clips by the norm when no rank's flag is set, scaling each
+    rank's own tensors (shards included); otherwise leaves the gradients as they are.
     """
     grads = [param.grad for param in params if param.grad is not None]
     by_copies: dict[int, list[torch.Tensor]] = {}
@@ -187,12 +188,17 @@ def clip_global_grad_norm(
     packed[1 + rank] = (~finite).float()
     if dist.is_initialized():
         dist.all_reduce(packed)
-    flags = packed[1:].cpu()  # the one host sync of a step: skipping must be decided on the host
-    bad_ranks = [r for r in range(world) if flags[r] > 0]
+    flags = packed[1:]
     total = packed[0].sqrt()
-    if max_norm > 0 and not bad_ranks and grads:
-        torch._foreach_mul_([local_part(grad) for grad in grads], torch.clamp(max_norm / (total + 1e-6), max=1.0))
-    return total, bad_ranks
+    if max_norm > 0 and grads:
+        scale = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_([local_part(grad) for grad in grads], torch.where(flags.any(), 1.0, scale))
+    return total, flags
+
+
+def bad_ranks(flags: torch.Tensor) -> list[int]:
+    """The ranks whose flag (clip_global_grad_norm's) is set: a host sync, where a step's skip is settled."""
+    return [rank for rank, flag in enumerate(flags.tolist()) if flag > 0]
 
 
 def shard_count(tensor: torch.Tensor) -> int:

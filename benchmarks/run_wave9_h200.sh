@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Wave 9 on ONE H200 (the 2-GPU kinds were not lent). Qwen3-4B shape, random weights, seq 512, LoRA r16 on 7
+# projections, shared dropout, every speed switch of the bench config.
+#   1: the step's host synchronizations (issue 22): `single` 1 x 8 (one GPU's share of `ddp` 1 x 8 on two) with
+#      the code before the change (.baselines/pipetune-7da8567: the non-finite flags read at every step's end, a
+#      metrics row every step) against now (a skip decided on the device, the flags read one step late; rows of
+#      5 steps), and now with a row every step (warm-up 4, 21 steps: the row's own synchronization alone), in
+#      A B C A B order; DDP + PEFT compiled per layer on one GPU beside them. Then, if the budget holds it, the
+#      72B shape with an NF4 base in the layout the plan picks for `ddp` on two GPUs (microbatches of 4, 2
+#      accumulated), here `single`: its memory per GPU (issue 20; the 2-GPU run recomputed 10 layers by a bug
+#      since fixed).
+#   2: one decoder layer at [8, 512] under each lever, with CUDA graphs (benchmarks/layer_levers.py: SDPA
+#      backends, LoRA dropout, shared dropout), then what call 1 left.
+# Old code: git archive 7da8567 src | tar x -C .baselines/pipetune-7da8567 (carried with .baselines).
+# Usage (device machine, repo root, .whl and .baselines carried): OUT=dir bash benchmarks/run_wave9_h200.sh 1
+# CPU dry run with the tiny model: TINY=1 OUT=dir bash benchmarks/run_wave9_h200.sh 1
+CALL=${1:-1}
+source benchmarks/h200_common.sh
+W=/tmp/wave9-$CALL; rm -rf $W; mkdir -p $W
+BUDGET=${BUDGET:-540}
+OLD=$PWD/.baselines/pipetune-7da8567/src
+if [ "${TINY:-0}" = 1 ]; then
+  BENCH_ARGS=$TINY_ARGS; S="--steps 5 --warmup 5"; S1="--steps 6 --warmup 4"; LEVERS="--set model.name=\"tiny-qwen3\""
+else
+  BENCH_ARGS=""; S="--steps 20 --warmup 5"; S1="--steps 21 --warmup 4"; LEVERS=""
+fi
+ONE8="--set parallel.pp=1 --set parallel.n_microbatches=1 --set train.batch_size=8 --set lora.shared_dropout=true"
+old() { PYTHONPATH=$OLD:$PYTHONPATH "$@"; }  # a command on the code before the change
+NF4_PICK="--set parallel.pp=1 --set parallel.n_microbatches=1 --set train.batch_size=4 --set train.grad_accum=2"
+if [ "$CALL" = 1 ]; then
+  old bench a1-old-rows1 150 $B4 --strategies single $S $ONE8
+  bench b1-new-rows5 90 $B4 --strategies single $S $ONE8
+  bench c1-new-rows1 90 $B4 --strategies single $S1 $ONE8
+  old bench a2-old-rows1 90 $B4 --strategies single $S $ONE8
+  bench b2-new-rows5 90 $B4 --strategies single $S $ONE8
+  if [ "${TINY:-0}" != 1 ]; then
+    echo "== DDP + PEFT compiled per layer, one GPU, micro-batch 8 ($(date +%T))"
+    (cd $W && MB=8 GA=1 MAX_STEPS=20 COMPILE=1 timeout 100 torchrun --nproc_per_node=1 \
+      $OLDPWD/.baselines/lora_ddp.py 2>&1 | grep -E "RESULT|rror" | tail -3) | tee $OUT/ddp-peft-1gpu.txt
+    [ "$(left)" -gt 190 ] && bench 72b-nf4-ddp-layout 200 $B72 --strategies single --steps 3 --warmup 2 $NF4_PICK $(quant nf4)
+  fi
+  collect wave9_$CALL
+elif [ "$CALL" = 2 ]; then
+  timeout 200 python3 benchmarks/layer_levers.py --config $B4 --microbatch 8 $LEVERS --out $OUT/levers-4b.json 2>&1 | \
+    grep -v -i warn | tail -40 | tee $OUT/levers-4b.txt
+  [ "${TINY:-0}" != 1 ] && [ "$(left)" -gt 190 ] && \
+    bench 72b-nf4-ddp-layout 200 $B72 --strategies single --steps 3 --warmup 2 $NF4_PICK $(quant nf4)
+  collect wave9_$CALL
+fi
+echo "call $CALL done in $(( $(date +%s) - START )) s"
