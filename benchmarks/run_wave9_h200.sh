@@ -9,8 +9,10 @@
 #      72B shape with an NF4 base in the layout the plan picks for `ddp` on two GPUs (microbatches of 4, 2
 #      accumulated), here `single`: its memory per GPU (issue 20; the 2-GPU run recomputed 10 layers by a bug
 #      since fixed).
-#   2: one decoder layer at [8, 512] under each lever, with CUDA graphs (benchmarks/layer_levers.py: SDPA
-#      backends, LoRA dropout, shared dropout), then what call 1 left.
+#   2: call 1's three variants again, three runs each of 40 timed steps in a Latin square; then the 72B NF4 run
+#      that call 1's budget left out.
+#   3: one decoder layer at [8, 512] under each lever, with CUDA graphs (benchmarks/layer_levers.py: SDPA
+#      backends, LoRA dropout, shared dropout).
 # Old code: git archive 7da8567 src | tar x -C .baselines/pipetune-7da8567 (carried with .baselines).
 # Usage (device machine, repo root, .whl and .baselines carried): OUT=dir bash benchmarks/run_wave9_h200.sh 1
 # CPU dry run with the tiny model: TINY=1 OUT=dir bash benchmarks/run_wave9_h200.sh 1
@@ -41,10 +43,24 @@ if [ "$CALL" = 1 ]; then
   fi
   collect wave9_$CALL
 elif [ "$CALL" = 2 ]; then
+  # Call 1's five runs differed by no more than runs of the same code did (153 and 156 ms a step): three of each,
+  # 40 timed steps, in a Latin square (A B C, B C A, C A B), on call 1's compile cache (.carry).
+  L="--steps 40 --warmup 5"; L1="--steps 41 --warmup 4"
+  [ "${TINY:-0}" = 1 ] && { L="--steps 5 --warmup 5"; L1="--steps 6 --warmup 4"; }
+  for round in 1 2 3; do
+    for v in $(echo "a b c b c a c a b" | cut -d' ' -f$((3 * round - 2))-$((3 * round))); do
+      case $v in
+        a) old bench a$round-old-rows1 80 $B4 --strategies single $L $ONE8 ;;
+        b) bench b$round-new-rows5 80 $B4 --strategies single $L $ONE8 ;;
+        c) bench c$round-new-rows1 80 $B4 --strategies single $L1 $ONE8 ;;
+      esac
+    done
+  done
+  [ "${TINY:-0}" != 1 ] && [ "$(left)" -gt 170 ] && \
+    bench 72b-nf4-ddp-layout $(( $(left) - 20 )) $B72 --strategies single --steps 3 --warmup 2 $NF4_PICK $(quant nf4)
+  collect wave9_$CALL
+elif [ "$CALL" = 3 ]; then
   timeout 200 python3 benchmarks/layer_levers.py --config $B4 --microbatch 8 $LEVERS --out $OUT/levers-4b.json 2>&1 | \
     grep -v -i warn | tail -40 | tee $OUT/levers-4b.txt
-  [ "${TINY:-0}" != 1 ] && [ "$(left)" -gt 190 ] && \
-    bench 72b-nf4-ddp-layout 200 $B72 --strategies single --steps 3 --warmup 2 $NF4_PICK $(quant nf4)
-  collect wave9_$CALL
 fi
 echo "call $CALL done in $(( $(date +%s) - START )) s"
