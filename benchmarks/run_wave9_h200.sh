@@ -11,8 +11,8 @@
 #      since fixed).
 #   2: call 1's three variants again, three runs each of 40 timed steps in a Latin square; then the 72B NF4 run
 #      that call 1's budget left out.
-#   3: one decoder layer at [8, 512] under each lever, with CUDA graphs (benchmarks/layer_levers.py: SDPA
-#      backends, LoRA dropout, shared dropout).
+#   3: rows of 5 and a row every step once more each, step 30 traced, the GPU's clock and power sampled; then the
+#      72B NF4 run.
 # Old code: git archive 7da8567 src | tar x -C .baselines/pipetune-7da8567 (carried with .baselines).
 # Usage (device machine, repo root, .whl and .baselines carried): OUT=dir bash benchmarks/run_wave9_h200.sh 1
 # CPU dry run with the tiny model: TINY=1 OUT=dir bash benchmarks/run_wave9_h200.sh 1
@@ -22,9 +22,9 @@ W=/tmp/wave9-$CALL; rm -rf $W; mkdir -p $W
 BUDGET=${BUDGET:-540}
 OLD=$PWD/.baselines/pipetune-7da8567/src
 if [ "${TINY:-0}" = 1 ]; then
-  BENCH_ARGS=$TINY_ARGS; S="--steps 5 --warmup 5"; S1="--steps 6 --warmup 4"; LEVERS="--set model.name=\"tiny-qwen3\""
+  BENCH_ARGS=$TINY_ARGS; S="--steps 5 --warmup 5"; S1="--steps 6 --warmup 4"
 else
-  BENCH_ARGS=""; S="--steps 20 --warmup 5"; S1="--steps 21 --warmup 4"; LEVERS=""
+  BENCH_ARGS=""; S="--steps 20 --warmup 5"; S1="--steps 21 --warmup 4"
 fi
 ONE8="--set parallel.pp=1 --set parallel.n_microbatches=1 --set train.batch_size=8 --set lora.shared_dropout=true"
 old() { PYTHONPATH=$OLD:$PYTHONPATH "$@"; }  # a command on the code before the change
@@ -60,7 +60,23 @@ elif [ "$CALL" = 2 ]; then
     bench 72b-nf4-ddp-layout $(( $(left) - 20 )) $B72 --strategies single --steps 3 --warmup 2 $NF4_PICK $(quant nf4)
   collect wave9_$CALL
 elif [ "$CALL" = 3 ]; then
-  timeout 200 python3 benchmarks/layer_levers.py --config $B4 --microbatch 8 $LEVERS --out $OUT/levers-4b.json 2>&1 | \
-    grep -v -i warn | tail -40 | tee $OUT/levers-4b.txt
+  # Why rows of 5 steps (the host a step ahead of the GPU) ran 2-5% slower than a row every step (the GPU drained
+  # at each step's end): each once more, step 30 profiled with its trace (the GPU's idle gaps and its kernels'
+  # time), the GPU's SM clock and power sampled every 100 ms while it runs (a GPU kept busy may clock lower).
+  L="--steps 40 --warmup 5"; L1="--steps 41 --warmup 4"
+  [ "${TINY:-0}" = 1 ] && { L="--steps 5 --warmup 5"; L1="--steps 6 --warmup 4"; }
+  for v in b c; do
+    name=$v-traced; [ $v = b ] && args="$L" || args="$L1"
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 100 \
+      > $OUT/clocks-$v.csv 2>/dev/null & SMI=$!
+    PIPETUNE_PROFILE_STEP=30 PIPETUNE_PROFILE_TRACE=$W/trace-$v bench $name 90 $B4 --strategies single $args $ONE8
+    kill $SMI 2>/dev/null
+    { python3 benchmarks/trace_gaps.py $W/trace-$v/trace-rank0.json.gz 2>&1 | head -40
+      grep -A30 "by self_device" $W/$name/single.log | head -32; } > $OUT/diag-$v.txt
+    rm -rf $W/trace-$v
+  done
+  [ "${TINY:-0}" != 1 ] && [ "$(left)" -gt 170 ] && \
+    bench 72b-nf4-ddp-layout $(( $(left) - 20 )) $B72 --strategies single --steps 3 --warmup 2 $NF4_PICK $(quant nf4)
+  collect wave9_$CALL
 fi
 echo "call $CALL done in $(( $(date +%s) - START )) s"
