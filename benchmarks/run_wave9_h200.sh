@@ -13,6 +13,8 @@
 #      that call 1's budget left out.
 #   3: rows of 5 and a row every step once more each, step 30 traced, the GPU's clock and power sampled; then the
 #      72B NF4 run.
+#   4: after call 3's finding (the flags' read-back drained the GPU): rows of 5 twice, a row every step, and the
+#      code before.
 # Old code: git archive 7da8567 src | tar x -C .baselines/pipetune-7da8567 (carried with .baselines).
 # Usage (device machine, repo root, .whl and .baselines carried): OUT=dir bash benchmarks/run_wave9_h200.sh 1
 # CPU dry run with the tiny model: TINY=1 OUT=dir bash benchmarks/run_wave9_h200.sh 1
@@ -59,24 +61,16 @@ elif [ "$CALL" = 2 ]; then
   [ "${TINY:-0}" != 1 ] && [ "$(left)" -gt 170 ] && \
     bench 72b-nf4-ddp-layout $(( $(left) - 20 )) $B72 --strategies single --steps 3 --warmup 2 $NF4_PICK $(quant nf4)
   collect wave9_$CALL
-elif [ "$CALL" = 3 ]; then
-  # Why rows of 5 steps (the host a step ahead of the GPU) ran 2-5% slower than a row every step (the GPU drained
-  # at each step's end): each once more, step 30 profiled with its trace (the GPU's idle gaps and its kernels'
-  # time), the GPU's SM clock and power sampled every 100 ms while it runs (a GPU kept busy may clock lower).
+elif [ "$CALL" = 4 ]; then
+  # Call 3's trace: the flags' read-back (`.tolist()`) queued behind the next step's forward and backward and
+  # drained the GPU; now they are copied to pinned memory when made and waited for by an event. Rows of 5 twice,
+  # a row every step, the code before, in that order.
   L="--steps 40 --warmup 5"; L1="--steps 41 --warmup 4"
   [ "${TINY:-0}" = 1 ] && { L="--steps 5 --warmup 5"; L1="--steps 6 --warmup 4"; }
-  for v in b c; do
-    name=$v-traced; [ $v = b ] && args="$L" || args="$L1"
-    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu --format=csv,noheader -lms 100 \
-      > $OUT/clocks-$v.csv 2>/dev/null & SMI=$!
-    PIPETUNE_PROFILE_STEP=30 PIPETUNE_PROFILE_TRACE=$W/trace-$v bench $name 90 $B4 --strategies single $args $ONE8
-    kill $SMI 2>/dev/null
-    { python3 benchmarks/trace_gaps.py $W/trace-$v/trace-rank0.json.gz 2>&1 | head -40
-      grep -A30 "by self_device" $W/$name/single.log | head -32; } > $OUT/diag-$v.txt
-    rm -rf $W/trace-$v
-  done
-  [ "${TINY:-0}" != 1 ] && [ "$(left)" -gt 170 ] && \
-    bench 72b-nf4-ddp-layout $(( $(left) - 20 )) $B72 --strategies single --steps 3 --warmup 2 $NF4_PICK $(quant nf4)
+  bench b1-event-rows5 80 $B4 --strategies single $L $ONE8
+  bench c1-event-rows1 80 $B4 --strategies single $L1 $ONE8
+  old bench a1-old-rows1 80 $B4 --strategies single $L $ONE8
+  bench b2-event-rows5 80 $B4 --strategies single $L $ONE8
   collect wave9_$CALL
 fi
 echo "call $CALL done in $(( $(date +%s) - START )) s"

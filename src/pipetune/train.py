@@ -465,8 +465,29 @@ class Loop:
     """Optimizer steps done (skipped ones included)."""
     skipped_in_row: int = 0
     """Consecutive steps skipped for a non-finite loss or gradient norm, up to this one (once settled)."""
-    unsettled: tuple[int, torch.Tensor] | None = None
-    """The last step and its per-rank non-finite flags on the device, until `settle` reads them."""
+    unsettled: tuple[int, HostCopy] | None = None
+    """The last step and its per-rank non-finite flags on their way to the host, until `settle` reads them."""
+
+
+class HostCopy:
+    """A device tensor's copy to the host, started now and waited for only when read: an event marks where the
+    copy sits on the stream, so reading it waits for the work queued before it, not for all that came after
+    (a plain `.cpu()` later would queue behind the next step's forward and backward and drain the GPU)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.done: torch.cuda.Event | None = None
+        if tensor.device.type == "cuda":
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.done = torch.cuda.Event()
+            self.done.record()
+        else:
+            self.host = tensor.detach().clone()
+
+    def get(self) -> torch.Tensor:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host
 
 
 def run_step(loop: Loop, batches: torch.Tensor, lengths: torch.Tensor) -> float:
@@ -493,7 +514,7 @@ def run_step(loop: Loop, batches: torch.Tensor, lengths: torch.Tensor) -> float:
         del optimizer.found_inf
     optimizer.zero_grad(set_to_none=not loop.runners.cuda_graphs)
     loop.step += 1
-    loop.unsettled = (loop.step, flags)
+    loop.unsettled = (loop.step, HostCopy(flags))
     tokens, real = data.global_batch * int(lengths.sum()), int(data.real_tokens[batches.flatten()].sum())
     loop.metrics.window.add(step_loss, grad_norm, tokens, real, n_supervised, skipped)
     return lr
@@ -506,7 +527,7 @@ def settle(loop: Loop) -> None:
         return
     (step, flags), loop.unsettled = loop.unsettled, None
     t = loop.config.train
-    bad_stages = bad_ranks(flags)
+    bad_stages = bad_ranks(flags.get())
     if not bad_stages:
         loop.state.scheduler.step()
         loop.skipped_in_row = 0

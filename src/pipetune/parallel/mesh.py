@@ -197,7 +197,7 @@ def clip_global_grad_norm(
 
 
 def bad_ranks(flags: torch.Tensor) -> list[int]:
-    """The ranks whose flag (clip_global_grad_norm's) is set: a host sync, where a step's skip is settled."""
+    """The ranks whose flag (clip_global_grad_norm's) is set (a host sync for flags on the device)."""
     return [rank for rank, flag in enumerate(flags.tolist()) if flag > 0]
 
 
