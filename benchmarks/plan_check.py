@@ -563,6 +563,28 @@ RUNS = [
             (4, "v=4 4 x 4", V4, "pp", "4b-pp-v4-shared"),
         )
     ),
+    Run(
+        "wave9 3: 4B, one GPU, 1 x 8, shared dropout (step 30 profiled)",
+        B4,
+        ["parallel.pp=1", "parallel.n_microbatches=1", "train.batch_size=8", "lora.shared_dropout=true"],
+        "single",
+        "2026-11-30-wave9-3-bench.json:c-traced:single",
+        note="the speed model knows no shared dropout masks",
+        speed=False,
+    ),
+    Run(
+        "wave9 3: 72B nf4, one GPU, 1 x 4 x 2 accum (wave 7's ddp layout)",
+        B72,
+        [
+            *NF4,
+            "parallel.pp=1",
+            "parallel.n_microbatches=1",
+            "train.batch_size=4",
+            "train.grad_accum=2",
+        ],
+        "single",
+        "2026-11-30-wave9-3-bench.json:72b-nf4-ddp-layout:single",
+    ),
 ]
 """Every pipetune training run on 2x H200 in benchmarks/results (the seed script and the baselines are not
 pipetune's; the 72B runs of part A's first call ran a planner since fixed)."""
