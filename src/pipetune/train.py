@@ -521,8 +521,9 @@ def run_step(loop: Loop, batches: torch.Tensor, lengths: torch.Tensor) -> float:
 
 
 def settle(loop: Loop) -> None:
-    """Read the last step's non-finite flags (a host sync): a skipped step is counted and warned about, and the
-    run stops after train.max_skipped_steps in a row; a step taken advances the learning-rate schedule."""
+    """Read the last step's non-finite flags (waiting for their copy, not for the work queued after it): a skipped
+    step is counted and warned about, and the run stops after train.max_skipped_steps in a row; a step taken
+    advances the learning-rate schedule."""
     if loop.unsettled is None:
         return
     (step, flags), loop.unsettled = loop.unsettled, None
