@@ -4,11 +4,11 @@
 
 (device machine, repo root, 2 GPUs). For every run in benchmarks/plan_check.py it times one decoder layer, as
 that run ran it (model, microbatch shape, dtype, adapters, LoRA path, compilation, CUDA graphs), forward and
-backward on GPU 0, and one transfer of a microbatch's hidden states from GPU 0 to GPU 1; the shapes that matter
-most first (the accuracy targets' leading layouts, then the measured runs, larger models first), until --budget
-seconds are spent. Tensor-parallel shapes are not timed: one process times a share of a layer without the
-all-reduces and the DTensor dispatch that make its cost in a run (calibrate.py); the model predicts them, scaled
-as the other untimed shapes by how far it was off on the timed ones. It writes under $OUT:
+backward on GPU 0 (a tensor-parallel shape on GPUs 0 and 1, each with its share, the all-reduces included:
+calibrate.time_tp_layers), and one transfer of a microbatch's hidden states from GPU 0 to GPU 1; the shapes that
+matter most first (the accuracy targets' leading layouts, then the measured runs, larger models first), until
+--budget seconds are spent. Untimed shapes are scaled by how far the model was off on the shapes timed alone. It
+writes under $OUT:
 
     rates.json           the calibrated rates (`benchmarks/plan_check.py --rates`, `GpuRates.load`)
     plan-check.md        every run's prediction with those rates beside its measurement
@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import plan_check  # noqa: E402
 
-from pipetune.calibrate import time_layer, time_transfer, timed_alone, with_timings  # noqa: E402
+from pipetune.calibrate import can_time, time_shape, time_transfer, timed_alone, with_timings  # noqa: E402
 from pipetune.config import load_config  # noqa: E402
 from pipetune.parallel.layouts import Layout  # noqa: E402
 from pipetune.parallel.speed import GpuRates, layer_seconds  # noqa: E402
@@ -80,12 +80,14 @@ def main() -> int:
         plan = make_plan(config, p.pp * p.dp, H200_MEMORY, layouts=[Layout.of(config)])
         prediction = plan.predictions[0]
         shapes.setdefault(prediction.work.key(prediction.mode), (config, prediction.work, prediction.mode))
-    shapes = {key: shape for key, shape in shapes.items() if timed_alone(shape[1])}
+    gpu = torch.device("cuda", 0)
+    shapes = {key: shape for key, shape in shapes.items() if args.rates or can_time(shape[1], gpu)}
     measured, link, name = {}, None, ""
 
     def rates() -> GpuRates:
         """The defaults with the timed layers, the others scaled by the timed ones' measured over modelled time."""
-        ratios = [sum(measured[k]) / sum(layer_seconds(shapes[k][1], GpuRates(), shapes[k][2])) for k in measured]
+        modelled = {k: sum(layer_seconds(shapes[k][1], GpuRates(), shapes[k][2])) for k in measured}
+        ratios = [sum(measured[k]) / modelled[k] for k in measured if timed_alone(shapes[k][1])]
         return with_timings(GpuRates(), name, measured, ratios, link)
 
     if args.rates:  # predict again from another call's timings, by this script's rules
@@ -104,14 +106,14 @@ def main() -> int:
     def time_shapes(todo: dict) -> None:
         nonlocal link
         for key, (config, work, mode) in todo.items():
-            if key in measured or not timed_alone(work):
+            if key in measured or not can_time(work, gpu):
                 continue
             shapes[key] = (config, work, mode)
             if time.time() - started > args.budget:
                 say(f"{key}: not timed, budget spent")
                 continue
             try:
-                forward, backward = time_layer(config, work, mode, torch.device("cuda", 0))
+                forward, backward = time_shape(config, work, mode, gpu)
             except Exception as e:  # one shape that does not run must not cost the others
                 say(f"{key}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
                 continue

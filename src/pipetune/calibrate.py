@@ -2,20 +2,28 @@
 
 One decoder layer (random weights; the run's dtype, adapters, LoRA path, compilation and CUDA graphs) is timed
 forward and backward at each microbatch shape of the plan's leading layouts, and one stage-to-stage transfer (a
-microbatch's hidden states from GPU 0 to GPU 1). Measured shapes replace the model's layer time; the others
-(tensor-parallel ones among them, which one process cannot time as a run pays them: `timed_alone`) are scaled by
-how far the model was off on the measured ones. A layer is timed with CUDA events between calls issued
-back to back, so a host slower than the GPU shows in the figure, as it does in a run.
+microbatch's hidden states from GPU 0 to GPU 1). Measured shapes replace the model's layer time; the others are
+scaled by how far the model was off on the shapes timed alone. A tensor-parallel shape is timed on as many GPUs
+as its tp, each process holding its share of the layer, so that the all-reduces and the DTensor dispatch are in
+the figure (`time_tp_layers`); on fewer GPUs it is left to the model (one process cannot time it as a run pays
+it). A layer is timed with CUDA events between calls issued back to back, so a host slower than the GPU shows in
+the figure, as it does in a run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pipetune.config import Config, ConfigError
 from pipetune.parallel.speed import GpuRates, LayerWork, layer_seconds
@@ -39,15 +47,16 @@ def calibrate(
     rates = GpuRates()
     plan = make_plan(config, gpus, budget, rates)
     leading = [p for p in plan.predictions if p.fits] or plan.predictions
-    works = list(dict.fromkeys((p.work, p.mode) for p in leading if timed_alone(p.work)))[:shapes]
+    works = list(dict.fromkeys((p.work, p.mode) for p in leading if can_time(p.work, device)))[:shapes]
     measured, ratios = {}, []
     for work, mode in works:
         if mode == "graphs" and device.type != "cuda":
             mode = "compiled"
-        forward, backward = time_layer(config, work, mode, device)
+        forward, backward = time_shape(config, work, mode, device)
         measured[work.key(mode)] = (forward, backward)
         modelled = sum(layer_seconds(work, rates, mode))
-        ratios.append((forward + backward) / modelled)
+        if timed_alone(work):  # the scale of untimed shapes: the model's compute rates, not tp's host and links
+            ratios.append((forward + backward) / modelled)
         print(
             f"calibrate: {work.key(mode)}: forward {forward * 1e3:.2f} ms, backward {backward * 1e3:.2f} ms "
             f"(model: {modelled * 1e3:.2f} ms for both)",
@@ -81,18 +90,74 @@ def with_timings(
     )
 
 
+def time_tp_layers(config: Config, works: list[tuple[LayerWork, str]], tp: int) -> dict[str, tuple[float, float]]:
+    """Tensor-parallel shapes timed as a run pays them: `tp` processes (one per GPU; gloo processes on a CPU),
+    each with its share of one whole layer, the all-reduces and DTensor dispatch included (`time_layer` with a
+    mesh). Returns rank 0's (forward, backward) seconds by `LayerWork.key`, for the shapes of `works` split tp
+    ways."""
+    works = [(work, mode) for work, mode in works if work.tp == tp]
+    if not works:
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.spawn(_time_tp_rank, args=(tp, config, works, tmp), nprocs=tp, join=True)
+        timed = json.loads((Path(tmp) / "times.json").read_text())
+    return {key: (forward, backward) for key, (forward, backward) in timed.items()}
+
+
+def _time_tp_rank(rank: int, tp: int, config: Config, works: list[tuple[LayerWork, str]], tmp: str) -> None:
+    """One rank of time_tp_layers."""
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= tp
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (one-host, two-GPU timings)
+    init = f"file://{os.path.join(tmp, 'init')}"
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=tp)
+    try:
+        mesh = init_device_mesh(device.type, (tp,))
+        times = {}
+        for work, mode in works:
+            if mode == "graphs" and not cuda:
+                mode = "compiled"
+            times[work.key(mode)] = time_layer(config, work, mode, device, tp_mesh=mesh)
+        if rank == 0:
+            (Path(tmp) / "times.json").write_text(json.dumps(times))
+    finally:
+        dist.destroy_process_group()
+
+
 def timed_alone(work: LayerWork) -> bool:
     """Whether one process timing a layer measures what a run pays for it. Not under tensor parallelism: a
     share of a layer timed alone has none of the all-reduces and none of the DTensor dispatch that make its cost
     in a run (the 72B shape at tp=2: the all-reduces took 36% of the GPU's time, and the plan calibrated with
-    such timings was 26% fast); the model predicts those, scaled like every untimed shape."""
+    such timings was 26% fast); those shapes are timed on tp GPUs (time_tp_layers) where there are as many."""
     return work.tp == 1
 
 
+def can_time(work: LayerWork, device: torch.device) -> bool:
+    """Whether this machine can time `work` as a run pays it: alone, or on as many GPUs as its tp."""
+    return timed_alone(work) or (device.type == "cuda" and torch.cuda.device_count() >= work.tp)
+
+
+def time_shape(config: Config, work: LayerWork, mode: str, device: torch.device) -> tuple[float, float]:
+    """(forward, backward) seconds of `work` as a run pays them: one layer timed alone on `device`, or split over
+    tp processes (time_tp_layers)."""
+    if timed_alone(work):
+        return time_layer(config, work, mode, device)
+    return time_tp_layers(config, [(work, mode)], work.tp)[work.key(mode)]
+
+
 def time_layer(
-    config: Config, work: LayerWork, mode: str, device: torch.device, grouped: bool = True
+    config: Config,
+    work: LayerWork,
+    mode: str,
+    device: torch.device,
+    grouped: bool = True,
+    tp_mesh: DeviceMesh | None = None,
 ) -> tuple[float, float]:
-    """Median seconds of one forward and one backward of a fresh layer (this rank's share of it under tp).
+    """Median seconds of one forward and one backward of a fresh layer: alone, this rank's share of it under tp
+    (without the run's all-reduces); with `tp_mesh` (every rank of it calls this), the whole layer split over the
+    mesh as a run splits it (parallel/tp.py), all-reduces and DTensor dispatch included.
     `grouped`: on the fast LoRA path, the down-projections of one input as one matmul where a run would."""
     from pipetune.model.graphs import give_gradients_own_memory
     from pipetune.model.load import DTYPES, build_meta, materialize
@@ -100,10 +165,11 @@ def time_layer(
     from pipetune.model.quantize import quantize_linears
     from pipetune.model.shapes import resolve_model
     from pipetune.model.stage import StageModule
+    from pipetune.parallel.tp import apply_tp
     from pipetune.plan import tensor_parallel_share
 
     resolved = resolve_model(dataclasses.replace(config.model, init="random"))
-    share = tensor_parallel_share(resolved.config, work.tp)
+    share = tensor_parallel_share(resolved.config, work.tp if tp_mesh is None else 1)
     shape_only = dataclasses.replace(resolved, config=share, weights_dir=None)
     dtype = DTYPES[config.model.dtype]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -112,9 +178,11 @@ def time_layer(
             quantize_linears(model, "nf4")
         if config.lora.fast_path:
             use_fast_path(model, config.lora.shared_dropout, work.tp, grouped)
+        stage = StageModule(model)
+        if tp_mesh is not None:
+            apply_tp([stage], tp_mesh)
         materialize(model, shape_only, device)
         model.train()
-        stage = StageModule(model)
         layer = stage.layers[0]
         if mode in ("compiled", "graphs"):
             layer.compile(mode="reduce-overhead" if mode == "graphs" else None)

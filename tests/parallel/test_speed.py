@@ -98,3 +98,11 @@ def test_calibration_times_a_layer_and_the_model_uses_the_times(tmp_path, monkey
     saved = tmp_path / "rates.json"
     rates.save(saved)
     assert type(rates).load(saved) == rates
+
+    # A tensor-parallel shape is timed split over as many processes as its tp (here 2 gloo processes), each with
+    # its share of the layer and the run's all-reduces; a CPU cannot time it for a plan (no GPUs to split over).
+    tp_config = tiny_config(tmp_path, "parallel.pp=1", "parallel.tp=2", "parallel.n_microbatches=1")
+    split = next(p for p in make_plan(tp_config, 2).predictions if p.work.tp == 2)
+    assert not calibrate.can_time(split.work, torch.device("cpu"))
+    ((key, (forward, backward)),) = calibrate.time_tp_layers(tp_config, [(split.work, split.mode)], 2).items()
+    assert key == split.work.key(split.mode) and forward > 0 and backward > 0
