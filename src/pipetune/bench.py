@@ -2,8 +2,7 @@
 
 Each strategy is a normal `pipetune train` run in its own process group (so GPU memory is
 released between them) of warmup + timed optimizer steps; figures come from its metrics.csv.
-Warm-up steps (which include compilation) are excluded; tokens/s and step time are medians over rows of 5 steps
-(of each step when warmup or steps is no multiple of 5).
+Warm-up steps (which include compilation) are excluded; tokens/s and step time are medians.
 
 MFU = tokens/s x FLOPs per token / (GPUs x peak FLOP/s), FLOPs per token from the stage cost
 model of model/split.py (4 x weights of every matmul: frozen-base LoRA training is forward plus
@@ -15,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import shutil
 import signal
@@ -65,9 +63,7 @@ def strategy_config(config: Config, strategy: str, steps: int, warmup: int, out_
     p.strategy = strategy
     variant.train.max_steps = warmup + steps
     variant.train.epochs = 10_000  # max_steps ends the run
-    # Rows of 5 steps (1 when warmup or steps is no multiple of 5): a row waits for the GPU, which between rows
-    # the host keeps queued ahead, as in a run that logs every few steps.
-    variant.train.log_every = math.gcd(warmup, steps, 5)
+    variant.train.log_every = 1  # per-step medians (rows of 5 steps measured the same: benchmarks/NOTES.md, wave 9)
     variant.train.save_every = 0
     variant.train.timeline_step = warmup + 1 if variant.parallel.pp > 1 else 0
     variant.output.dir = str(out_dir / strategy)
@@ -227,7 +223,7 @@ def summarize_run(run_dir: Path, strategy: str, warmup: int, n_gpus: int, flops:
     result = {
         "strategy": strategy,
         "gpus": n_gpus,
-        "timed_steps": int(rows[-1]["step"]) - warmup,  # rows of one step or several (strategy_config)
+        "timed_steps": len(rows),
         "tokens_per_sec": tokens,
         "tokens_per_sec_per_gpu": tokens / n_gpus,
         "real_tokens_per_sec": statistics.median(float(r["real_tokens_per_sec"]) for r in rows),

@@ -99,13 +99,18 @@ def time_tp_layers(config: Config, works: list[tuple[LayerWork, str]], tp: int) 
     if not works:
         return {}
     with tempfile.TemporaryDirectory() as tmp:
-        torch.multiprocessing.spawn(_time_tp_rank, args=(tp, config, works, tmp), nprocs=tp, join=True)
+        counts = (WARMUP, REPEATS)  # this process's, for each rank to time as many calls
+        torch.multiprocessing.spawn(_time_tp_rank, args=(tp, config, works, tmp, counts), nprocs=tp, join=True)
         timed = json.loads((Path(tmp) / "times.json").read_text())
     return {key: (forward, backward) for key, (forward, backward) in timed.items()}
 
 
-def _time_tp_rank(rank: int, tp: int, config: Config, works: list[tuple[LayerWork, str]], tmp: str) -> None:
+def _time_tp_rank(
+    rank: int, tp: int, config: Config, works: list[tuple[LayerWork, str]], tmp: str, counts: tuple[int, int]
+) -> None:
     """One rank of time_tp_layers."""
+    global WARMUP, REPEATS
+    WARMUP, REPEATS = counts
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= tp
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     if cuda:

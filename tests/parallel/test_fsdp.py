@@ -117,9 +117,6 @@ def test_bench_runs_fsdp_as_sharded_whole_model_replicas(tmp_path: Path) -> None
     assert (p.strategy, p.pp, p.dp, variant.train.batch_size, p.n_microbatches, p.sharded) == ("ddp", 1, 4, 2, 1, False)
     validate(variant, 4)
     validate(strategy_config(config, "single", steps=2, warmup=1, out_dir=tmp_path), 1)
-    # A row every 5 steps where the warm-up and the timed steps allow it, so the host runs ahead between rows.
-    assert variant.train.log_every == 1
-    assert strategy_config(config, "ddp", steps=20, warmup=5, out_dir=tmp_path).train.log_every == 5
 
 
 def _sharded_build(rank: int, checkpoint: str, init_file: str, out_dir: str) -> None:
