@@ -15,6 +15,7 @@
 #      72B NF4 run.
 #   4: after call 3's finding (the flags' read-back drained the GPU): rows of 5 twice, a row every step, and the
 #      code before.
+#   5: a non-finite step skipped on the GPU (tiny model, bf16, CUDA graphs, NaN gradients at step 3).
 # Old code: git archive 7da8567 src | tar x -C .baselines/pipetune-7da8567 (carried with .baselines).
 # Usage (device machine, repo root, .whl and .baselines carried): OUT=dir bash benchmarks/run_wave9_h200.sh 1
 # CPU dry run with the tiny model: TINY=1 OUT=dir bash benchmarks/run_wave9_h200.sh 1
@@ -72,5 +73,32 @@ elif [ "$CALL" = 4 ]; then
   old bench a1-old-rows1 80 $B4 --strategies single $L $ONE8
   bench b2-event-rows5 80 $B4 --strategies single $L $ONE8
   collect wave9_$CALL
+elif [ "$CALL" = 5 ]; then
+  # The skip on the GPU: the tiny model in bf16, compiled with CUDA graphs, one GPU, NaN gradients at step 3 (the
+  # tests' fault entry); step 3's checkpoint must hold step 2's adapter, step 4 must change it, and step 4 must run
+  # at the lr step 3 would have had.
+  R=/tmp/w9-nan; rm -rf $R; mkdir -p $R
+  FAST='"train.compile=true", "train.cuda_graphs=true", "model.dtype=\"bfloat16\""'
+  [ "${TINY:-0}" = 1 ] && FAST='"train.compile=false"'
+  PYTHONPATH=$PWD:$PYTHONPATH python3 -c "
+from pathlib import Path
+from tests.conftest import tiny_config, write_config
+write_config(tiny_config(Path('$R/run'), 'parallel.pp=1', 'parallel.n_microbatches=1', 'train.max_steps=6',
+    'train.save_every=1', 'train.keep_checkpoints=10', 'train.warmup_steps=0', $FAST), Path('$R/c.toml'))"
+  PIPETUNE_TEST_NAN_AT=0:3 PYTHONPATH=$PWD:$PYTHONPATH timeout 150 python3 -m tests.faults train --config $R/c.toml \
+    --quiet 2>&1 | grep -v "Warning\|warnings.warn\|W1201\|_C_" | tail -8 | tee $OUT/nan-gpu.txt
+  python3 - $R/run <<'PY' 2>&1 | tee -a $OUT/nan-gpu.txt
+import csv, sys, torch
+from pathlib import Path
+from safetensors.torch import load_file
+run = Path(sys.argv[1])
+a = {s: load_file(run / "checkpoints" / f"step-{s}" / "adapter.rank0.safetensors") for s in (2, 3, 4)}
+same = all(torch.equal(a[2][k], a[3][k]) for k in a[2])
+moved = any(not torch.equal(a[3][k], a[4][k]) for k in a[3])
+rows = {int(r["step"]): r for r in csv.DictReader(open(run / "metrics.csv")) if r["loss"]}
+print(f"step 3 changed no adapter weight: {same}; step 4 changed them: {moved}")
+print("lr by step:", {s: float(r["lr"]) for s, r in sorted(rows.items())})
+print("loss by step:", {s: r["loss"] for s, r in sorted(rows.items())})
+PY
 fi
 echo "call $CALL done in $(( $(date +%s) - START )) s"
