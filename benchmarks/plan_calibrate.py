@@ -92,7 +92,11 @@ def main() -> int:
 
     if args.rates:  # predict again from another call's timings, by this script's rules
         loaded = GpuRates.load(args.rates)
-        measured = {k: tuple(v) for k, v in loaded.layer_seconds.items() if k in shapes}
+        measured = {  # tp shapes timed alone (files from before time_tp_layers) are left out
+            k: tuple(v)
+            for k, v in loaded.layer_seconds.items()
+            if k in shapes and (loaded.split_tp_timings or timed_alone(shapes[k][1]))
+        }
         link, name = loaded.link_bytes_per_s, f"{loaded.name}, predicted again by its rules of today"
         left = sorted(set(loaded.layer_seconds) - set(measured))
         say(f"from {args.rates}: {len(measured)} timed shapes used, {len(left)} left out ({', '.join(left)})")

@@ -79,13 +79,15 @@ def with_timings(
     ratios: list[float],
     link: float | None = None,
 ) -> GpuRates:
-    """`rates` with the timed layers, the untimed ones scaled by the timed ones' measured over modelled times
-    (`ratios`, their geometric mean), and a measured link (no separate latency: it is in the timing)."""
+    """`rates` with the timed layers (tensor-parallel ones timed split: time_tp_layers), the untimed ones scaled
+    by the timed ones' measured over modelled times (`ratios`, their geometric mean), and a measured link (no
+    separate latency: it is in the timing)."""
     return dataclasses.replace(
         rates,
         name=name,
         layer_seconds=dict(measured),
         layer_scale=math.exp(statistics.mean(map(math.log, ratios))) if ratios else 1.0,
+        split_tp_timings=True,
         **({"link_bytes_per_s": link, "link_latency_s": 0.0} if link is not None else {}),
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -11,7 +12,7 @@ from pipetune.config import Config, ModelConfig, apply_override
 from pipetune.model.shapes import resolve_model
 from pipetune.parallel.memory import inflight_timeline, measure_layer_memory
 from pipetune.parallel.pipeline import schedule_actions
-from pipetune.parallel.speed import replay_schedule
+from pipetune.parallel.speed import GpuRates, replay_schedule
 from pipetune.schedules import SCHEDULES, stage_ids
 
 
@@ -106,3 +107,8 @@ def test_calibration_times_a_layer_and_the_model_uses_the_times(tmp_path, monkey
     assert not calibrate.can_time(split.work, torch.device("cpu"))
     ((key, (forward, backward)),) = calibrate.time_tp_layers(tp_config, [(split.work, split.mode)], 2).items()
     assert key == split.work.key(split.mode) and forward > 0 and backward > 0
+    # Rates from before timed tp shapes alone (split_tp_timings false): the model predicts those shapes instead.
+    timed_alone = dataclasses.replace(rates, layer_seconds={key: (1.0, 1.0)}, split_tp_timings=False)
+    assert layer_seconds(split.work, timed_alone, split.mode) != (1.0, 1.0)
+    split_rates = calibrate.with_timings(GpuRates(), "split", {key: (1.0, 1.0)}, [])
+    assert layer_seconds(split.work, split_rates, split.mode) == (1.0, 1.0)

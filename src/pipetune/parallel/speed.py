@@ -93,6 +93,10 @@ class GpuRates:
     the model where present."""
     layer_scale: float = 1.0
     """Measured over modelled layer time where `--calibrate` timed some shapes: applied to the shapes it did not."""
+    split_tp_timings: bool = False
+    """Whether the tensor-parallel shapes in `layer_seconds` were timed split over as many GPUs, all-reduces
+    included (calibrate.time_tp_layers). Files from before timed them alone, in one process: such timings miss
+    what a run pays for them and are not used."""
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=1))
@@ -130,7 +134,7 @@ class LayerWork:
 
 def layer_seconds(work: LayerWork, rates: GpuRates, mode: str) -> tuple[float, float]:
     """(forward, backward) seconds of one layer call on a microbatch, launch cost included."""
-    measured = rates.layer_seconds.get(work.key(mode))
+    measured = rates.layer_seconds.get(work.key(mode)) if work.tp == 1 or rates.split_tp_timings else None
     if measured is not None:
         return measured
     c, t = work.costs, work.tokens
