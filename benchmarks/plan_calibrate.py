@@ -1,6 +1,6 @@
 """Calibrate `pipetune plan` on the GPUs: time every layer shape of the benchmarks' runs, then predict again.
 
-    OUT=dir PYTHONPATH=src python3 benchmarks/plan_calibrate.py [--budget 540]
+    OUT=dir PYTHONPATH=src python3 benchmarks/plan_calibrate.py [--budget 540] [--only 'tp=2']
 
 (device machine, repo root, 2 GPUs). For every run in benchmarks/plan_check.py it times one decoder layer, as
 that run ran it (model, microbatch shape, dtype, adapters, LoRA path, compilation, CUDA graphs), forward and
@@ -56,6 +56,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=float, default=540, help="seconds to spend timing layers (default: 540)")
     parser.add_argument("--rates", default=None, help="a rates.json to predict from again instead of timing")
+    parser.add_argument("--only", default="", help="time only the shapes whose key holds this text (e.g. 'tp=2')")
     args = parser.parse_args()
     out = Path(os.environ.get("OUT", "/tmp/plan-calibrate"))
     out.mkdir(parents=True, exist_ok=True)
@@ -82,6 +83,7 @@ def main() -> int:
         shapes.setdefault(prediction.work.key(prediction.mode), (config, prediction.work, prediction.mode))
     gpu = torch.device("cuda", 0)
     shapes = {key: shape for key, shape in shapes.items() if args.rates or can_time(shape[1], gpu)}
+    chosen = {key: shape for key, shape in shapes.items() if args.only in key}
     measured, link, name = {}, None, ""
 
     def rates() -> GpuRates:
@@ -101,7 +103,7 @@ def main() -> int:
         left = sorted(set(loaded.layer_seconds) - set(measured))
         say(f"from {args.rates}: {len(measured)} timed shapes used, {len(left)} left out ({', '.join(left)})")
     elif not torch.cuda.is_available():
-        say("no GPU here: the shapes it would time, in order:\n  " + "\n  ".join(shapes))
+        say("no GPU here: the shapes it would time, in order:\n  " + "\n  ".join(chosen))
         return 1
     else:
         name = f"calibrated on {torch.cuda.get_device_name(0)} (benchmarks/plan_calibrate.py)"
@@ -130,12 +132,13 @@ def main() -> int:
                 say(f"transfer: {nbytes / 1e6:.1f} MB GPU 0 -> 1 at {link / 1e9:.0f} GB/s")
 
     if not args.rates:
-        time_shapes(shapes)
+        time_shapes(chosen)
         # The targets' leading layouts once more, with the calibrated rates: a pick that moved gets its shape timed.
         for path, overrides in TARGETS.values():
             config = load_config(ROOT / path, overrides)
             leading = [p for p in make_plan(config, 2, rates=rates()).predictions if p.fits][:3]
-            time_shapes({p.work.key(p.mode): (config, p.work, p.mode) for p in leading})
+            moved = {p.work.key(p.mode): (config, p.work, p.mode) for p in leading}
+            time_shapes({key: shape for key, shape in moved.items() if args.only in key})
     say(f"layer scale for untimed shapes: {rates().layer_scale:.3f}")
     rates().save(out / "rates.json")
     check = [sys.executable, str(ROOT / "benchmarks" / "plan_check.py"), "--rates", str(out / "rates.json")]
