@@ -88,8 +88,10 @@ def main() -> int:
 
     def rates() -> GpuRates:
         """The defaults with the timed layers, the others scaled by the timed ones' measured over modelled time."""
-        modelled = {k: sum(layer_seconds(shapes[k][1], GpuRates(), shapes[k][2])) for k in measured}
-        ratios = [sum(measured[k]) / modelled[k] for k in measured if timed_alone(shapes[k][1])]
+        ratios = [
+            (shapes[k][1], sum(measured[k]) / sum(layer_seconds(shapes[k][1], GpuRates(), shapes[k][2])))
+            for k in measured
+        ]
         return with_timings(GpuRates(), name, measured, ratios, link)
 
     if args.rates:  # predict again from another call's timings, by this script's rules

@@ -50,13 +50,11 @@ def calibrate(
     works = list(dict.fromkeys((p.work, p.mode) for p in leading if can_time(p.work, device)))[:shapes]
     measured, ratios = {}, []
     for work, mode in works:
-        if mode == "graphs" and device.type != "cuda":
-            mode = "compiled"
+        mode = timed_mode(mode, device)
         forward, backward = time_shape(config, work, mode, device)
         measured[work.key(mode)] = (forward, backward)
         modelled = sum(layer_seconds(work, rates, mode))
-        if timed_alone(work):  # the scale of untimed shapes: the model's compute rates, not tp's host and links
-            ratios.append((forward + backward) / modelled)
+        ratios.append((work, (forward + backward) / modelled))
         print(
             f"calibrate: {work.key(mode)}: forward {forward * 1e3:.2f} ms, backward {backward * 1e3:.2f} ms "
             f"(model: {modelled * 1e3:.2f} ms for both)",
@@ -76,17 +74,19 @@ def with_timings(
     rates: GpuRates,
     name: str,
     measured: dict[str, tuple[float, float]],
-    ratios: list[float],
+    ratios: list[tuple[LayerWork, float]],
     link: float | None = None,
 ) -> GpuRates:
     """`rates` with the timed layers (tensor-parallel ones timed split: time_tp_layers), the untimed ones scaled
-    by the timed ones' measured over modelled times (`ratios`, their geometric mean), and a measured link (no
-    separate latency: it is in the timing)."""
+    by the measured over modelled times of the shapes timed alone (`ratios`, by shape; their geometric mean: the
+    model's compute rates, not tp's host and links), and a measured link (no separate latency: it is in the
+    timing)."""
+    alone = [ratio for work, ratio in ratios if timed_alone(work)]
     return dataclasses.replace(
         rates,
         name=name,
         layer_seconds=dict(measured),
-        layer_scale=math.exp(statistics.mean(map(math.log, ratios))) if ratios else 1.0,
+        layer_scale=math.exp(statistics.mean(map(math.log, alone))) if alone else 1.0,
         split_tp_timings=True,
         **({"link_bytes_per_s": link, "link_latency_s": 0.0} if link is not None else {}),
     )
@@ -124,8 +124,7 @@ def _time_tp_rank(
         mesh = init_device_mesh(device.type, (tp,))
         times = {}
         for work, mode in works:
-            if mode == "graphs" and not cuda:
-                mode = "compiled"
+            mode = timed_mode(mode, device)
             times[work.key(mode)] = time_layer(config, work, mode, device, tp_mesh=mesh)
         if rank == 0:
             (Path(tmp) / "times.json").write_text(json.dumps(times))
@@ -139,6 +138,11 @@ def timed_alone(work: LayerWork) -> bool:
     in a run (the 72B shape at tp=2: the all-reduces took 36% of the GPU's time, and the plan calibrated with
     such timings was 26% fast); those shapes are timed on tp GPUs (time_tp_layers) where there are as many."""
     return work.tp == 1
+
+
+def timed_mode(mode: str, device: torch.device) -> str:
+    """How a layer of `mode` is timed on `device`: CUDA graphs need a GPU, so off one it runs compiled only."""
+    return "compiled" if mode == "graphs" and device.type != "cuda" else mode
 
 
 def can_time(work: LayerWork, device: torch.device) -> bool:
