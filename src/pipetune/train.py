@@ -407,7 +407,7 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
         give_gradients_own_memory(stages.params)
     if t.compile:
         for module in modules:
-            module.compile_layers(cuda_graphs=cuda_graphs)
+            module.compile_layers(cuda_graphs=cuda_graphs, per_graph=t.layers_per_graph)
     # Whole-model replicas overlap their all-reduce with the backward; FSDP reduce-scatters during it.
     gradients = GradientSync(
         stages.params,

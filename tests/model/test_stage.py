@@ -63,3 +63,21 @@ def test_layer_memory_counts_activations_not_weights() -> None:
     assert short_input == 64 * 256 * 4 and long_input == 2 * short_input
     weights = sum(p.numel() * p.element_size() for p in stage.layers[0].parameters())
     assert long == pytest.approx(2 * short, rel=0.02), (short, long, weights)
+
+
+@pytest.mark.parametrize("per_graph, checkpointed, sizes", [(3, 0, [3, 1]), (0, 1, [1, 3]), (1, 0, [1, 1, 1, 1])])
+def test_compiled_layers_run_in_groups_of_layers_per_graph(per_graph: int, checkpointed: int, sizes: list) -> None:
+    """train.layers_per_graph: consecutive layers called as one compiled module (0: all of the stage's), the
+    checkpointed ones one each; the stage computes the same, and its parameters keep their names."""
+    resolved = resolve_model(ModelConfig(name="tiny-qwen3", init="random"))
+    model, _ = build_model(resolved, torch.float32, torch.device("cpu"), layers=range(4), seed=0)
+    stage = StageModule(apply_lora(model, LoraConfig(dropout=0.0), "tiny-qwen3", seed=0)).train()
+    names = [name for name, _ in stage.named_parameters()]
+    ids = torch.randint(0, 1000, (2, 16))
+    expected = stage(ids)
+    stage.checkpoint_layers = checkpointed
+    stage.compile_layers(per_graph=per_graph)
+    assert [len(getattr(run, "layers", [run])) for run in stage.runs] == sizes
+    assert [name for name, _ in stage.named_parameters()] == names
+    with torch.compiler.set_stance("force_eager"):
+        torch.testing.assert_close(stage(ids), expected, rtol=0, atol=0)

@@ -79,6 +79,21 @@ class CudaKernelsOnMeta(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class LayerGroup(nn.Module):
+    """Consecutive decoder layers called as one module: compiled, one graph (and one CUDA graph replay) for
+    all of them (train.layers_per_graph)."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, hidden: torch.Tensor, **kwargs) -> torch.Tensor:
+        for layer in self.layers:
+            out = layer(hidden, **kwargs)
+            hidden = out[0] if isinstance(out, tuple) else out
+        return hidden
+
+
 class StageModule(nn.Module):
     """Runs one stage over parts of a (possibly PEFT-wrapped, pruned) causal LM.
 
@@ -110,26 +125,39 @@ class StageModule(nn.Module):
         self.norm = decoder.norm if last else None
         self.lm_head = base.lm_head if last else None
         self.rotary = decoder.rotary_emb
+        self.runs: list[nn.Module] | None = None
+        """What forward calls in order on the hidden states when not the layers one by one: set by
+        `compile_layers`, with groups of them (a plain list: not registered, so parameters keep their names)."""
         self.checkpoint_layers = 0
         """How many of the stage's layers (the first ones) recompute their forward in backward instead of keeping
         their activations (train.activation_checkpointing: all, none, or as many as memory needs)."""
         self.head_in_loss = False
         """The last stage returns normed hidden states; the loss applies lm_head (train.fused_loss)."""
         self.own_boundary_memory = False
+        """Hand the pipeline its sent tensors (this stage's output, the gradient of its input) in memory of their
+        own, not in the CUDA graphs' pool (set with `compile_layers(cuda_graphs=True)`)."""
         self.sequence_shards = 1
         """Ranks the hidden states' sequence positions are split over (tensor parallelism's sequence parallelism):
         this rank's share of them is hidden.shape[1] (parallel/tp.py sets it)."""
-        """Hand the pipeline its sent tensors (this stage's output, the gradient of its input) in memory of their
-        own, not in the CUDA graphs' pool (set with `compile_layers(cuda_graphs=True)`)."""
 
-    def compile_layers(self, cuda_graphs: bool = False) -> None:
-        """torch.compile each decoder layer in place. All layers share one graph (parameters are graph
-        inputs), so compilation happens once, at the first forward. `cuda_graphs`: replay each call as a
-        CUDA graph ("reduce-overhead"); the runners mark each schedule step's start, after which the
-        graphs may reuse the previous step's output memory, and the tensors the pipeline sends are copies
-        (`own_boundary_memory`)."""
-        for layer in self.layers:
-            layer.compile(mode="reduce-overhead" if cuda_graphs else None)
+    def compile_layers(self, cuda_graphs: bool = False, per_graph: int = 1) -> None:
+        """torch.compile the decoder layers in place, `per_graph` consecutive layers traced as one graph (0: all
+        of the stage's; train.layers_per_graph), checkpointed layers one each. Groups of the same size share one
+        graph (parameters are graph inputs), so compilation happens once per size, at the first forward.
+        `cuda_graphs`: replay each call as a CUDA graph ("reduce-overhead"); the runners mark each schedule
+        step's start, after which the graphs may reuse the previous step's output memory, and the tensors the
+        pipeline sends are copies (`own_boundary_memory`)."""
+        mode = "reduce-overhead" if cuda_graphs else None
+        layers = list(self.layers)
+        alone = self.checkpoint_layers
+        size = per_graph or len(layers)
+        runs: list[nn.Module] = layers[:alone]
+        for start in range(alone, len(layers), size):
+            group = layers[start : start + size]
+            runs.append(group[0] if size == 1 else LayerGroup(group))
+        for run in runs:
+            run.compile(mode=mode)
+        self.runs = runs
         self.own_boundary_memory = cuda_graphs
 
     def layer_memory(self, batch: int, seq: int) -> tuple[int, int]:
@@ -197,12 +225,13 @@ class StageModule(nn.Module):
         kwargs = dict(
             attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings, use_cache=False
         )
-        for index, layer in enumerate(self.layers):
+        runs = self.layers if self.runs is None else self.runs
+        for index, run in enumerate(runs):  # the first checkpoint_layers runs are single layers
             if index < self.checkpoint_layers and torch.is_grad_enabled():
                 # Non-reentrant, with the RNG state restored for the recomputation: same dropout masks, same math.
-                out = checkpoint(layer, hidden, use_reentrant=False, **kwargs)
+                out = checkpoint(run, hidden, use_reentrant=False, **kwargs)
             else:
-                out = layer(hidden, **kwargs)
+                out = run(hidden, **kwargs)
             hidden = out[0] if isinstance(out, tuple) else out
         if not self.is_last:
             return hidden.clone() if self.own_boundary_memory else hidden
