@@ -54,14 +54,15 @@ import json, pathlib, sys, tarfile
 w, out, tag = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3]
 merged = {b.parent.name: json.loads(b.read_text()) for b in sorted(w.glob("*/bench.json"))}
 (out / f"bench_{tag}.json").write_text(json.dumps(merged, indent=1))
-print(f"{'run':<18} {'tokens/s':>9} {'MFU':>6}  peak GB per rank")
+print(f"{'run':<18} {'tokens/s':>9} {'MFU':>6} {'waited':>6}  peak GB per rank")
 for name, rows in merged.items():
     for r in rows:
         if "error" in r:
             print(f"{name:<18} {r['error'][:300]}")
         else:
             peaks = " / ".join(f"{g:.1f}" for g in r["peak_gb_per_rank"])
-            print(f"{name:<18} {r['tokens_per_sec']:>9,.0f} {r['mfu']:>6.1%}  {peaks}")
+            waited = f"{r['host_wait_frac']:>6.1%}" if "host_wait_frac" in r else " " * 6
+            print(f"{name:<18} {r['tokens_per_sec']:>9,.0f} {r['mfu']:>6.1%} {waited}  {peaks}")
 with tarfile.open(out / f"runs_{tag}.tar.gz", "w:gz") as tar:
     for f in sorted(w.rglob("*")):
         if f.is_file() and f.stat().st_size < 5e6 and (

@@ -4,8 +4,8 @@
 # 1 x 8 is one GPU's share of `ddp` 1 x 8 on two (issue 22).
 #   1: train.layers_per_graph: 1 (one compiled graph and CUDA graph per layer, as before), 4 and 12 consecutive
 #      layers per graph, then 1 again.
-#   2: the best group size against 1, three runs each in A B A B A B order, 40 timed steps; then each traced at
-#      step 30 (the GPU's idle gaps).
+#   2: rows of 5 steps (the host free to run ahead between rows) with 1 and 4 layers per graph, three runs each,
+#      then a row every step with 1.
 # Usage (device machine, repo root, .whl and .carry carried): BUDGET=540 OUT=dir bash benchmarks/run_wave10_one_h200.sh 1
 # CPU dry run with the tiny model: TINY=1 OUT=dir bash benchmarks/run_wave10_one_h200.sh 1
 CALL=${1:-1}
@@ -26,17 +26,15 @@ if [ "$CALL" = 1 ]; then
   bench k1-b 90 $B4 --strategies single $S $ONE8 $(k 1)
   collect wave10_one_$CALL
 elif [ "$CALL" = 2 ]; then
-  BEST=${BEST:-12}
-  for round in 1 2 3; do
-    bench k1-r$round 80 $B4 --strategies single $L $ONE8 $(k 1)
-    bench k$BEST-r$round 80 $B4 --strategies single $L $ONE8 $(k $BEST)
+  # Call 1: with a row every step (each waits for the GPU) 4 and 12 layers per graph ran as 1 did. Rows of 5
+  # (the host free to run ahead between rows) with 1 and 4 layers per graph, A B A B A B, 40 timed steps; then a
+  # row every step with 1 as the control. metrics.csv's host_wait_frac: the share of the time the host waited.
+  R5="--rows 5 --steps 40 --warmup 5"; [ "${TINY:-0}" = 1 ] && R5="--rows 5 --steps 5 --warmup 5"
+  for round in a b c; do
+    bench k1-rows5-$round 90 $B4 --strategies single $R5 $ONE8 $(k 1)
+    bench k4-rows5-$round 120 $B4 --strategies single $R5 $ONE8 $(k 4)
   done
-  for v in 1 $BEST; do
-    PIPETUNE_PROFILE_STEP=30 PIPETUNE_PROFILE_TRACE=$W/trace-$v bench k$v-traced 80 $B4 --strategies single $L $ONE8 $(k $v)
-    { python3 benchmarks/trace_gaps.py $W/trace-$v/trace-rank0.json.gz 2>&1 | head -24
-      grep -A16 "by self_device" $W/k$v-traced/single.log | head -18; } > $OUT/diag-k$v.txt
-    rm -rf $W/trace-$v
-  done
+  bench k1-rows1 80 $B4 --strategies single $L $ONE8 $(k 1)
   collect wave10_one_$CALL
 fi
 echo "call $CALL done in $(( $(date +%s) - START )) s"

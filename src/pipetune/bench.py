@@ -2,7 +2,9 @@
 
 Each strategy is a normal `pipetune train` run in its own process group (so GPU memory is
 released between them) of warmup + timed optimizer steps; figures come from its metrics.csv.
-Warm-up steps (which include compilation) are excluded; tokens/s and step time are medians.
+Warm-up steps (which include compilation) are excluded; tokens/s and step time are medians over the metrics
+rows, one per step by default (--rows N: one every N steps, between which the host runs ahead of the GPU, as in
+a run that logs every few steps).
 
 MFU = tokens/s x FLOPs per token / (GPUs x peak FLOP/s), FLOPs per token from the stage cost
 model of model/split.py (4 x weights of every matmul: frozen-base LoRA training is forward plus
@@ -31,11 +33,14 @@ from pipetune.preflight import prepare
 from pipetune.report import plot_bench
 
 
-def strategy_config(config: Config, strategy: str, steps: int, warmup: int, out_dir: Path) -> Config:
+def strategy_config(
+    config: Config, strategy: str, steps: int, warmup: int, out_dir: Path, rows: int = 1
+) -> Config:
     """The config's run as `strategy`, on as many ranks and at the same effective batch: "ddp" spreads each
     schedule step's batch over one whole-model replica per rank (one forward per replica), "fsdp" likewise with
     the replicas sharded; "tp" splits each replica over tp ranks (the config's tp, else its pipeline's pp ranks,
-    else all ranks), keeping its microbatch size; "single" runs it in one process, microbatch by microbatch."""
+    else all ranks), keeping its microbatch size; "single" runs it in one process, microbatch by microbatch.
+    A metrics row every `rows` steps (each waits for the GPU; between them the host runs ahead)."""
     variant = copy.deepcopy(config)
     p, t = variant.parallel, variant.train
     ranks, global_batch = p.world_size, t.batch_size * p.dp
@@ -63,7 +68,7 @@ def strategy_config(config: Config, strategy: str, steps: int, warmup: int, out_
     p.strategy = strategy
     variant.train.max_steps = warmup + steps
     variant.train.epochs = 10_000  # max_steps ends the run
-    variant.train.log_every = 1  # per-step medians (rows of 5 steps measured the same: benchmarks/NOTES.md, wave 9)
+    variant.train.log_every = rows
     variant.train.save_every = 0
     variant.train.timeline_step = warmup + 1 if variant.parallel.pp > 1 else 0
     variant.output.dir = str(out_dir / strategy)
@@ -78,6 +83,7 @@ def run_bench(
     out_dir: Path,
     peak_tflops: float = 790.0,
     timeout_s: float = 0.0,
+    rows: int = 1,
 ) -> list[dict]:
     """Each strategy in turn, saying live where it is; `timeout_s` > 0 ends a strategy that runs longer (it is
     reported as timed out, with its last phase and the figures of the timed steps it finished, and the next
@@ -91,7 +97,7 @@ def run_bench(
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []
     for strategy in strategies:
-        variant = strategy_config(config, strategy, steps, warmup, out_dir)
+        variant = strategy_config(config, strategy, steps, warmup, out_dir, rows)
         clear_previous_run(Path(variant.output.dir))
         path = out_dir / f"{strategy}.toml"
         save_config(variant, path)
@@ -223,7 +229,7 @@ def summarize_run(run_dir: Path, strategy: str, warmup: int, n_gpus: int, flops:
     result = {
         "strategy": strategy,
         "gpus": n_gpus,
-        "timed_steps": len(rows),
+        "timed_steps": int(rows[-1]["step"]) - warmup,
         "tokens_per_sec": tokens,
         "tokens_per_sec_per_gpu": tokens / n_gpus,
         "real_tokens_per_sec": statistics.median(float(r["real_tokens_per_sec"]) for r in rows),
@@ -233,6 +239,8 @@ def summarize_run(run_dir: Path, strategy: str, warmup: int, n_gpus: int, flops:
         "reserved_gb_per_rank": [max(float(r[k] or 0) for r in rows) for k in reserved],
         "final_loss": float(rows[-1]["loss"]),
     }
+    if rows[0].get("host_wait_frac"):  # GPU runs
+        result["host_wait_frac"] = statistics.median(float(r["host_wait_frac"]) for r in rows)
     timeline = run_dir / "timeline.json"
     if timeline.is_file():
         summary = json.loads(timeline.read_text())

@@ -122,6 +122,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("--steps", type=int, default=20, help="timed optimizer steps per strategy (default: 20)")
     bench.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included (default: 5)")
+    bench.add_argument(
+        "--rows",
+        type=int,
+        default=1,
+        metavar="N",
+        help="a metrics row every N steps, each waiting for the GPU; medians are over rows (default: 1)",
+    )
     bench.add_argument("--out", default="runs/bench", help="output directory (default: runs/bench)")
     bench.add_argument("--peak-tflops", type=float, default=790.0, help="per-GPU peak for MFU (default: 790)")
     bench.add_argument(
@@ -299,7 +306,14 @@ def run_bench_command(args: argparse.Namespace) -> int:
     preflight(config, config.parallel.world_size)  # one clear error before any run starts
     if args.timeout < 0:
         raise ConfigError(f"--timeout {args.timeout} must be >= 0 seconds (0: no limit)")
-    results = run_bench(config, strategies, args.steps, args.warmup, Path(args.out), args.peak_tflops, args.timeout)
+    if args.rows < 1 or args.steps % args.rows or args.warmup % args.rows:
+        raise ConfigError(
+            f"--rows {args.rows} must be >= 1 and divide --steps {args.steps} and --warmup {args.warmup} "
+            "(rows start after the warm-up), e.g. --rows 5 --steps 40 --warmup 5"
+        )
+    results = run_bench(
+        config, strategies, args.steps, args.warmup, Path(args.out), args.peak_tflops, args.timeout, args.rows
+    )
     return 0 if all("error" not in r and "timed_out" not in r for r in results) else 1
 
 

@@ -18,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,8 @@ import torch.distributed as dist
 from pipetune.files import read_metrics_rows, write_atomic
 from pipetune.loggers import open_loggers
 from pipetune.run_log import log_only, terminal
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from pipetune.config import Config
@@ -78,7 +80,7 @@ class MetricsWriter:
 
     def __init__(self, path: Path, n_ranks: int, keep_until_step: int | None = None) -> None:
         self.columns = SEED_COLUMNS + EXTRA_COLUMNS + [f"peak_gb_rank{i}" for i in range(n_ranks)]
-        self.columns += [f"reserved_gb_rank{i}" for i in range(n_ranks)] + ["alloc_retries"]  # GPU only
+        self.columns += [f"reserved_gb_rank{i}" for i in range(n_ranks)] + ["alloc_retries", "host_wait_frac"]  # GPU
         path.parent.mkdir(parents=True, exist_ok=True)
         kept: list[dict] = []
         if keep_until_step is not None and path.is_file():
@@ -293,7 +295,17 @@ class MetricsWindow:
         self.grad_norm = torch.zeros((), device=self.device)
         self.skipped = torch.zeros((), device=self.device)
         self.steps = self.tokens = self.real_tokens = self.supervised = 0
+        self.waited = 0.0
+        """Seconds the host spent waiting for the GPU (`wait_for`): near none, the host is the limit."""
         self.start = time.perf_counter()
+
+    def wait_for(self, wait: Callable[[], T]) -> T:
+        """Call `wait` (something that blocks until the GPU gets somewhere), counting the time in `waited`."""
+        started = time.perf_counter()
+        try:
+            return wait()
+        finally:
+            self.waited += time.perf_counter() - started
 
     def add(
         self,
@@ -324,7 +336,7 @@ class MetricsWindow:
     def flush(self, env: DistEnv, holds_loss: bool) -> dict:
         """One row: loss from the last stage, peak memory from every rank, in one all_gather."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            self.wait_for(lambda: torch.cuda.synchronize(self.device))
         elapsed = time.perf_counter() - self.start
         local = torch.stack(
             [
@@ -356,6 +368,9 @@ class MetricsWindow:
             # Allocations that failed at first and succeeded after the allocator freed its cache (a slow,
             # synchronizing path): a sign that the rank runs at the edge of its memory.
             row["alloc_retries"] = int(values[:, 4].max())
+            # The share of the row's time rank 0's host waited for its GPU, this row's own wait included: near
+            # 0 between rows, the host launches no faster than the GPU runs (fewer launches would help).
+            row["host_wait_frac"] = self.waited / elapsed
         reset_peak_memory(self.device)
         self._reset()
         return row

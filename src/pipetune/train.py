@@ -528,7 +528,7 @@ def settle(loop: Loop) -> None:
         return
     (step, flags), loop.unsettled = loop.unsettled, None
     t = loop.config.train
-    bad_stages = bad_ranks(flags.get())
+    bad_stages = bad_ranks(loop.metrics.window.wait_for(flags.get))
     if not bad_stages:
         loop.state.scheduler.step()
         loop.skipped_in_row = 0
