@@ -2,6 +2,9 @@
 # Wave 10 on 2x H200 (nvidia-h200-x2): what issues 20 and 22 still need, in three calls of < 10 minutes.
 # Qwen3-4B shape unless said; random weights, seq 512, LoRA r16 on 7 projections, shared dropout, every speed
 # switch of the bench config; the non-finite skip decided on the GPU (wave 9). Predictions: NOTES.md, wave 10.
+# The bench config now sets train.layers_per_graph = 6 (wave 10 on one H200: +1%): a pipeline stage's 4-5 layers
+# are then one graph, which has not run in a GPU pipeline before (if pp fails, rerun it with
+# --set train.layers_per_graph=1 and say so).
 #   1: issue 22 at 32 sequences a step, where a pipeline's bubble halves: `ddp` (1 x 16 a rank), `pp` interleaved
 #      v=4 with 8 microbatches of 4 and with 4 of 8.
 #   2: issue 22 at 16 sequences beside the baselines: `ddp` 1 x 8, `pp` v=4 4 x 4, the seed script (20 steps) and

@@ -39,7 +39,9 @@ def test_bench_runs_strategies_and_reports_bubble(tmp_path: Path) -> None:
     assert (pp["gpus"], single["gpus"]) == (2, 1)
     assert pp["timed_steps"] == single["timed_steps"] == 2
     logged = [row["step"] for row in csv.DictReader(open(out / "single" / "metrics.csv")) if row["loss"]]
-    assert logged == ["2", "4"], logged  # a row every --rows 2 steps    assert all(r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 1 for r in rows)
+    assert logged == ["2", "4"], (
+        logged
+    )  # a row every --rows 2 steps    assert all(r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 1 for r in rows)
     assert len(pp["peak_gb_per_rank"]) == 2 and len(single["peak_gb_per_rank"]) == 1
     assert pp["expected_bubble"] == 1 / 5  # (p - 1) / (m + p - 1) with p = 2, m = 4
     assert len(pp["bubble_per_rank"]) == 2 and all(0 <= b < 1 for b in pp["bubble_per_rank"])

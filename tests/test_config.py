@@ -168,12 +168,7 @@ def test_seed_job_config_matches_the_seed_script() -> None:
             2,
             r"does not combine with train.activation_checkpointing = true",
         ),
-        (["train.layers_per_graph=4"], 2, r"layers_per_graph = 4 groups compiled layers: set train.compile = true"),
-        (
-            ["train.layers_per_graph=0", "train.compile=true", 'parallel.strategy="fsdp"', "parallel.pp=1"],
-            2,
-            r"train.layers_per_graph = 0 has not run with FSDP \(parallel.strategy = 'fsdp'\); set it to 1",
-        ),
+        (["train.layers_per_graph=-1"], 2, r"train.layers_per_graph = -1 must be >= 0"),
         (["train.memory_gb=-1"], 2, r"train.memory_gb = -1.0 must be >= 0 \(0: the GPU's total memory\)"),
         (["train.loss_chunk=0"], 2, r"train.loss_chunk = 0 must be at least 1"),
         (["parallel.p2p_channels=-1"], 2, r"parallel.p2p_channels = -1 must be >= 0 \(0: NCCL's choice; e.g. 1\)"),

@@ -33,9 +33,7 @@ from pipetune.preflight import prepare
 from pipetune.report import plot_bench
 
 
-def strategy_config(
-    config: Config, strategy: str, steps: int, warmup: int, out_dir: Path, rows: int = 1
-) -> Config:
+def strategy_config(config: Config, strategy: str, steps: int, warmup: int, out_dir: Path, rows: int = 1) -> Config:
     """The config's run as `strategy`, on as many ranks and at the same effective batch: "ddp" spreads each
     schedule step's batch over one whole-model replica per rank (one forward per replica), "fsdp" likewise with
     the replicas sharded; "tp" splits each replica over tp ranks (the config's tp, else its pipeline's pp ranks,

@@ -406,8 +406,18 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
     if cuda_graphs:
         give_gradients_own_memory(stages.params)
     if t.compile:
+        per_graph = t.layers_per_graph
+        if per_graph != 1 and (p.sharded or p.tp > 1):
+            untried = f"parallel.tp = {p.tp}" if p.tp > 1 else "FSDP"
+            print0(
+                env,
+                False,
+                f"note: train.layers_per_graph = {per_graph} not applied: one layer per graph with "
+                f"{untried} (grouped layers have not run there yet)",
+            )
+            per_graph = 1
         for module in modules:
-            module.compile_layers(cuda_graphs=cuda_graphs, per_graph=t.layers_per_graph)
+            module.compile_layers(cuda_graphs=cuda_graphs, per_graph=per_graph)
     # Whole-model replicas overlap their all-reduce with the backward; FSDP reduce-scatters during it.
     gradients = GradientSync(
         stages.params,
