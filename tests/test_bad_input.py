@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipetune.bench import strategy_config
 from pipetune.checkpoint import (
     MARKER,
     CheckpointSettings,
@@ -208,3 +209,13 @@ def test_data_that_makes_no_optimizer_step_is_a_config_error(tmp_path: Path, cap
     err = capsys.readouterr().err
     assert "1 training samples (skipped rows: 2" in err
     assert "make no optimizer step of train.batch_size 4 x train.grad_accum 2; lower them or add data" in err
+
+
+def test_bench_rows_must_divide_the_steps(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`bench --rows N`: a metrics row every N steps (strategy_config's log_every), refused before any run when N
+    does not divide the warm-up and timed steps."""
+    config = tiny_config(tmp_path / "run")
+    assert strategy_config(config, "single", steps=10, warmup=5, out_dir=tmp_path, rows=5).train.log_every == 5
+    path = str(write_config(config, tmp_path / "c.toml"))
+    assert main(["bench", "--config", path, "--rows", "3", "--steps", "20", "--warmup", "5"]) == 2
+    assert "--rows 3 must be >= 1 and divide --steps 20 and --warmup 5" in capsys.readouterr().err

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 
@@ -27,9 +26,7 @@ def test_bench_runs_strategies_and_reports_bubble(tmp_path: Path) -> None:
         "--steps",
         "2",
         "--warmup",
-        "2",
-        "--rows",
-        "2",
+        "1",
         "--out",
         str(out),
     )
@@ -38,10 +35,7 @@ def test_bench_runs_strategies_and_reports_bubble(tmp_path: Path) -> None:
     pp, single = rows
     assert (pp["gpus"], single["gpus"]) == (2, 1)
     assert pp["timed_steps"] == single["timed_steps"] == 2
-    logged = [row["step"] for row in csv.DictReader(open(out / "single" / "metrics.csv")) if row["loss"]]
-    assert logged == ["2", "4"], (
-        logged
-    )  # a row every --rows 2 steps    assert all(r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 1 for r in rows)
+    assert all(r["tokens_per_sec"] > 0 and 0 < r["mfu"] < 1 for r in rows)
     assert len(pp["peak_gb_per_rank"]) == 2 and len(single["peak_gb_per_rank"]) == 1
     assert pp["expected_bubble"] == 1 / 5  # (p - 1) / (m + p - 1) with p = 2, m = 4
     assert len(pp["bubble_per_rank"]) == 2 and all(0 <= b < 1 for b in pp["bubble_per_rank"])
@@ -59,7 +53,7 @@ def test_bench_runs_strategies_and_reports_bubble(tmp_path: Path) -> None:
     # It talks while it runs: each strategy's phases with the seconds since its launch, in order.
     said = [line for line in result.stdout.splitlines() if line.startswith("bench: pp: ")]
     assert said[0] == "bench: pp: launch" and "load" in said[1] and "ready" in said[2], said
-    assert any("warm-up step 1/2 (compiles, records graphs)" in line for line in said), said
+    assert any("warm-up step 1/1 (compiles, records graphs)" in line for line in said), said
     assert any("timed step 2" in line for line in said) and "done" in said[-1], said
     assert all(0 < r["load_s"] < r["first_step_s"] and r["load_peak_gb"] > 0 for r in rows)
 

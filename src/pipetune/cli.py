@@ -295,6 +295,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from pipetune.bench import run_bench
     from pipetune.preflight import preflight
 
+    if args.rows < 1 or args.steps % args.rows or args.warmup % args.rows:
+        raise ConfigError(
+            f"--rows {args.rows} must be >= 1 and divide --steps {args.steps} and --warmup {args.warmup} "
+            "(rows start after the warm-up), e.g. --rows 5 --steps 40 --warmup 5"
+        )
     config = load_config(args.config, args.set)
     default = "pp,single"
     if config.parallel.strategy == "auto":
@@ -306,11 +311,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
     preflight(config, config.parallel.world_size)  # one clear error before any run starts
     if args.timeout < 0:
         raise ConfigError(f"--timeout {args.timeout} must be >= 0 seconds (0: no limit)")
-    if args.rows < 1 or args.steps % args.rows or args.warmup % args.rows:
-        raise ConfigError(
-            f"--rows {args.rows} must be >= 1 and divide --steps {args.steps} and --warmup {args.warmup} "
-            "(rows start after the warm-up), e.g. --rows 5 --steps 40 --warmup 5"
-        )
     results = run_bench(
         config, strategies, args.steps, args.warmup, Path(args.out), args.peak_tflops, args.timeout, args.rows
     )
