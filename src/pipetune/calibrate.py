@@ -175,7 +175,7 @@ def time_layer(
     from pipetune.model.lora import apply_lora, use_fast_path
     from pipetune.model.quantize import quantize_linears
     from pipetune.model.shapes import resolve_model
-    from pipetune.model.stage import StageModule
+    from pipetune.model.stage import StageModule, hidden_states
     from pipetune.parallel.tp import apply_tp
     from pipetune.plan import tensor_parallel_share
 
@@ -196,7 +196,7 @@ def time_layer(
         model.train()
         layer = stage.layers[0]
         if mode in ("compiled", "graphs"):
-            layer.compile(mode="reduce-overhead" if mode == "graphs" else None)
+            stage.compile_layers(cuda_graphs=mode == "graphs")  # its one layer, in place, as a run compiles it
         # Backward adds into the gradients, as a run's microbatches do; made by a replayed graph they would live
         # in its pool, which the next call overwrites (torch refuses to read them then).
         give_gradients_own_memory([p for p in layer.parameters() if p.requires_grad])
@@ -213,8 +213,7 @@ def time_layer(
         for call in range(WARMUP + REPEATS):
             torch.compiler.cudagraph_mark_step_begin()  # graphs: each call a step of its own, as in a run
             marks = [_Mark(device)]
-            out = layer(hidden, **kwargs)
-            out = out[0] if isinstance(out, tuple) else out
+            out = hidden_states(layer(hidden, **kwargs))
             marks.append(_Mark(device))
             out.backward(torch.ones_like(out))
             marks.append(_Mark(device))

@@ -89,9 +89,14 @@ class LayerGroup(nn.Module):
 
     def forward(self, hidden: torch.Tensor, **kwargs) -> torch.Tensor:
         for layer in self.layers:
-            out = layer(hidden, **kwargs)
-            hidden = out[0] if isinstance(out, tuple) else out
+            hidden = hidden_states(layer(hidden, **kwargs))
         return hidden
+
+
+def hidden_states(out: torch.Tensor | tuple) -> torch.Tensor:
+    """What a decoder layer (or a LayerGroup) returned, as hidden states: HF layers return them alone or first
+    in a tuple, depending on the transformers version."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 class StageModule(nn.Module):
@@ -232,7 +237,7 @@ class StageModule(nn.Module):
                 out = checkpoint(run, hidden, use_reentrant=False, **kwargs)
             else:
                 out = run(hidden, **kwargs)
-            hidden = out[0] if isinstance(out, tuple) else out
+            hidden = hidden_states(out)
         if not self.is_last:
             return hidden.clone() if self.own_boundary_memory else hidden
         hidden = self.norm(hidden)
