@@ -68,4 +68,4 @@ class FaultInjection(train.TrainHooks):
 if __name__ == "__main__":
     train.HOOKS = FaultInjection()
     launch.WORKER_MODULE = "tests.faults"
-    sys.exit(cli.main())
+    cli.run()

@@ -1,5 +1,3 @@
-import sys
+from pipetune.cli import run
 
-from pipetune.cli import main
-
-sys.exit(main())
+run()

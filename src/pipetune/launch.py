@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING
 
 from pipetune.checkpoint import CheckpointSettings, find_resume_checkpoint, latest_checkpoint
 from pipetune.config import Config, ConfigError, save_config
-from pipetune.parallel.process_group import close_distributed, init_distributed, under_launcher
-from pipetune.parallel.torch_compat import exit_skipping_teardown
+from pipetune.parallel.process_group import close_distributed, exit_skipping_teardown, init_distributed, under_launcher
 from pipetune.preflight import check_optimizer_steps, preflight
 from pipetune.run_lock import lock_for_worker, lock_run_dir
 from pipetune.run_log import STARTED_ENV, RunLog, finish_run, run_started
@@ -60,9 +59,7 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
         if max_restarts:
             print("pipetune: note: --max-restarts is the launcher's job under torchrun; use torchrun --max-restarts")
         run_training(config, quiet)  # a group restarted by torchrun resumes from the newest checkpoint
-        if config.parallel.sharded:
-            exit_skipping_teardown()
-        return 0
+        return 0  # cli.run ends the worker (process_group.exit_skipping_teardown)
     world_size = nproc or config.parallel.world_size
     prepared = preflight(config, world_size)  # fail here, once, before any process starts
     with lock_run_dir(config.output.dir):  # held until the workers are done; they run inside it

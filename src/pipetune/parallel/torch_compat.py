@@ -7,11 +7,9 @@ minimum rises past a version named here, its workaround goes.
 from __future__ import annotations
 
 import inspect
-import os
-import sys
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -83,18 +81,3 @@ def attempt_store(rank: int, world: int, timeout_s: float, restart: int) -> dist
 
     store, _, _ = next(rendezvous("env://", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)))
     return dist.PrefixStore(f"pipetune/attempt-{restart}", store)
-
-
-def exit_skipping_teardown(code: int = 0) -> NoReturn:
-    """End a worker at once (a finished one: exit code 0), without the interpreter's shutdown. Needed for as
-    long as FSDP's process groups outlive destroy_process_group (torch 2.13 does).
-
-    For runs sharded with FSDP: fully_shard keeps its process groups alive after
-    destroy_process_group (seen with torch 2.13), so gloo's worker threads outlive it, and one that is still
-    releasing a collective's tensors when the interpreter shuts down needs the GIL, cannot take it, and
-    aborts the process ("terminate called without an active exception", seen in ~1 run in 15 on CPU).
-    Everything the run writes is closed and flushed by then. A stopped worker ends this way too: its
-    process group's teardown could wait on a peer that waits on it."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
