@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipetune.checkpoint import MARKER, committed_checkpoints
+from pipetune.config import load_config
 from pipetune.parallel.torch_compat import keep_rng_out_of_no_grad_forwards
 from tests.conftest import TWO_EPOCHS, run_cli, tiny_config, write_config
 
@@ -92,7 +93,9 @@ def test_max_restarts_finishes_a_run_whose_rank_was_killed(
 
 @pytest.mark.slow
 def test_checkpoint_of_two_stages_resumes_under_four(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Adapter and optimizer state are keyed by full-model names: the layout may change on resume.
+    """Adapter and optimizer state are keyed by full-model names: the layout may change on resume. Here from
+    layers 0-1 and 2-3 on ranks 0 and 1 to one layer a stage, two stages a rank (interleaved: layers 0 and 2 on
+    rank 0), on the same two processes.
 
     Without dropout (its random stream belongs to a rank, not a layer), the continued run matches.
     """
@@ -102,12 +105,15 @@ def test_checkpoint_of_two_stages_resumes_under_four(tmp_path_factory: pytest.Te
     assert [c.step for c in committed_checkpoints(reference)] == [6, 8]
 
     # The pp=2 run as it stood at step 6: its checkpoint there, metrics.csv (trimmed on resume).
-    resumed = tmp / "pp4"
+    resumed = tmp / "four-stages"
     resumed.mkdir()
     shutil.copy(reference / "metrics.csv", resumed / "metrics.csv")
     shutil.copytree(reference / "checkpoints" / "step-6", resumed / "checkpoints" / "step-6")
-    config_file = _config_file(tmp, "pp4", "lora.dropout=0.0", "parallel.pp=4")
+    config_file = _config_file(
+        tmp, "four-stages", "lora.dropout=0.0", 'parallel.schedule="interleaved_1f1b"', "parallel.stages_per_rank=2"
+    )
     _train(config_file, "--resume")
+    assert load_config(resumed / "config.toml").parallel.n_stages == 4
 
     expected = [float(loss) for _, step, loss in _metrics(reference) if int(step) > 6]
     got = [float(loss) for _, step, loss in _metrics(resumed) if int(step) > 6]
