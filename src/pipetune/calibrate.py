@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pipetune.config import Config, ConfigError
-from pipetune.parallel.process_group import exit_skipping_teardown
+from pipetune.parallel.process_group import exit_finished
 from pipetune.parallel.speed import GpuRates, LayerWork, layer_seconds
 
 REPEATS = 10
@@ -133,7 +133,7 @@ def _time_tp_rank(
     # Without the interpreter's shutdown: gloo's worker threads can still be releasing a collective's tensors
     # then, and abort the process ("terminate called without an active exception": seen once in CI on CPU;
     # exit_skipping_teardown says more). A failure above leaves through spawn's own error path instead.
-    exit_skipping_teardown()
+    exit_finished()
 
 
 def timed_alone(work: LayerWork) -> bool:

@@ -505,12 +505,9 @@ def run() -> None:
     code = main()
     if "torch" not in sys.modules:  # --help, --version, config: little to free
         sys.exit(code)
-    import atexit
+    from pipetune.parallel.process_group import exit_finished
 
-    from pipetune.parallel.process_group import exit_skipping_teardown
-
-    atexit._run_exitfuncs()
-    exit_skipping_teardown(code)
+    exit_finished(code)
 
 
 if __name__ == "__main__":

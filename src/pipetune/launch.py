@@ -59,7 +59,7 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
         if max_restarts:
             print("pipetune: note: --max-restarts is the launcher's job under torchrun; use torchrun --max-restarts")
         run_training(config, quiet)  # a group restarted by torchrun resumes from the newest checkpoint
-        return 0  # cli.run ends the worker (process_group.exit_skipping_teardown)
+        return 0  # cli.run ends the worker (process_group.exit_finished)
     world_size = nproc or config.parallel.world_size
     prepared = preflight(config, world_size)  # fail here, once, before any process starts
     with lock_run_dir(config.output.dir):  # held until the workers are done; they run inside it

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from dataclasses import dataclass
@@ -80,7 +81,7 @@ def close_distributed() -> None:
 def exit_skipping_teardown(code: int = 0) -> NoReturn:
     """End this process at once with `code`, its output flushed, without the interpreter's shutdown.
 
-    - Every finished command and worker (cli.run): the shutdown frees every module imported, ~1.2 s on a
+    - Every finished command and worker (exit_finished): the shutdown frees every module imported, ~1.2 s on a
       2-core CPU once torch, transformers and PEFT are in, and each file pipetune writes is closed by then.
     - It also keeps a finished worker clear of gloo's worker threads. FSDP keeps its process groups alive after
       destroy_process_group (seen with torch 2.13), and a tensor-parallel collective can still be releasing
@@ -91,3 +92,11 @@ def exit_skipping_teardown(code: int = 0) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def exit_finished(code: int = 0) -> NoReturn:
+    """End a process whose work is done (a command, a worker, a calibration rank): its exit handlers first
+    (loggers, temporary directories, inductor's compile workers, child processes), then exit_skipping_teardown.
+    A stopped or failed worker skips the handlers too (exit_skipping_teardown alone)."""
+    atexit._run_exitfuncs()
+    exit_skipping_teardown(code)
