@@ -50,6 +50,22 @@ def test_bench_runs_strategies_and_reports_bubble(tmp_path: Path) -> None:
     for png in (out / "bench.png", out / "pp" / "timeline.png"):
         assert png.read_bytes().startswith(b"\x89PNG")
     assert "pipetune bench" in result.stdout
+    # Each row names what it measured, and the table says it too, leading with real (non-pad) tokens/s.
+    import torch
+
+    for row in rows:
+        setup = row["setup"]
+        assert (setup["model"], setup["dtype"], setup["row_tokens"], setup["rows_per_step"]) == (
+            "tiny-qwen3",
+            "float32",
+            128,
+            8,
+        )
+        assert setup["versions"]["torch"] == torch.__version__ and setup["gpu"].startswith("none (CPU")
+        assert setup["switches"]["train.compile"] is False
+    assert (pp["setup"]["layout"]["pp"], single["setup"]["layout"]["pp"]) == (2, 1)
+    assert all(0 < r["real_tokens_per_sec"] <= r["tokens_per_sec"] for r in rows)
+    assert "real tokens/s" in result.stdout and "tiny-qwen3 (float32, LoRA r16), 8 rows x 128 tokens" in result.stdout
     # It talks while it runs: each strategy's phases with the seconds since its launch, in order.
     said = [line for line in result.stdout.splitlines() if line.startswith("bench: pp: ")]
     assert said[0] == "bench: pp: launch" and "load" in said[1] and "ready" in said[2], said

@@ -20,6 +20,7 @@ from pipetune.checkpoint import MARKER, committed_checkpoints
 from pipetune.config import load_config
 from pipetune.parallel.torch_compat import keep_rng_out_of_no_grad_forwards
 from tests.conftest import TWO_EPOCHS, run_cli, tiny_config, write_config
+from tests.parity import assert_adapter_matches, learning_rates
 
 
 def _metrics(run_dir: Path) -> list[tuple[str, str, str]]:
@@ -123,9 +124,8 @@ def test_checkpoint_of_two_stages_resumes_under_four(tmp_path_factory: pytest.Te
         load_file(reference / "adapter" / "adapter_model.safetensors"),
         load_file(resumed / "adapter" / "adapter_model.safetensors"),
     )
-    assert sorted(adapter) == sorted(ref_adapter)
-    for name, tensor in ref_adapter.items():
-        assert float((adapter[name] - tensor).norm() / tensor.norm()) < 1e-5, name
+    # four stages sum in another order than two: rounding apart, as every parallel run (tests/parity.py)
+    assert_adapter_matches(adapter, ref_adapter, learning_rates(reference))
     assert (resumed / "checkpoints" / "step-8" / MARKER).is_file()
 
 

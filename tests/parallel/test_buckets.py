@@ -12,7 +12,7 @@ from pipetune.data.batching import bucket_lengths, bucketed_epoch_batches, token
 from pipetune.data.sources import load_dataset
 from pipetune.preflight import prepare
 from tests.conftest import run_cli, tiny_config, write_config
-from tests.parallel.test_parity import _adapter, _losses, _max_relative
+from tests.parity import assert_same_training
 
 BUCKETS = ["data.max_length=1024", "data.max_summary_tokens=128", "data.buckets=[512, 640, 768, 1024]"]
 
@@ -49,5 +49,4 @@ def test_bucketed_pipeline_matches_bucketed_single_process(tmp_path: Path) -> No
         config = tiny_config(tmp_path / f"pp{pp}", *BUCKETS, f"parallel.pp={pp}")
         run_cli("train", "--config", str(write_config(config, tmp_path / f"pp{pp}.toml")), "--quiet")
         runs[pp] = tmp_path / f"pp{pp}"
-    torch.testing.assert_close(torch.tensor(_losses(runs[2])), torch.tensor(_losses(runs[1])), rtol=1e-5, atol=0)
-    assert _max_relative(_adapter(runs[2]), _adapter(runs[1])) < 1e-5
+    assert_same_training(runs[2], runs[1])

@@ -14,7 +14,7 @@ import torch
 
 from pipetune.cli import main
 from tests.conftest import run_cli, tiny_config, write_config
-from tests.parallel.test_parity import _adapter, _losses, _max_relative
+from tests.parity import assert_same_training
 
 EFFECTIVE_16 = ["data.synthetic_train=48", "train.grad_accum=2"]
 
@@ -32,11 +32,7 @@ def test_data_parallel_replicas_match_single_process(single: Path, tmp_path: Pat
     run = _train(
         tmp_path, "ddp2", 'parallel.strategy="ddp"', "parallel.pp=1", "parallel.dp=2", "train.batch_size=4", nproc=2
     )
-    expected, got = _losses(single), _losses(run)
-    assert len(expected) == len(got) == 3
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
-    worst = _max_relative(_adapter(run), _adapter(single))
-    assert worst < 1e-5, worst
+    assert_same_training(run, single, steps=3)
 
 
 def test_ddp_strategy_refuses_pipeline_stages(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

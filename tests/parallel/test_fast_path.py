@@ -12,7 +12,10 @@ import torch
 
 from pipetune.parallel.memory import plan_checkpointing
 from tests.conftest import TWO_EPOCHS, run_cli, tiny_config, write_config
-from tests.parallel.test_parity import _adapter, _losses, _max_relative
+from tests.parity import adapter as _adapter
+from tests.parity import assert_same_training
+from tests.parity import losses as _losses
+from tests.parity import max_relative as _max_relative
 
 pytestmark = pytest.mark.slow  # multi-process end-to-end runs: pytest -m "not slow" leaves them out
 
@@ -32,8 +35,7 @@ def _val_loss(run_dir: Path) -> float:
 
 def test_fast_path_pipeline_matches_plain_single_process(reference: Path, tmp_path: Path) -> None:
     fast = _train(tmp_path, "fast", "lora.fast_path=true", "parallel.pp=2")
-    torch.testing.assert_close(torch.tensor(_losses(fast)), torch.tensor(_losses(reference)), rtol=1e-5, atol=0)
-    assert _max_relative(_adapter(fast), _adapter(reference)) < 1e-5
+    assert_same_training(fast, reference)
 
 
 def test_fused_loss_pipeline_matches_plain_single_process(reference: Path, tmp_path: Path) -> None:

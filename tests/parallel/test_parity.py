@@ -2,52 +2,15 @@
 
 from __future__ import annotations
 
-import csv
 from pathlib import Path
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from pipetune.config import Config
 from tests.conftest import run_cli, tiny_config, write_config
+from tests.parity import assert_same_training
 
 pytestmark = pytest.mark.slow  # multi-process end-to-end runs: pytest -m "not slow" leaves them out
-
-
-def _losses(run_dir: Path) -> list[float]:
-    with open(run_dir / "metrics.csv") as f:
-        return [float(row["loss"]) for row in csv.DictReader(f) if row["loss"]]  # step 0: val_loss only
-
-
-def _adapter(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(run_dir / "adapter" / "adapter_model.safetensors")
-
-
-def assert_rounding_apart(
-    adapter: dict[str, torch.Tensor], reference: dict[str, torch.Tensor], lr: float = 1e-3
-) -> None:
-    """Adapters that differ from the reference only as float32 rounding does under Adam (tensor parallelism sums
-    row-wise products in parts): each tensor within 1e-5 relative L2, or apart in at most one element in a
-    thousand (at least one) by more than 1e-6, each within 2 x lr a step. Adam divides each gradient element by its
-    own magnitude, so an element whose gradient is rounding-sized follows the sign of the last bits of a sum done
-    in another order (tests/parallel/test_tensor_parallel.py says what was measured); a wrong gradient moves many
-    elements."""
-    assert sorted(adapter) == sorted(reference)
-    steps = 3
-    for name, expected in reference.items():
-        off = (adapter[name] - expected).abs()
-        if float(off.norm() / expected.norm()) < 1e-5:
-            continue
-        outliers = int((off > 1e-6).sum())
-        assert outliers <= max(1, expected.numel() // 1000), (name, outliers, float(off.max()))
-        assert float(off.max()) <= 2 * lr * steps, (name, float(off.max()))
-
-
-def _max_relative(adapter: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
-    """The largest relative L2 difference of an adapter's tensors from the reference's (same names)."""
-    assert sorted(adapter) == sorted(reference)
-    return max(float((adapter[k] - v).norm() / v.norm()) for k, v in reference.items())
 
 
 def _train(tmp: Path, name: str, *overrides: str) -> Path:
@@ -61,25 +24,15 @@ def _train(tmp: Path, name: str, *overrides: str) -> Path:
 # 2-stage 1F1B run is tests/conftest.py's, whose validation tests/parallel/test_validation.py checks.
 def test_pipeline_matches_single_process(reference: Path, pipeline_run: tuple[Config, Path]) -> None:
     _, run_dir = pipeline_run
-    expected, got = _losses(reference), _losses(run_dir)
-    assert len(expected) == len(got) == 3
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
-    # each tensor within 1e-5 relative L2: Adam's near-zero-gradient noise is ~1e-6 absolute, far below a norm
-    adapter = _adapter(run_dir)
-    assert _max_relative(adapter, _adapter(reference)) < 1e-5
-    # The adapters really trained: lora_B started at zero.
-    assert any(t.abs().max() > 0 for name, t in adapter.items() if "lora_B" in name)
+    assert_same_training(run_dir, reference, steps=3)
 
 
 def test_pipeline_with_tensor_parallel_stages_matches_single_process(reference: Path, tmp_path: Path) -> None:
     """pp=2 x tp=2 with tensor parallelism's own switches on: sequence parallelism, the vocabulary-parallel fused
-    loss, the fast LoRA path on split adapters (adapters: `assert_rounding_apart`)."""
+    loss, the fast LoRA path on split adapters."""
     overrides = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.fused_loss=true", "lora.fast_path=true"]
     run_dir = _train(tmp_path, "run", "parallel.pp=2", *overrides)
-    expected, got = _losses(reference), _losses(run_dir)
-    assert len(expected) == len(got) == 3
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
-    assert_rounding_apart(_adapter(run_dir), _adapter(reference))
+    assert_same_training(run_dir, reference, steps=3)
 
 
 # Every torch schedule: one stage a rank (gpipe), looped placements (interleaved_1f1b, looped_bfs), looped with
@@ -94,5 +47,4 @@ def test_schedules_match_single_process(reference: Path, tmp_path: Path, schedul
     run_dir = tmp_path / schedule
     config = tiny_config(run_dir, f'parallel.schedule="{schedule}"', f"parallel.stages_per_rank={stages_per_rank}")
     run_cli("train", "--config", str(write_config(config, tmp_path / f"{schedule}.toml")), "--quiet")
-    torch.testing.assert_close(torch.tensor(_losses(run_dir)), torch.tensor(_losses(reference)), rtol=1e-5, atol=0)
-    assert _max_relative(_adapter(run_dir), _adapter(reference)) < 1e-5
+    assert_same_training(run_dir, reference, steps=3)

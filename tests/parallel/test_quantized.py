@@ -24,7 +24,7 @@ from pipetune.preflight import prepare
 from pipetune.train import train
 from tests.conftest import run_cli, tiny_config, write_config
 from tests.parallel.test_fsdp import ADAPTER, _metrics
-from tests.parallel.test_parity import _adapter, _max_relative
+from tests.parity import assert_same_training
 
 NF4 = ['model.quantize="nf4"', "train.save_every=1", "train.max_steps=2"]
 
@@ -47,11 +47,7 @@ def test_nf4_pipeline_matches_nf4_single_process(single_nf4: Config, tmp_path: P
     config = tiny_config(tmp_path / "zbv", *NF4, 'parallel.schedule="zbv"', "parallel.stages_per_rank=2")
     run_cli("train", "--config", str(write_config(config, tmp_path / "zbv.toml")), "--nproc", "2", "--quiet")
     reference = Path(single_nf4.output.dir)
-    expected, got = _metrics(reference), _metrics(tmp_path / "zbv")
-    assert len(expected) == len(got) == 2
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
-    worst = _max_relative(_adapter(tmp_path / "zbv"), _adapter(reference))
-    assert worst < 1e-5, worst
+    assert_same_training(tmp_path / "zbv", reference, steps=2)
 
 
 def test_nf4_run_resumes_exactly(single_nf4: Config, tmp_path: Path) -> None:

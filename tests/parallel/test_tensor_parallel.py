@@ -6,7 +6,7 @@ results differ from one process's in the last bits: losses and gradient norms ag
 which makes an element whose gradient is near zero sensitive to those bits: in the tp runs here one element of
 11,008 (layer 1's up_proj lora_B) ends 1e-5 away (lr 1e-3), all others within 1e-7; in pp x tp with sequence
 parallelism one of 4,096 (layer 1's q_proj lora_B) 6.8e-5 away, a relative L2 difference of 6.6e-4 for that
-tensor alone. Adapters are therefore compared element by element (`assert_rounding_apart`). pp x tp runs in
+tensor alone. Adapters are therefore compared element by element (tests/parity.py). pp x tp runs in
 tests/parallel/test_parity.py, dp x tp (as two torchrun nodes) in tests/parallel/test_multinode.py.
 """
 
@@ -29,17 +29,14 @@ from pipetune.preflight import preflight, prepare
 from tests.conftest import tiny_config
 from tests.parallel.test_data_parallel import EFFECTIVE_16
 from tests.parallel.test_fsdp import _metrics, _train
-from tests.parallel.test_parity import _adapter, _max_relative, assert_rounding_apart
+from tests.parity import adapter, assert_adapter_matches, assert_same_training, learning_rates
 
 TP2 = ['parallel.strategy="tp"', "parallel.pp=1", "parallel.tp=2", "train.batch_size=8"]
 
 
 def assert_matches_single(run: Path, single: Path) -> None:
-    """Loss and gradient norm of every step to 1e-5, adapters apart by rounding only."""
-    expected, got = _metrics(single), _metrics(run)
-    assert len(got) == len(expected) == 3
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0)
-    assert_rounding_apart(_adapter(run), _adapter(single))
+    """Loss and gradient norm of every step to 1e-5, adapters apart by rounding only (tests/parity.py)."""
+    assert_same_training(run, single, steps=3)
 
 
 @pytest.mark.slow
@@ -74,7 +71,7 @@ def test_tensor_parallel_matches_single_process_and_resumes_in_one_process(singl
     printed = _train(tmp_path, "resumed", *one_process, nproc=1, resume=True)
     assert f"resumed from {resumed / 'checkpoints' / 'step-2'} at step 2" in printed
     torch.testing.assert_close(torch.tensor(_metrics(resumed)), torch.tensor(_metrics(run)), rtol=1e-6, atol=0)
-    assert _max_relative(_adapter(resumed), _adapter(run)) < 1e-5
+    assert_adapter_matches(adapter(resumed), adapter(run), learning_rates(run))
 
 
 @pytest.mark.parametrize("width, ranks", [(12, 2), (10, 4)])  # 10 over 4: torch.chunk's 3, 3, 3, 1 columns
