@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import platform
 import shutil
 import signal
 import statistics
@@ -93,6 +94,7 @@ def run_bench(
     costs = estimate_costs(prepared.model.config, config.data.max_length)
     flops_per_token = prepared.n_layers * costs.layer + costs.head
     out_dir.mkdir(parents=True, exist_ok=True)
+    setup = bench_setup(config)
     results = []
     for strategy in strategies:
         variant = strategy_config(config, strategy, steps, warmup, out_dir, rows)
@@ -103,11 +105,84 @@ def run_bench(
         print(f"bench: {strategy} ({n_gpus} process{'es' if n_gpus > 1 else ''}), {warmup} + {steps} steps", flush=True)
         run_dir = Path(variant.output.dir)
         run = run_strategy(path, run_dir, out_dir / f"{strategy}.log", strategy, warmup, timeout_s)
-        results.append(strategy_result(run, run_dir, strategy, warmup, n_gpus, flops_per_token, peak_tflops))
+        result = strategy_result(run, run_dir, strategy, warmup, n_gpus, flops_per_token, peak_tflops)
+        results.append({**result, "setup": {**setup, "layout": layout_of(variant)}})
     (out_dir / "bench.json").write_text(json.dumps(results, indent=1))
-    print_table(results)
+    print_table(results, describe_setup(setup))
     plot_bench(results, out_dir / "bench.png", "pipetune bench")
     return results
+
+
+SWITCHES = {
+    "lora": ("fast_path", "shared_dropout"),
+    "train": ("compile", "cuda_graphs", "layers_per_graph", "fused_loss", "activation_checkpointing"),
+    "data": ("buckets", "packing"),
+}
+"""The config keys that change speed or memory but not the math: each bench row records them."""
+
+
+def bench_setup(config: Config) -> dict:
+    """What every strategy of a bench measures alike: the model, the rows, the speed switches, the libraries and
+    the GPU (bench.json's "setup" of each row; the table's caption)."""
+    import peft
+    import torch
+    import transformers
+
+    m, t, p = config.model, config.train, config.parallel
+    switches = {
+        f"{section}.{key}": getattr(getattr(config, section), key)
+        for section, keys in SWITCHES.items()
+        for key in keys
+        if hasattr(getattr(config, section), key)
+    }
+    gpu = f"{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}" if torch.cuda.is_available() else ""
+    return {
+        "model": m.name,
+        "dtype": m.dtype,
+        "quantize": m.quantize,
+        "row_tokens": config.data.max_length,
+        "rows_per_step": t.batch_size * t.grad_accum * p.dp,
+        "lora_r": config.lora.r,
+        "switches": switches,
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "peft": peft.__version__,
+        },
+        "gpu": gpu or f"none (CPU, {os.cpu_count()} cores)",
+    }
+
+
+def layout_of(config: Config) -> dict:
+    """A strategy's layout as its run had it."""
+    p = config.parallel
+    return {
+        "pp": p.pp,
+        "dp": p.dp,
+        "tp": p.tp,
+        "microbatches": p.n_microbatches,
+        "schedule": p.schedule,
+        "stages_per_rank": p.stages_per_rank,
+        "rows_per_rank_step": config.train.batch_size,
+    }
+
+
+def describe_setup(setup: dict) -> str:
+    """The bench table's caption: what was measured, on what."""
+    on = []
+    for key, value in setup["switches"].items():
+        name = key.split(".", 1)[1]
+        if value is True:
+            on.append(name)
+        elif value not in (False, None, [], 0, 1):  # 1: layers_per_graph's default
+            on.append(f"{name}={value}")
+    quantize = f", {setup['quantize']} base" if setup["quantize"] != "none" else ""
+    versions = " ".join(f"{name} {version}" for name, version in setup["versions"].items())
+    return (
+        f"{setup['model']} ({setup['dtype']}{quantize}, LoRA r{setup['lora_r']}), {setup['rows_per_step']} rows x "
+        f"{setup['row_tokens']} tokens a step; switches: {', '.join(on) or 'none'}\n{setup['gpu']}; {versions}"
+    )
 
 
 def clear_previous_run(run_dir: Path) -> None:
@@ -247,14 +322,16 @@ def summarize_run(run_dir: Path, strategy: str, warmup: int, n_gpus: int, flops:
     return result
 
 
-def print_table(results: list[dict]) -> None:
+def print_table(results: list[dict], caption: str = "") -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="pipetune bench")
+    table = Table(title="pipetune bench", caption=caption)
     for column in (
         "strategy",
         "GPUs",
+        "real tokens/s",
+        "pad",
         "tokens/s",
         "tokens/s/GPU",
         "MFU",
@@ -268,7 +345,7 @@ def print_table(results: list[dict]) -> None:
         table.add_column(column, justify="right")
     for r in results:
         if "error" in r:
-            table.add_row(r["strategy"], "-", r["error"], *[""] * 6, *_timing_cells(r))
+            table.add_row(r["strategy"], "-", r["error"], *[""] * 8, *_timing_cells(r))
             continue
         bubble = ""
         if "bubble_per_rank" in r:
@@ -276,6 +353,8 @@ def print_table(results: list[dict]) -> None:
         table.add_row(
             r["strategy"] + (f" ({r['timed_out']}, {r['timed_steps']} timed steps)" if "timed_out" in r else ""),
             str(r["gpus"]),
+            f"{r['real_tokens_per_sec']:,.0f}",
+            f"{1 - r['real_tokens_per_sec'] / r['tokens_per_sec']:.0%}",
             f"{r['tokens_per_sec']:,.0f}",
             f"{r['tokens_per_sec_per_gpu']:,.0f}",
             f"{r['mfu']:.1%}",
