@@ -30,7 +30,9 @@
 # the others differ in their steps only; `A="--set ..."` stands for a shell variable of the example):
 #   run_core:      sh 'python3 -m pipetune demo --out {W}/demo' :: sh 'python3 -m pipetune train --config
 #                  configs/qwen3-4b-ami.toml --set model.init=random --set model.name=qwen3-4b --set train.max_steps=20
-#                  --set output.dir={W}/pp2' :: baselines 20 600 300 :: tool load_memory write {W}/ckpt --shape qwen3-4b
+#                  --set output.dir={W}/pp2' :: sh 'MAX_STEPS=20 LOG_FILE={W}/seed.csv torchrun --nproc_per_node=2
+#                  .baselines/train_seed.py' :: tool load_memory write {W}/ckpt --shape qwen3-4b :: tool load_memory
+#                  measure {W}/ckpt --pp 2 --out {OUT}/load_memory.json
 #   run_perf(2):   bench optimized 240 4b --strategies pp,single --steps 20 --warmup 4 :: bench plain 240 4b
 #                  --strategies pp --steps 10 --warmup 2 --set train.compile=false --set lora.fast_path=false
 #                  :: baselines 12 200 150
