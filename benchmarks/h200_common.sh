@@ -1,10 +1,12 @@
-# Sourced by benchmarks/run_*_h200.sh on the device machine, from the repo root: the environment,
-# $OUT/env.txt (date, GPUs, library versions), $B4 / $B72 / $CFG, `quant`, `baselines`, and for the scripts that
-# run `pipetune bench` in a time budget `left`, `bench` and `collect` (they need $W, the work directory, and
-# $BUDGET, seconds).
+# Sourced by benchmarks/device.sh (and the older benchmarks/journal/scripts/run_*_h200.sh) on the device machine,
+# from the repo root: the environment, $OUT/env.txt (date, GPUs, library versions), $B4 / $B72 / $CFG, `quant`,
+# `baselines`, and for the scripts that run `pipetune bench` in a time budget `left`, `bench` and `collect` (they
+# need $W, the work directory, and $BUDGET, seconds). With DRY_RUN=1 nothing is installed, written or run: `bench`
+# and `baselines` print the commands they would run.
 set -uo pipefail
+DRY_RUN=${DRY_RUN:-0}
 # Wheels the device image lacks (torchao, gguf, rouge-score), when carried in .whl/.
-if compgen -G ".whl/*.whl" >/dev/null; then
+if [ "$DRY_RUN" != 1 ] && compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     >/dev/null 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
@@ -13,21 +15,26 @@ TINY_ARGS="--set model.name=\"tiny-qwen3\" --set model.dtype=\"float32\" --set t
   --set train.cuda_graphs=false --set data.synthetic_train=64"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PIPETUNE_CACHE=/tmp/pipetune-cache HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/out}; [ "$DRY_RUN" = 1 ] || mkdir -p "$OUT"
 # The compile cache (inductor's FX graphs and Triton kernels, autotuning included): a fresh machine compiles every
 # kernel in the first runs (Qwen3-4B pp v=3: > 175 s to its first step). A cache an earlier call brought back
 # (collect writes $OUT/inductor-cache.tar.gz when it is under 15 MB; keep it as .carry/inductor-cache.tar.gz
 # and carry .carry) is unpacked first.
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache TRITON_CACHE_DIR=/tmp/inductor-cache/triton
-mkdir -p $TORCHINDUCTOR_CACHE_DIR
-[ -f .carry/inductor-cache.tar.gz ] && tar xzf .carry/inductor-cache.tar.gz -C $TORCHINDUCTOR_CACHE_DIR && \
+[ "$DRY_RUN" = 1 ] || mkdir -p $TORCHINDUCTOR_CACHE_DIR
+[ "$DRY_RUN" != 1 ] && [ -f .carry/inductor-cache.tar.gz ] && tar xzf .carry/inductor-cache.tar.gz -C $TORCHINDUCTOR_CACHE_DIR && \
   echo "compile cache: $(du -sh $TORCHINDUCTOR_CACHE_DIR | cut -f1) unpacked from .carry/inductor-cache.tar.gz"
 B4=configs/bench-qwen3-4b.toml; B72=configs/bench-qwen2.5-72b.toml; CFG=$B4  # the bench configs
 quant() { echo "--set model.quantize=\"$1\""; }  # model.quantize as a bench argument
-{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+[ "$DRY_RUN" = 1 ] || { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)"; } > "$OUT/env.txt" 2>&1
 baselines() {  # seed steps, seed timeout s, DDP timeout s[, 1: DDP + PEFT compiled per layer]: the seed script and
   # DDP + PEFT (micro-batch 8, eager unless compiled), in this run
+  if [ "$DRY_RUN" = 1 ]; then
+    echo "MAX_STEPS=$1 timeout $2 torchrun --nproc_per_node=2 .baselines/train_seed.py"
+    echo "MB=8 GA=1 MAX_STEPS=20 COMPILE=${4:-0} timeout $3 torchrun --nproc_per_node=2 .baselines/lora_ddp.py"
+    return
+  fi
   echo "== seed script (batch 8, 8 microbatches, grad accum 2) ($(date +%T))"
   (cd $W && MAX_STEPS=$1 LOG_FILE=$W/seed.csv timeout $2 torchrun --nproc_per_node=2 $OLDPWD/.baselines/train_seed.py 2>&1 | tail -3)
   echo "== DDP + PEFT, micro-batch 8, compile ${4:-0} ($(date +%T))"
@@ -40,6 +47,10 @@ bench() {  # name, timeout s, config, args... (then $BENCH_ARGS): one `pipetune 
   local name=$1 limit=$2 config=$3; shift 3
   if [ "$(left)" -lt "$limit" ]; then limit=$(left); fi
   if [ "$limit" -lt 60 ]; then echo "== $name: skipped, $(left) s left"; return; fi
+  if [ "$DRY_RUN" = 1 ]; then
+    echo python3 -m pipetune bench --config $config --out $W/$name --timeout $((limit - 15)) "$@" ${BENCH_ARGS:-}
+    return
+  fi
   echo "== $name ($(date +%T), limit $limit s): $*"
   python3 -m pipetune bench --config $config --out $W/$name --timeout $((limit - 15)) "$@" ${BENCH_ARGS:-} 2>&1 | \
     grep -v -i warn | tee $W/$name.out | grep -E "^bench: .*(ready|step 1/|timed step 1 |done|timed out|exit code)|│|┃|error"

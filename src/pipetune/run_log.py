@@ -157,7 +157,11 @@ def finish_run(run_dir: Path, started: float, resumed_from: int | None = None, f
     commands = [
         (f"pipetune eval --run {run}", "ROUGE and loss, base vs fine-tuned, on the validation split"),
         (f"pipetune report {run}", f"charts and one page: {run_dir / 'report' / 'index.html'}"),
-        (f"pipetune summarize --adapter {shlex.quote(str(run_dir / 'adapter'))} meeting.txt", "summarize a transcript"),
+        (
+            f"pipetune summarize --adapter {shlex.quote(str(run_dir / 'adapter'))} "
+            f"{shlex.quote(str(Path(__file__).parent / 'examples' / 'meeting.txt'))}",
+            "summarize a sample meeting (or your own transcript)",
+        ),
         (f"pipetune export --run {run} --out {shlex.quote(str(run_dir / 'export'))}", "for transformers + PEFT, vLLM"),
     ]
     width = max(len(command) for command, _ in commands)

@@ -1,0 +1,75 @@
+"""Where a GPU waits in a profiled step: its idle gaps, and what the host was doing in each.
+
+Reads a Chrome trace that PIPETUNE_PROFILE_STEP with PIPETUNE_PROFILE_TRACE=DIR wrote (DIR/trace-rank<R>.json.gz),
+merges the GPU's kernels and copies into busy intervals, and prints the GPU's busy and idle time over the step,
+then the longest gaps with the host operators that cover each gap's start (outermost first) and the host's
+calls during it.
+
+    python3 benchmarks/tools/trace_gaps.py DIR/trace-rank0.json.gz [--top 12] [--min-us 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections import Counter
+
+GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def load(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
+
+
+def busy_intervals(events: list[dict]) -> list[tuple[float, float]]:
+    """The GPU's kernels and copies (all streams) merged into disjoint busy intervals, in µs."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in GPU_CATEGORIES)
+    merged: list[list[float]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace")
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--min-us", type=float, default=50.0, help="gaps shorter than this are counted, not listed")
+    args = parser.parse_args()
+    events = load(args.trace)
+    busy = busy_intervals(events)
+    if not busy:
+        print(f"{args.trace}: no GPU kernels in the trace (a CPU run?)")
+        return
+    host = [e for e in events if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "python_function")]
+    start = min(e["ts"] for e in host) if host else busy[0][0]
+    end = max(busy[-1][1], max((e["ts"] + e["dur"] for e in host), default=0))
+    gaps = [(b[0] - a[1], a[1], b[0]) for a, b in zip(busy, busy[1:], strict=False)]
+    gaps.append((busy[0][0] - start, start, busy[0][0]))  # the step's start until its first kernel
+    gaps.append((end - busy[-1][1], busy[-1][1], end))  # its last kernel until the step's end
+    span, on = end - start, sum(b - a for a, b in busy)
+    listed = [g for g in gaps if g[0] >= args.min_us]
+    print(
+        f"step span {span / 1e3:.2f} ms: GPU busy {on / 1e3:.2f} ms ({on / span:.1%}), idle {(span - on) / 1e3:.2f} ms "
+        f"in {len(gaps)} gaps, {len(listed)} of them >= {args.min_us:.0f} us ({sum(g[0] for g in listed) / 1e3:.2f} ms)"
+    )
+    for width, a, b in sorted(listed, reverse=True)[: args.top]:
+        covering = sorted(
+            (e for e in host if e["ts"] <= a < e["ts"] + e["dur"] and e.get("cat") != "cuda_runtime"),
+            key=lambda e: -e["dur"],
+        )
+        inside = Counter(e["name"][:60] for e in host if a <= e["ts"] < b and e.get("cat") == "cuda_runtime")
+        print(f"\n{width / 1e3:7.2f} ms idle at +{(a - start) / 1e3:.2f} ms")
+        print("   host in: " + " > ".join(e["name"][:50] for e in covering[:5]))
+        if inside:
+            print("   runtime calls: " + ", ".join(f"{n} x{c}" for n, c in inside.most_common(6)))
+
+
+if __name__ == "__main__":
+    main()

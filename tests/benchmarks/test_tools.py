@@ -1,0 +1,90 @@
+"""Smoke tests of benchmarks/tools/: each tool starts, finds what it reads, and does its cheapest job."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[2] / "benchmarks" / "tools"
+JOURNAL = TOOLS.parent / "journal"
+
+
+def run_tool(name: str, *args: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs benchmarks/tools/NAME.py as its command line would, in this process (torch is imported once)."""
+    monkeypatch.setattr(sys, "argv", [str(TOOLS / f"{name}.py"), *args])
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the tools put src/ and tools/ first; undone after the test
+    runpy.run_path(str(TOOLS / f"{name}.py"), run_name="__main__")
+
+
+ARGPARSE_TOOLS = [
+    "data_scale",
+    "dropout_rng",
+    "layer_levers",
+    "load_memory",
+    "pad_waste",
+    "plan_calibrate",
+    "plan_check",
+    "quant_quality",
+    "smollm2_rouge",
+    "trace_gaps",
+]
+
+
+def test_every_tool_has_a_smoke_test():
+    assert {p.stem for p in TOOLS.glob("*.py")} == set(ARGPARSE_TOOLS) | {"loss_gap_bubble", "plot_loss_curves"}
+
+
+@pytest.mark.parametrize("name", ARGPARSE_TOOLS)
+def test_tool_imports_and_prints_its_usage(name, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as ended:
+        run_tool(name, "--help", monkeypatch=monkeypatch)
+    assert ended.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_plan_check_reads_every_run_it_lists():
+    """plan_check.py's runs name result files in benchmarks/journal/results: each is there and holds its run."""
+    plan_check = runpy.run_path(str(TOOLS / "plan_check.py"), run_name="plan_check")
+    assert plan_check["RESULTS"] == JOURNAL / "results"
+    for run in plan_check["RUNS"]:
+        measured = plan_check["measured"](run)
+        assert measured["tokens_per_sec"] > 0, run.source
+
+
+def test_loss_gap_bubble_reads_a_recorded_timeline(monkeypatch, capsys):
+    timeline = sorted((JOURNAL / "results" / "timelines").glob("*.json"))[0]
+    run_tool("loss_gap_bubble", str(timeline), monkeypatch=monkeypatch)
+    out = capsys.readouterr().out
+    assert f"{timeline}: step" in out and "rank 0 (stages" in out
+
+
+def test_plot_loss_curves_draws_two_runs_and_their_gap(tmp_path, monkeypatch, capsys):
+    for name, losses in (("a", [2.0, 1.5, 1.0]), ("b", [2.0, 1.2, 1.0])):
+        with open(tmp_path / f"{name}.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["step", "loss"])
+            writer.writerows((step, loss) for step, loss in enumerate(losses, start=1))
+    out_png = tmp_path / "curves.png"
+    run_tool("plot_loss_curves", str(out_png), f"a={tmp_path}/a.csv", f"b={tmp_path}/b.csv", monkeypatch=monkeypatch)
+    assert out_png.stat().st_size > 0
+    assert "b vs a: largest relative gap 20.00% at step 2" in capsys.readouterr().out
+
+
+def test_trace_gaps_finds_the_gpu_idle_gap(tmp_path, monkeypatch, capsys):
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 300},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 700, "dur": 300},
+    ]
+    trace = tmp_path / "trace-rank0.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    run_tool("trace_gaps", str(trace), "--min-us", "100", monkeypatch=monkeypatch)
+    out = capsys.readouterr().out
+    assert "GPU busy 0.60 ms (60.0%)" in out and "0.40 ms idle at +0.30 ms" in out
