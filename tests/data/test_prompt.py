@@ -204,6 +204,7 @@ def test_added_token_text_in_data_never_becomes_a_control_token(tokenizer) -> No
         assert tokenizer.decode(sample.input_ids[sample.n_prompt :]) == summary + "<|im_end|>"
     assert tokenizer.decode(builder.head_ids).count(system) == 1
     assert builder.encode_texts(["plain", "<think>"]) == [builder.encode_text("plain"), builder.encode_text("<think>")]
+    assert builder.encode_text(TRANSCRIPT) == tokenizer.encode(TRANSCRIPT, add_special_tokens=False)  # text as ever
 
 
 def test_a_sample_with_its_own_system_prompt_is_measured_with_it(tokenizer) -> None:

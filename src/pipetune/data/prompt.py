@@ -11,16 +11,18 @@ mid-sentence.
 
 The system prompt, transcript and summary are data: the template's fixed parts and each text are encoded
 apart, and the text of any added token inside the data (a literal "<|im_end|>", or Qwen3's "<think>", which
-its tokenizer does not flag special) is split into ordinary tokens, so data never yields a control token id.
+its tokenizer does not flag special, so `split_special_tokens` alone leaves it whole) is encoded as ordinary
+tokens, so data never yields a control token id.
 A sample may carry its own system prompt (a chat row's system message); its template, and so its
 transcript's room, is measured with that prompt.
 """
 
 from __future__ import annotations
 
-import re
+import json
 from dataclasses import dataclass
 
+from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerBase
 
 from pipetune.config import ConfigError
@@ -45,6 +47,26 @@ class Sample:
         return len(self.input_ids) - self.n_prompt
 
 
+def data_backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
+    """A copy of a fast tokenizer's backend that encodes every added token's text as ordinary text (None for a slow
+    tokenizer, whose `split_special_tokens` already does).
+
+    `split_special_tokens` splits only tokens flagged special, and Qwen3 leaves <think>, </think> and <tool_call>
+    unflagged: the copy flags them all, then encodes special-token text as text. Text free of added tokens gets
+    the very ids the tokenizer gives it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    for token in spec.get("added_tokens", []):
+        token["special"] = True
+    copy = Tokenizer.from_str(json.dumps(spec))
+    copy.no_truncation()
+    copy.no_padding()
+    copy.encode_special_tokens = True
+    return copy
+
+
 class PromptBuilder:
     """Turns (transcript, summary) into token ids that fit `max_length`, keeping every template token."""
 
@@ -59,8 +81,7 @@ class PromptBuilder:
         self.max_length = max_length
         self.max_summary_tokens = max_summary_tokens
         self.system_prompt = system_prompt
-        added = sorted({t.content for t in tokenizer.added_tokens_decoder.values() if len(t.content) > 1}, key=len)
-        self._added = re.compile("|".join(re.escape(t) for t in reversed(added))) if added else None
+        self._data_backend = data_backend(tokenizer)
         rendered = tokenizer.apply_chat_template(
             [
                 {"role": "system", "content": _SYSTEM},
@@ -101,33 +122,12 @@ class PromptBuilder:
         return self.encode_texts([text])[0]
 
     def encode_texts(self, texts: list[str]) -> list[list[int]]:
-        """`encode_text` of many texts; those free of added-token text in one batch call (the tokenizer's fast path).
-
-        Text holding an added token's text ("<think>") is encoded in pieces that never hold a whole one: the
-        match's first character apart from its rest. `split_special_tokens` alone splits only tokens flagged
-        special, and Qwen3 leaves <think> and <tool_call> unflagged."""
-        out: list[list[int]] = [[] for _ in texts]
-        plain = [i for i, text in enumerate(texts) if text and not (self._added and self._added.search(text))]
-        if plain:
-            encoded = self.tokenizer([texts[i] for i in plain], add_special_tokens=False, split_special_tokens=True)
-            for i, ids in zip(plain, encoded["input_ids"], strict=True):
-                out[i] = ids
-        for i in sorted(set(range(len(texts))) - set(plain)):
-            if texts[i]:
-                encoded = self.tokenizer(self._pieces(texts[i]), add_special_tokens=False, split_special_tokens=True)
-                out[i] = [t for ids in encoded["input_ids"] for t in ids]
-        return out
-
-    def _pieces(self, text: str) -> list[str]:
-        """`text` cut so that no piece holds an added token's text: each match becomes its first character and its
-        rest (cut again if that rest holds another)."""
-        assert self._added is not None
-        pieces, at = [], 0
-        for match in self._added.finditer(text):
-            pieces += [text[at : match.start()], text[match.start()]] + self._pieces(match.group()[1:])
-            at = match.end()
-        pieces.append(text[at:])
-        return [piece for piece in pieces if piece]
+        """`encode_text` of many texts in one call (the tokenizer's batch path)."""
+        if not texts:
+            return []
+        if self._data_backend is not None:
+            return [e.ids for e in self._data_backend.encode_batch(texts, add_special_tokens=False)]
+        return self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
     @property
     def template_length(self) -> int:
