@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import http.server
+import os
 import socket
 import sys
 import threading
@@ -17,6 +18,7 @@ import torch
 
 from pipetune.config import Config, ConfigError
 from pipetune.loggers import (
+    FAIL_SOONER,
     SERVER_CHECK_SECONDS,
     MetricLoggers,
     check_loggers,
@@ -59,7 +61,11 @@ def test_tensorboard_and_mlflow_get_every_row(tmp_path: Path, monkeypatch: pytes
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for variable in FAIL_SOONER:  # unset here, restored (unset) after the test
+        monkeypatch.setenv(variable, "")
+        monkeypatch.delenv(variable)
     loggers = open_loggers(_config("tensorboard", "mlflow"), tmp_path)
+    assert {variable: os.environ[variable] for variable in FAIL_SOONER} == FAIL_SOONER  # a lost server: no stall
     for row in ROWS:
         loggers.write(row)
     mlflow_logger = loggers.loggers[1]

@@ -26,6 +26,9 @@ PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 """Logger name -> the module it needs; the pip extra of the same name installs it."""
 LOGGERS = ("csv", *PACKAGES)
 PERF_COLUMNS = ("tokens_per_sec", "real_tokens_per_sec", "step_time_sec")
+FAIL_SOONER = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+"""mlflow's defaults (7 retries with doubling waits, 120 s a request) hold rank 0, and so every rank at its next
+collective, for minutes when the server goes away mid-run; these bound it to under a minute."""
 SERVER_CHECK_SECONDS = 3.0
 """How long the MLflow tracking server has to answer before the run starts (mlflow itself retries for minutes)."""
 
@@ -132,6 +135,8 @@ class MLflowLogger:
 
     def __init__(self, run_dir: Path, config: Config) -> None:
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow >= 3.7 refuses file stores without it
+        for variable, value in FAIL_SOONER.items():  # unless set: the run waits on a lost server under a minute
+            os.environ.setdefault(variable, value)
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
