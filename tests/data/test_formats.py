@@ -8,6 +8,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipetune.config import ConfigError, DataConfig, validate
 from pipetune.data.example import Example
@@ -177,3 +178,27 @@ def test_inspect_says_which_columns_it_read(tmp_path: Path) -> None:
     assert f"4  {MULTI_TURN}  (train 4; first: {path}:2)" in text
     assert f"1  no assistant message  (train 1; first: {path}:13)" in text
     assert json.loads(report.to_json())["rows"]["columns"] == {CHAT_COLUMNS: 4, f"{CHAT_COLUMNS}, {OWN_SYSTEM}": 4}
+
+
+def test_training_reads_chat_rows_with_their_own_system_message_and_says_so(tmp_path: Path) -> None:
+    """The start of training says how chat rows were read, and the token cache holds each row's own system prompt."""
+    from pipetune.parallel.process_group import DistEnv
+    from pipetune.train import build_data
+
+    path = write_jsonl(tmp_path / "chats.jsonl", CHATS[:1] * 8 + [CHATS[2]] * 8)
+    config = tiny_config(tmp_path / "run", f'data.source="{path}"', "data.max_length=256", "parallel.pp=1")
+    validate(config, config.parallel.world_size)
+    prepared = prepare(config)
+    said: list[str] = []
+    (tmp_path / "run").mkdir()
+    data = build_data(config, DistEnv(0, 1, 0, torch.device("cpu")), prepared, tmp_path / "run", said.append)
+
+    assert f"data read as: {CHAT_COLUMNS}, {OWN_SYSTEM} (8 rows)" in said
+    assert f"data read as: {CHAT_COLUMNS} (8 rows)" in said
+    prompts = []
+    for i in range(len(data.split)):
+        ids, labels = data.split.batch([i], 256, prepared.pad_id)
+        n = int((ids[0] != prepared.pad_id).sum())
+        prompts.append(prepared.tokenizer.decode(ids[0, :n]))
+    assert sum(p.startswith("<|im_start|>system\nSummarize.<|im_end|>") for p in prompts) == 8
+    assert sum(p.startswith(f"<|im_start|>system\n{config.data.system_prompt}<|im_end|>") for p in prompts) == 8
