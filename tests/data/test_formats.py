@@ -39,6 +39,7 @@ def test_chat_rows_give_one_exchange_with_the_rows_own_system_message(tmp_path: 
         chat(("user", 3), ("assistant", "x")),
         {"messages": [{"content": "no role"}]},
         chat(("system", 7), ("user", "A: hi."), ("assistant", "Hi.")),
+        chat(("system", "\ud800"), ("user", "A: hi."), ("assistant", "Hi.")),  # a lone surrogate
     ]
     path = write_jsonl(tmp_path / "chats.jsonl", CHATS + bad + GOOD[:2])  # chat and column rows side by side
     dataset = load_dataset(DataConfig(source=str(path)))
@@ -61,6 +62,7 @@ def test_chat_rows_give_one_exchange_with_the_rows_own_system_message(tmp_path: 
             "non-string user message": 1,
             "message without a role": 1,
             "non-string system message": 1,
+            "invalid Unicode in system message": 1,
         }
     )
     assert dataset.summary()["columns"] == {

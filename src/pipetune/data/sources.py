@@ -224,7 +224,8 @@ def clean_rows(raw: dict[str, Iterable[tuple[str, Any]]], data: DataConfig) -> D
                 stats.shortened += 1
                 transcript = transcript[: limit // 2] + "\n" + transcript[-(limit // 2) :]  # the prompt cuts the middle
                 summary = summary[:limit]  # a summary keeps its head
-            kept.append(Example(transcript, summary, system if uses_own_system(data) else None))
+            own = system[:limit] if system is not None and uses_own_system(data) else None  # room left: prompt.py
+            kept.append(Example(transcript, summary, own))
             dataset.columns[chat_read_as(system, data) if chat else columns_read(data)] += 1
         dataset.splits[split] = kept
         dataset.stats[split] = stats
@@ -440,6 +441,10 @@ def chat_columns(row: dict, data: DataConfig) -> tuple[dict[str, str], str | Non
     systems = [m.get("content") for m in messages if m["role"] == "system"]
     if not all(isinstance(content, str) for content in systems):
         return _Unusable("non-string system message")
+    try:
+        "".join(systems).encode("utf-8")
+    except UnicodeEncodeError:
+        return _Unusable("invalid Unicode in system message")  # a lone surrogate, as in _problem
     return texts, "\n\n".join(content.strip() for content in systems) if systems else None
 
 
