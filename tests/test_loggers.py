@@ -1,15 +1,33 @@
-"""output.loggers: grouped metric names, TensorBoard and MLflow read back, W&B's calls, the package check."""
+"""output.loggers: grouped metric names, TensorBoard and MLflow read back, W&B's calls, the package and server
+checks, a logger failing mid-run."""
 
 from __future__ import annotations
 
+import csv
+import http.server
+import os
+import socket
 import sys
+import threading
+import time
 import types
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipetune.config import Config, ConfigError
-from pipetune.loggers import check_loggers, open_loggers, row_metrics
+from pipetune.loggers import (
+    FAIL_SOONER,
+    SERVER_CHECK_SECONDS,
+    MetricLoggers,
+    check_loggers,
+    check_mlflow_server,
+    open_loggers,
+    row_metrics,
+)
+from pipetune.metrics import MetricsLog
+from pipetune.parallel.process_group import DistEnv
 
 ROWS = [
     {"step": 0, "val_loss": 5.5},  # validation before the first step
@@ -43,7 +61,11 @@ def test_tensorboard_and_mlflow_get_every_row(tmp_path: Path, monkeypatch: pytes
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    for variable in FAIL_SOONER:  # unset here, restored (unset) after the test
+        monkeypatch.setenv(variable, "")
+        monkeypatch.delenv(variable)
     loggers = open_loggers(_config("tensorboard", "mlflow"), tmp_path)
+    assert {variable: os.environ[variable] for variable in FAIL_SOONER} == FAIL_SOONER  # a lost server: no stall
     for row in ROWS:
         loggers.write(row)
     mlflow_logger = loggers.loggers[1]
@@ -104,3 +126,89 @@ def test_missing_logger_packages_name_the_extra(monkeypatch: pytest.MonkeyPatch)
     with pytest.raises(ConfigError, match=r"\['neptune'\]: unknown logger; choose from csv, tensorboard"):
         check_loggers(["neptune"])
     check_loggers(["csv", "tensorboard"])
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:  # bound, then closed: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_mlflow_server_is_one_line_before_any_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mlflow retries an unreachable server for minutes, then raises chained tracebacks: preflight asks first."""
+    uri = f"http://127.0.0.1:{_closed_port()}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as raised:
+        check_loggers(["csv", "mlflow"])
+    assert time.monotonic() - started < SERVER_CHECK_SECONDS + 2
+    message = str(raised.value)
+    assert f"MLFLOW_TRACKING_URI = {uri!r} is unreachable" in message and "\n" not in message
+    assert "start the tracking server" in message and "unset MLFLOW_TRACKING_URI" in message
+    assert "remove mlflow from output.loggers" in message
+
+    with socket.socket() as silent:  # accepts connections, never answers: the check still ends in time
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        started = time.monotonic()
+        with pytest.raises(ConfigError, match="is unreachable"):
+            check_mlflow_server(f"http://127.0.0.1:{silent.getsockname()[1]}", timeout=0.5)
+        assert time.monotonic() - started < 2
+
+    for without_network in ("", "file:///tmp/mlruns", "databricks"):  # a local store: nothing to ask
+        check_mlflow_server(without_network)
+
+    # any HTTP answer (here a 404 from a plain HTTP server) means the tracking server is there
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    threading.Thread(target=server.handle_request, daemon=True).start()
+    try:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{server.server_address[1]}/")
+        check_loggers(["csv", "mlflow"])
+    finally:
+        server.server_close()
+
+
+class _Recording:
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.closed = False
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self.steps.append(step)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _FailsAtStep1(_Recording):
+    name = "flaky"
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if step >= 1:
+            raise ConnectionError("API request to http://127.0.0.1:9 failed\nwith a long chained traceback")
+        super().write(step, metrics)
+
+
+def test_a_logger_failing_mid_run_costs_one_warning_and_the_run_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    flaky, recording = _FailsAtStep1(), _Recording()
+    monkeypatch.setattr("pipetune.metrics.open_loggers", lambda *args, **kwargs: MetricLoggers([flaky, recording]))
+    config = _config()
+    config.output.dir = str(tmp_path)
+    log = MetricsLog(config, DistEnv(0, 2, 0, torch.device("cpu")), total_steps=2, resumed_at=None, quiet=True)
+    for row in ROWS:
+        log.write(row)
+    log.close()
+
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == [
+        "pipetune: warning: output.loggers: flaky failed writing step 1 (ConnectionError: API request to "
+        "http://127.0.0.1:9 failed); it is left out for the rest of the run, metrics.csv goes on"
+    ]
+    assert flaky.steps == [0] and not flaky.closed  # dropped: neither written to again nor closed
+    assert recording.steps == [0, 1, 2] and recording.closed  # the other loggers go on
+    with open(tmp_path / "metrics.csv") as f:
+        assert [int(row["step"]) for row in csv.DictReader(f)] == [0, 1, 2]

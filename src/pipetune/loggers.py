@@ -1,15 +1,22 @@
 """Metrics loggers besides metrics.csv: TensorBoard, MLflow and Weights & Biases, each through its own library.
 
-`output.loggers` names them; `check_loggers` runs before any worker starts, so a missing package is one
-line naming its pip extra, not a worker's traceback. Rank 0 writes every metrics row to each logger under
-grouped names: train/ (loss, lr, grad_norm, ...), val/ (val_loss -> val/loss), perf/ (tokens/s, step time)
-and mem/ (peak memory per rank).
+`output.loggers` names them; `check_loggers` runs before any worker starts, so a missing package, or an
+MLflow tracking server that does not answer within a few seconds, is one line with the fix, not a worker's
+minutes of retries and tracebacks. Rank 0 writes every metrics row to each logger under grouped names: train/
+(loss, lr, grad_norm, ...), val/ (val_loss -> val/loss), perf/ (tokens/s, step time) and mem/ (peak memory
+per rank). A logger that fails mid-run costs one warning and is left out from then on; metrics.csv and the
+run go on.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import ssl
+import sys
+import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -19,6 +26,11 @@ PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 """Logger name -> the module it needs; the pip extra of the same name installs it."""
 LOGGERS = ("csv", *PACKAGES)
 PERF_COLUMNS = ("tokens_per_sec", "real_tokens_per_sec", "step_time_sec")
+FAIL_SOONER = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
+"""mlflow's defaults (7 retries with doubling waits, 120 s a request) hold rank 0, and so every rank at its next
+collective, for minutes when the server goes away mid-run; these bound it to under a minute."""
+SERVER_CHECK_SECONDS = 3.0
+"""How long the MLflow tracking server has to answer before the run starts (mlflow itself retries for minutes)."""
 
 
 def check_loggers(names: list[str]) -> None:
@@ -32,6 +44,39 @@ def check_loggers(names: list[str]) -> None:
             f"output.loggers {missing} need{'s' if len(missing) == 1 else ''} "
             f"{' and '.join(PACKAGES[name] for name in missing)}, which is not installed: "
             f"pip install 'pipetune[{','.join(missing)}]', or remove {' and '.join(missing)} from output.loggers"
+        )
+    if "mlflow" in names:
+        check_mlflow_server(os.environ.get("MLFLOW_TRACKING_URI", ""))
+
+
+def check_mlflow_server(uri: str, timeout: float = SERVER_CHECK_SECONDS) -> None:
+    """An http(s) tracking URI must answer within `timeout` seconds (any HTTP answer will do: a 404 or 401 is a
+    server); other URIs (unset: a local file store, file:, databricks) are left to mlflow."""
+    if not uri.lower().startswith(("http://", "https://")):
+        return
+    outcome: list[str] = []
+
+    def ask() -> None:
+        try:
+            with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=timeout):
+                outcome.append("")
+        except urllib.error.HTTPError:  # the server answered
+            outcome.append("")
+        except urllib.error.URLError as e:
+            answered = isinstance(e.reason, ssl.SSLError)  # TLS trouble is mlflow's to report: the host is there
+            outcome.append("" if answered else str(e.reason))
+        except Exception as e:  # a malformed URI (no host, a bad port), a reset connection, ...
+            outcome.append(f"{type(e).__name__}: {e}")
+
+    asking = threading.Thread(target=ask, daemon=True)  # bounds name resolution too, which ignores `timeout`
+    asking.start()
+    asking.join(timeout)
+    problem = outcome[0] if outcome else f"no answer within {timeout:g} s"
+    if problem:
+        raise ConfigError(
+            f"output.loggers has mlflow, but MLFLOW_TRACKING_URI = {uri!r} is unreachable ({problem}); start the "
+            "tracking server there, unset MLFLOW_TRACKING_URI to log to a local file store (<run>/mlruns), or "
+            "remove mlflow from output.loggers"
         )
 
 
@@ -64,6 +109,8 @@ class Logger(Protocol):
 class TensorBoardLogger:
     """Scalars under <run>/tensorboard; each row is flushed, so a killed run keeps its curves."""
 
+    name = "tensorboard"
+
     def __init__(self, run_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
@@ -84,8 +131,12 @@ class MLflowLogger:
     The experiment is $MLFLOW_EXPERIMENT_NAME or "pipetune", the run is named after the run directory,
     and every config key is a parameter (section.key)."""
 
+    name = "mlflow"
+
     def __init__(self, run_dir: Path, config: Config) -> None:
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow >= 3.7 refuses file stores without it
+        for variable, value in FAIL_SOONER.items():  # unless set: the run waits on a lost server under a minute
+            os.environ.setdefault(variable, value)
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
@@ -118,6 +169,8 @@ class WandbLogger:
     """A Weights & Biases run under <run>/wandb: offline unless $WANDB_MODE says otherwise (upload later with
     `wandb sync <run>/wandb/offline-run-*`); project $WANDB_PROJECT or "pipetune", the config as its config."""
 
+    name = "wandb"
+
     def __init__(self, run_dir: Path, config: Config) -> None:
         import wandb
 
@@ -138,20 +191,39 @@ class WandbLogger:
 
 
 class MetricLoggers:
-    """The loggers of output.loggers other than csv (metrics.csv has its own writer); rank 0 only."""
+    """The loggers of output.loggers other than csv (metrics.csv has its own writer); rank 0 only.
+
+    A logger that raises is warned about once and dropped: a lost dashboard is no reason to lose the run."""
 
     def __init__(self, loggers: list[Logger]) -> None:
         self.loggers = loggers
 
     def write(self, row: dict[str, Any]) -> None:
         metrics = row_metrics(row)
-        for logger in self.loggers:
-            logger.write(int(row["step"]), metrics)
+        for logger in list(self.loggers):
+            try:
+                logger.write(int(row["step"]), metrics)
+            except Exception as e:
+                self._drop(logger, f"writing step {row['step']}", e)
 
     def close(self) -> None:
-        for logger in self.loggers:
-            logger.close()
+        for logger in list(self.loggers):
+            try:
+                logger.close()
+            except Exception as e:
+                self._drop(logger, "closing", e)
         self.loggers = []
+
+    def _drop(self, logger: Logger, doing: str, error: Exception) -> None:
+        self.loggers.remove(logger)
+        name = getattr(logger, "name", type(logger).__name__)
+        detail = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+        print(
+            f"pipetune: warning: output.loggers: {name} failed {doing} ({type(error).__name__}"
+            f"{': ' + detail if detail else ''}); it is left out for the rest of the run, metrics.csv goes on",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def open_loggers(config: Config, run_dir: Path, enabled: bool = True) -> MetricLoggers:

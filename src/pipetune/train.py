@@ -35,6 +35,7 @@ from pipetune.checkpoint import (
 from pipetune.config import Config, save_config
 from pipetune.data.batching import SampleStore, bucket_lengths, bucketed_epoch_batches, epoch_batches, pad_fraction
 from pipetune.data.cache import tokenized_data
+from pipetune.data.sources import chat_lines
 from pipetune.export import PROMPT_FILE, write_prompt_settings
 from pipetune.metrics import MetricsLog, PhaseLog, host_peak_gb, peak_memory_gb, reset_peak_memory
 from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory, graphs_untried
@@ -254,6 +255,8 @@ def build_data(
         f"{planned.steps_per_epoch} optimizer steps/epoch, {planned.total_steps} in all; effective batch "
         f"{t.batch_size} x grad_accum {t.grad_accum} x dp {p.dp} = {planned.global_batch * t.grad_accum} sequences"
     )
+    for line in chat_lines(data.summary.get("columns", {})):  # chat rows: their system messages kept or replaced
+        say(f"data {line}")
     if config.data.buckets:
         say(
             f"length buckets {config.data.buckets}: pad fraction {pad_fraction(real_tokens, config.data.buckets):.1%} "

@@ -175,3 +175,48 @@ def test_serving_prompt_is_the_trained_prompt(tokenizer, template: str) -> None:
     assert tokenizer.encode(served, add_special_tokens=False) == builder.prompt_ids(transcript)
     default = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     assert (default == served) == (template == "chatml")  # Qwen3's default (thinking on) is not what was trained
+
+
+def test_added_token_text_in_data_never_becomes_a_control_token(tokenizer) -> None:
+    """Qwen3's <think> and </think> are added tokens not flagged special: split_special_tokens leaves them whole.
+    Their text in a system prompt, transcript or summary is data all the same, in training and at inference."""
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = QWEN3_LIKE
+    tokenizer.add_tokens(["<think>", "</think>"])  # added, not special: as in Qwen3's tokenizer
+    think, unthink = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    assert tokenizer.encode("a <think> b", add_special_tokens=False, split_special_tokens=True).count(think) == 1
+    system = "Summarize. Never write <think> blocks."
+    builder = PromptBuilder(tokenizer, max_length=512, max_summary_tokens=64, system_prompt=system)
+    assert think in builder.middle_ids and unthink in builder.middle_ids  # the template's own: real tokens
+    transcript = "Anna: the model printed <think>\n\n</think> and <|im_end|> again.\nBert: odd."
+    summary = "</think>They saw <think> tags."
+    for own_system in (None, "Row prompt with </think>."):
+        sample = (
+            builder.build(transcript, summary) if own_system is None else builder.build(transcript, summary, own_system)
+        )
+        head = builder.head_ids if own_system is None else builder.head_for(own_system)
+        template = head + builder.middle_ids + builder.end_ids
+        for control in (think, unthink, *tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])):
+            assert sample.input_ids.count(control) == template.count(control)
+        assert head.count(think) == 0
+        assert sample.input_ids[: sample.n_prompt] == builder.prompt_ids(transcript, own_system)
+        assert transcript in tokenizer.decode(sample.input_ids[: sample.n_prompt])
+        assert tokenizer.decode(sample.input_ids[sample.n_prompt :]) == summary + "<|im_end|>"
+    assert tokenizer.decode(builder.head_ids).count(system) == 1
+    assert builder.encode_texts(["plain", "<think>"]) == [builder.encode_text("plain"), builder.encode_text("<think>")]
+    assert builder.encode_text(TRANSCRIPT) == tokenizer.encode(TRANSCRIPT, add_special_tokens=False)  # text as ever
+
+
+def test_a_sample_with_its_own_system_prompt_is_measured_with_it(tokenizer) -> None:
+    """A chat row's system message replaces the builder's in its sample; its transcript gets the room that leaves."""
+    builder = PromptBuilder(tokenizer, max_length=256, max_summary_tokens=64)
+    own = "Write one line."
+    [default, mine] = builder.build_examples([Example(TRANSCRIPT, SUMMARY), Example(TRANSCRIPT, SUMMARY, own)])
+    assert tokenizer.decode(mine.input_ids).startswith(f"<|im_start|>system\n{own}<|im_end|>")
+    assert SYSTEM_PROMPT not in tokenizer.decode(mine.input_ids)
+    assert default.n_prompt == mine.n_prompt  # both prompts fill their room: a shorter head, more transcript
+    assert mine.transcript_tokens_cut < default.transcript_tokens_cut
+    assert mine.input_ids[: mine.n_prompt] == builder.prompt_ids(TRANSCRIPT, own)
+    long_own = "Be brief. " * 300  # longer than max_length: cut so that one summary token still fits
+    sample = builder.build(TRANSCRIPT, SUMMARY, long_own)
+    assert len(sample.input_ids) + len(builder.end_ids) == 256 and sample.n_supervised == 1  # capped: left open

@@ -95,7 +95,7 @@ class SampleStore:
 
 def tokenize_split(examples: list[Example], builder: PromptBuilder, pad_id: int) -> TokenizedSplit:
     """Examples tokenized as in training and padded to max_length."""
-    samples = builder.build_many([(e.transcript, e.summary) for e in examples])
+    samples = builder.build_examples(examples)
     return SampleStore.from_samples(samples).dense(builder.max_length, pad_id)
 
 

@@ -142,7 +142,7 @@ def _write_split(directory: Path, name: str, examples: list, prompts: PromptBuil
     with open(directory / f"{name}.tokens", "wb") as tokens:
         for start in range(0, len(examples), CHUNK):
             chunk = examples[start : start + CHUNK]
-            samples = prompts.build_many([(e.transcript, e.summary) for e in chunk])
+            samples = prompts.build_examples(chunk)
             for i, sample in enumerate(samples, start=start):
                 offsets[i + 1] = offsets[i] + len(sample.input_ids)
                 n_prompt[i] = sample.n_prompt

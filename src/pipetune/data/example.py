@@ -1,4 +1,5 @@
-"""The record every data module passes around: one transcript and its reference summary."""
+"""The record every data module passes around: one transcript, its reference summary, and maybe its own system
+prompt."""
 
 from __future__ import annotations
 
@@ -13,3 +14,5 @@ class Example:
     """The meeting transcript (for AMI and the synthetic corpus: speaker-tagged turns, one per line)."""
     summary: str
     """The reference summary."""
+    system: str | None = None
+    """The row's own system prompt (a chat row's system message), used instead of data.system_prompt; None: that."""

@@ -108,7 +108,7 @@ def split_report(name: str, examples: list[Example], builder: PromptBuilder, buc
     """Tokenize one split as training would (PromptBuilder.build) and measure it."""
     transcript_lengths = _token_counts(builder, [e.transcript for e in examples])
     summary_lengths = _token_counts(builder, [e.summary for e in examples])
-    samples = builder.build_many([(e.transcript, e.summary) for e in examples])
+    samples = builder.build_examples(examples)
     lengths = [len(s.input_ids) for s in samples]
     real_tokens = torch.tensor(lengths, dtype=torch.long)
     padded = bucket_lengths(real_tokens, buckets).tolist()

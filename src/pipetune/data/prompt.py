@@ -7,21 +7,30 @@ a full `max_summary_tokens` summary, keeping its head and tail with an elision m
 prompt at inference is token for token the prompt the model was trained on. Loss falls only on the
 summary tokens and the token that closes the assistant turn. A summary longer than
 `max_summary_tokens` is capped and left open: no closing token, so the model never learns to stop
-mid-sentence. Transcript and summary are data: a control token's text inside them (a literal
-"<|im_end|>") is encoded as plain text, never as the control token.
+mid-sentence.
+
+The system prompt, transcript and summary are data: the template's fixed parts and each text are encoded
+apart, and the text of any added token inside the data (a literal "<|im_end|>", or Qwen3's "<think>", which
+its tokenizer does not flag special, so `split_special_tokens` alone leaves it whole) is encoded as ordinary
+tokens, so data never yields a control token id.
+A sample may carry its own system prompt (a chat row's system message); its template, and so its
+transcript's room, is measured with that prompt.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
+from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerBase
 
 from pipetune.config import ConfigError
+from pipetune.data.example import Example
 from pipetune.data.prompt_text import SYSTEM_PROMPT
 
 ELISION = "\n[...]\n"
-_TRANSCRIPT, _SUMMARY = "@@TRANSCRIPT@@", "@@SUMMARY@@"
+_SYSTEM, _TRANSCRIPT, _SUMMARY = "@@SYSTEM@@", "@@TRANSCRIPT@@", "@@SUMMARY@@"
 
 
 @dataclass(frozen=True)
@@ -38,6 +47,26 @@ class Sample:
         return len(self.input_ids) - self.n_prompt
 
 
+def data_backend(tokenizer: PreTrainedTokenizerBase) -> Tokenizer | None:
+    """A copy of a fast tokenizer's backend that encodes every added token's text as ordinary text (None for a slow
+    tokenizer, whose `split_special_tokens` already does).
+
+    `split_special_tokens` splits only tokens flagged special, and Qwen3 leaves <think>, </think> and <tool_call>
+    unflagged: the copy flags them all, then encodes special-token text as text. Text free of added tokens gets
+    the very ids the tokenizer gives it."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    for token in spec.get("added_tokens", []):
+        token["special"] = True
+    copy = Tokenizer.from_str(json.dumps(spec))
+    copy.no_truncation()
+    copy.no_padding()
+    copy.encode_special_tokens = True
+    return copy
+
+
 class PromptBuilder:
     """Turns (transcript, summary) into token ids that fit `max_length`, keeping every template token."""
 
@@ -51,31 +80,54 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.max_length = max_length
         self.max_summary_tokens = max_summary_tokens
+        self.system_prompt = system_prompt
+        self._data_backend = data_backend(tokenizer)
         rendered = tokenizer.apply_chat_template(
             [
-                {"role": "system", "content": system_prompt},
+                {"role": "system", "content": _SYSTEM},
                 {"role": "user", "content": _TRANSCRIPT},
                 {"role": "assistant", "content": _SUMMARY},
             ],
             tokenize=False,
         )
-        if _TRANSCRIPT not in rendered or _SUMMARY not in rendered:
-            raise ValueError("the tokenizer's chat template does not render the user and assistant contents")
-        head, _, rest = rendered.partition(_TRANSCRIPT)
+        if not 0 <= rendered.find(_SYSTEM) < rendered.find(_TRANSCRIPT) < rendered.find(_SUMMARY):
+            raise ValueError(
+                "the tokenizer's chat template does not render the system, user and assistant contents in order"
+            )
+        before, _, rest = rendered.partition(_SYSTEM)
+        after, _, rest = rest.partition(_TRANSCRIPT)
         middle, _, tail = rest.partition(_SUMMARY)
-        self.head_ids = self._encode(head)
+        self._around_system = (self._encode(before), self._encode(after))
+        self._heads: dict[str, list[int]] = {}
         self.middle_ids = self._encode(middle)
         end = self._encode(tail.strip())
         self.end_ids = end if end else [tokenizer.eos_token_id]
         self.elision_ids = self._encode(ELISION)
+        self.head_ids = self.head_for(system_prompt)
 
     def _encode(self, text: str) -> list[int]:
         """Template text: its control tokens (<|im_start|>, ...) are the real ones."""
         return self.tokenizer.encode(text, add_special_tokens=False) if text else []
 
+    def head_for(self, system_prompt: str | None) -> list[int]:
+        """The template up to the transcript with `system_prompt` (None: the builder's own) encoded as data."""
+        system_prompt = self.system_prompt if system_prompt is None else system_prompt
+        if system_prompt not in self._heads:
+            before, after = self._around_system
+            self._heads[system_prompt] = before + self.encode_text(system_prompt) + after
+        return self._heads[system_prompt]
+
     def encode_text(self, text: str) -> list[int]:
         """Data (a transcript, a summary): control-token text in it is split into ordinary tokens."""
-        return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True) if text else []
+        return self.encode_texts([text])[0]
+
+    def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """`encode_text` of many texts in one call (the tokenizer's batch path)."""
+        if not texts:
+            return []
+        if self._data_backend is not None:
+            return [e.ids for e in self._data_backend.encode_batch(texts, add_special_tokens=False)]
+        return self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
     @property
     def template_length(self) -> int:
@@ -85,12 +137,18 @@ class PromptBuilder:
     @property
     def summary_room(self) -> int:
         """Tokens kept for the summary: max_summary_tokens, or what max_length leaves after the template."""
-        return min(self.max_summary_tokens, self.max_length - self.template_length)
+        return self._summary_room(self.head_ids)
+
+    def _summary_room(self, head: list[int]) -> int:
+        return min(self.max_summary_tokens, self.max_length - len(head) - len(self.middle_ids) - len(self.end_ids))
 
     @property
     def transcript_room(self) -> int:
         """Tokens a transcript may take, in training and generation alike."""
-        return self.max_length - self.template_length - self.summary_room
+        return self._transcript_room(self.head_ids)
+
+    def _transcript_room(self, head: list[int]) -> int:
+        return self.max_length - len(head) - len(self.middle_ids) - len(self.end_ids) - self._summary_room(head)
 
     @property
     def min_max_length(self) -> int:
@@ -104,52 +162,66 @@ class PromptBuilder:
                 f"with the system prompt) plus one summary token; set data.max_length >= {self.min_max_length}"
             )
 
-    def build(self, transcript: str, summary: str) -> Sample:
+    def build(self, transcript: str, summary: str, system_prompt: str | None = None) -> Sample:
         """A training sample: the prompt (as `prompt_ids`) then the summary, closed unless it was capped."""
-        return self.build_many([(transcript, summary)])[0]
+        return self.build_many([(transcript, summary)], [system_prompt])[0]
 
-    def build_many(self, pairs: list[tuple[str, str]]) -> list[Sample]:
-        """`build` of many (transcript, summary) pairs, their texts encoded in one batch call."""
+    def build_many(self, pairs: list[tuple[str, str]], system_prompts: list[str | None] | None = None) -> list[Sample]:
+        """`build` of many (transcript, summary) pairs, their texts encoded in one batch call; `system_prompts`:
+        each pair's own (None: the builder's)."""
         self.check_budget()
         transcripts = self.encode_texts([transcript for transcript, _ in pairs])
         summaries = self.encode_texts([summary for _, summary in pairs])
-        return [self._sample(t, s) for t, s in zip(transcripts, summaries, strict=True)]
+        systems = system_prompts if system_prompts is not None else [None] * len(pairs)
+        return [
+            self._sample(t, s, self._fitted_head(system))
+            for t, s, system in zip(transcripts, summaries, systems, strict=True)
+        ]
 
-    def encode_texts(self, texts: list[str]) -> list[list[int]]:
-        """`encode_text` of many texts in one call (the tokenizer's batch path)."""
-        if not texts:
-            return []
-        return self.tokenizer(texts, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    def build_examples(self, examples: list[Example]) -> list[Sample]:
+        """`build_many` of Examples, each with its own system prompt where it has one."""
+        return self.build_many([(e.transcript, e.summary) for e in examples], [e.system for e in examples])
 
-    def _sample(self, transcript_ids: list[int], summary_ids: list[int]) -> Sample:
-        prompt, transcript_cut = self._prompt(transcript_ids)
-        if len(summary_ids) <= self.summary_room:
+    def _fitted_head(self, system_prompt: str | None) -> list[int]:
+        """`head_for`, with a sample's own system prompt cut so that its template leaves one summary token."""
+        head = self.head_for(system_prompt)
+        over = len(head) + len(self.middle_ids) + len(self.end_ids) + 1 - self.max_length
+        if over <= 0 or system_prompt is None:
+            return head
+        before, after = self._around_system
+        system_ids = head[len(before) : len(head) - len(after)]
+        return before + system_ids[: max(0, len(system_ids) - over)] + after
+
+    def _sample(self, transcript_ids: list[int], summary_ids: list[int], head: list[int]) -> Sample:
+        prompt, transcript_cut = self._prompt(transcript_ids, head)
+        room = self._summary_room(head)
+        if len(summary_ids) <= room:
             supervised = summary_ids + self.end_ids
         else:  # capped mid-text: left open, so no step teaches the model to stop there
-            supervised = summary_ids[: self.summary_room]
+            supervised = summary_ids[:room]
         return Sample(
             input_ids=prompt + supervised,
             n_prompt=len(prompt),
             transcript_tokens_cut=transcript_cut,
-            summary_tokens_cut=max(0, len(summary_ids) - self.summary_room),
+            summary_tokens_cut=max(0, len(summary_ids) - room),
         )
 
-    def prompt_ids(self, transcript: str) -> list[int]:
-        """The generation prompt: exactly the prompt part of `build` for the same transcript."""
+    def prompt_ids(self, transcript: str, system_prompt: str | None = None) -> list[int]:
+        """The generation prompt: exactly the prompt part of `build` for the same transcript (and system prompt)."""
         self.check_budget()
-        return self._prompt(self.encode_text(transcript))[0]
+        return self._prompt(self.encode_text(transcript), self._fitted_head(system_prompt))[0]
 
-    def _prompt(self, ids: list[int]) -> tuple[list[int], int]:
-        """Template around the transcript ids, cut to `transcript_room` (head and tail kept): (ids, tokens cut)."""
-        budget, n_original = self.transcript_room, len(ids)
+    def _prompt(self, ids: list[int], head: list[int]) -> tuple[list[int], int]:
+        """Template around the transcript ids, cut to its room (head and tail kept): (ids, tokens cut)."""
+        budget, n_original = self._transcript_room(head), len(ids)
         if n_original > budget:
             if budget > len(self.elision_ids):
                 keep = budget - len(self.elision_ids)
-                head = (keep + 1) // 2
-                ids = ids[:head] + self.elision_ids + ids[n_original - (keep - head) :]
+                first = (keep + 1) // 2
+                ids = ids[:first] + self.elision_ids + ids[n_original - (keep - first) :]
                 n_kept = keep
             else:
                 ids = ids[:budget]
                 n_kept = budget
-            return self.head_ids + ids + self.middle_ids, n_original - n_kept
-        return self.head_ids + ids + self.middle_ids, 0
+            return head + ids + self.middle_ids, n_original - n_kept
+        return head + ids + self.middle_ids, 0

@@ -2,9 +2,14 @@
 `datasets`' save_to_disk, or a hub dataset (read from the local HF cache when offline).
 
 A row is either a record with the transcript and summary columns (`data.transcript_column`,
-`data.summary_column`) or, when it has no transcript column but a `messages` list (the chat format
-TRL and axolotl read), a conversation: the last assistant message is the summary, the user message
-before it the transcript (system messages are left out: the prompt's own system prompt is used).
+`data.summary_column`) or, when its transcript column is absent or null (None, NaN: what pandas and
+Parquet write for the other format's fields in a mixed file) and it has a `messages` list (the chat
+format TRL and axolotl read), a conversation: one user message (the transcript) then one assistant
+message (the summary); messages after that assistant message are left out. The row's own system message
+is its sample's system prompt, unless data.system_prompt is set (differs from the default), which then
+replaces it. A conversation of several exchanges is skipped and counted ("multi-turn conversation"):
+its earlier turns would be context that no inference prompt carries. How many rows were read each way is
+`Dataset.columns`, shown by `pipetune data inspect` and at the start of training.
 
 Every source goes through the same cleaning: a row with a missing, empty or non-string
 transcript or summary, text that is not valid Unicode (a lone surrogate), an unparsable JSONL line
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import random
 from collections import Counter
 from collections.abc import Iterable
@@ -29,6 +35,7 @@ from typing import Any
 
 from pipetune.config import ConfigError, DataConfig
 from pipetune.data.example import Example
+from pipetune.data.prompt_text import SYSTEM_PROMPT
 from pipetune.data.synthetic import synthetic_splits
 from pipetune.files import write_atomic
 
@@ -201,9 +208,10 @@ def clean_rows(raw: dict[str, Iterable[tuple[str, Any]]], data: DataConfig) -> D
         kept = []
         for where, row in rows:
             stats.read += 1
-            chat = is_chat_row(row, data)
-            if chat:  # its texts under the configured column names, or _Unusable with the reason
-                row = chat_columns(row, data)
+            chat, system = is_chat_row(row, data), None
+            if chat:  # its texts under the configured column names (and its system message), or _Unusable
+                read = chat_columns(row, data)
+                row, system = read if isinstance(read, tuple) else (read, None)
             reason = _problem(row, data)
             if reason:
                 stats.skipped[reason] += 1
@@ -216,8 +224,9 @@ def clean_rows(raw: dict[str, Iterable[tuple[str, Any]]], data: DataConfig) -> D
                 stats.shortened += 1
                 transcript = transcript[: limit // 2] + "\n" + transcript[-(limit // 2) :]  # the prompt cuts the middle
                 summary = summary[:limit]  # a summary keeps its head
-            kept.append(Example(transcript, summary))
-            dataset.columns[CHAT_COLUMNS if chat else columns_read(data)] += 1
+            own = system[:limit] if system is not None and uses_own_system(data) else None  # room left: prompt.py
+            kept.append(Example(transcript, summary, own))
+            dataset.columns[chat_read_as(system, data) if chat else columns_read(data)] += 1
         dataset.splits[split] = kept
         dataset.stats[split] = stats
     return dataset
@@ -231,7 +240,7 @@ def _problem(row: Any, data: DataConfig) -> str | None:
         return NOT_A_RECORD
     for column in (data.transcript_column, data.summary_column):
         value = row.get(column)
-        if value is None:
+        if absent(value):
             return f"missing {column}"
         if not isinstance(value, str):
             return f"non-string {column}"
@@ -364,7 +373,10 @@ def _parquet_rows(path: Path) -> list[Any]:
 
 MESSAGES = "messages"
 """The column of chat rows: a list of {"role": ..., "content": ...} messages."""
-CHAT_COLUMNS = f"{MESSAGES}: last user message -> transcript, last assistant message -> summary"
+CHAT_COLUMNS = f"{MESSAGES}: user message -> transcript, assistant message -> summary"
+OWN_SYSTEM = "the row's system message -> system prompt"
+REPLACED_SYSTEM = "the row's system message replaced by data.system_prompt"
+MULTI_TURN = "multi-turn conversation"
 
 
 def columns_read(data: DataConfig) -> str:
@@ -372,13 +384,39 @@ def columns_read(data: DataConfig) -> str:
     return f"{data.transcript_column} -> transcript, {data.summary_column} -> summary"
 
 
+def chat_lines(columns: dict[str, int]) -> list[str]:
+    """`read as: <how> (N rows)` for each way rows were read, where chat rows were among them (what the start of
+    training says: whether their system messages were kept); none otherwise."""
+    if not any(how.startswith(CHAT_COLUMNS) for how in columns):
+        return []
+    return [f"read as: {how} ({count} rows)" for how, count in columns.items()]
+
+
+def chat_read_as(own_system: str | None, data: DataConfig) -> str:
+    """How a kept chat row was read: with its own system message, with that message replaced, or without one."""
+    if own_system is None:
+        return CHAT_COLUMNS
+    return f"{CHAT_COLUMNS}, {OWN_SYSTEM if uses_own_system(data) else REPLACED_SYSTEM}"
+
+
+def absent(value: Any) -> bool:
+    """None or NaN: how pandas and Parquet write a field a row does not have."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
 def is_chat_row(row: Any, data: DataConfig) -> bool:
-    """A record without the transcript column but with a `messages` field is read as a conversation."""
-    return isinstance(row, dict) and data.transcript_column not in row and MESSAGES in row
+    """A record whose transcript column is absent or null, with a `messages` field, is read as a conversation."""
+    return isinstance(row, dict) and absent(row.get(data.transcript_column)) and not absent(row.get(MESSAGES))
 
 
-def chat_columns(row: dict, data: DataConfig) -> dict[str, str] | _Unusable:
-    """The last user message before the last assistant message, and that assistant message, as a column row."""
+def uses_own_system(data: DataConfig) -> bool:
+    """Chat rows keep their own system message unless data.system_prompt was changed from the default."""
+    return data.system_prompt == SYSTEM_PROMPT
+
+
+def chat_columns(row: dict, data: DataConfig) -> tuple[dict[str, str], str | None] | _Unusable:
+    """The user message and the assistant message answering it, as a column row, and the row's own system
+    message (several: joined by a blank line), or None."""
     messages = row[MESSAGES]
     if not isinstance(messages, list):
         return _Unusable(f"{MESSAGES} not a list")
@@ -387,21 +425,27 @@ def chat_columns(row: dict, data: DataConfig) -> dict[str, str] | _Unusable:
     answers = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if not answers:
         return _Unusable("no assistant message")
-    questions = [m for m in messages[: answers[-1]] if m["role"] == "user"]
-    if not questions:
+    turns = [m for m in messages[: answers[-1] + 1] if m["role"] != "system"]
+    if not any(m["role"] == "user" for m in turns):
         return _Unusable("no user message before the last assistant message")
+    if len(turns) > 2 or turns[0]["role"] != "user":
+        return _Unusable(MULTI_TURN)
     texts = {}
-    for column, role, message in (
-        (data.transcript_column, "user", questions[-1]),
-        (data.summary_column, "assistant", messages[answers[-1]]),
-    ):
+    for column, message in ((data.transcript_column, turns[0]), (data.summary_column, turns[1])):
         content = message.get("content")
         if not isinstance(content, str):
-            return _Unusable(f"non-string {role} message")
+            return _Unusable(f"non-string {message['role']} message")
         if not content.strip():
-            return _Unusable(f"empty {role} message")
+            return _Unusable(f"empty {message['role']} message")
         texts[column] = content
-    return texts
+    systems = [m.get("content") for m in messages if m["role"] == "system"]
+    if not all(isinstance(content, str) for content in systems):
+        return _Unusable("non-string system message")
+    try:
+        "".join(systems).encode("utf-8")
+    except UnicodeEncodeError:
+        return _Unusable("invalid Unicode in system message")  # a lone surrogate, as in _problem
+    return texts, "\n\n".join(content.strip() for content in systems) if systems else None
 
 
 # --------------------------------------------------------------------------- datasets saved with save_to_disk
