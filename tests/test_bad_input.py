@@ -277,3 +277,10 @@ def test_resume_of_a_run_directory_that_does_not_exist_or_is_empty_is_refused(
     missing.mkdir()
     assert _train(missing, "--resume") == 2
     assert f"output.dir = '{missing}' is empty, so there is no run to continue" in capsys.readouterr().err
+    # A run that stopped before its first checkpoint: --resume starts it over, and says so.
+    data = tmp_path / "meetings.jsonl"
+    data.write_text(json.dumps({"dialogue": "A: hi.", "summary": "They met."}) + "\n")  # no optimizer step: stops
+    config_file = write_config(tiny_config(missing, f'data.source="{data}"'), missing / "config.toml")
+    assert main(["train", "--config", str(config_file), "--quiet", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"pipetune: note: {missing} holds no committed checkpoint to continue from: training starts at step 0" in err

@@ -220,6 +220,10 @@ def run_training(config: Config, quiet: bool = False) -> RunResult:
                 if env.is_main:
                     print(f"pipetune: error: {e}", file=sys.stderr, flush=True)
                 raise SystemExit(1) from None
+            except ConfigError as e:  # likewise (a checkpoint a restarted group cannot resume: the same files)
+                if env.is_main:
+                    print(f"pipetune: error: {e}", file=sys.stderr, flush=True)
+                raise SystemExit(2) from None
             except Exception as e:
                 ending = None
                 if isinstance(e, RuntimeError):
