@@ -248,6 +248,13 @@ def test_resume_refuses_data_whose_content_changed_under_the_same_name(tmp_path:
     )
     assert "Restore the data it was trained on, or start a new run in another output.dir" in message
 
+    # A checkpoint of an older version recorded no data content, quantization or system prompt: it resumes.
+    marker_path = run_dir / "checkpoints" / "step-2" / MARKER
+    marker = json.loads(marker_path.read_text())
+    del marker["data_content"], marker["config"]["model"]["quantize"], marker["config"]["data"]["system_prompt"]
+    marker_path.write_text(json.dumps(marker))
+    assert find_resume_checkpoint(CheckpointSettings.of(tiny_config(run_dir, f'data.source="{data}"')), True).step == 2
+
 
 @pytest.mark.parametrize(
     "override, message",
