@@ -5,7 +5,7 @@
       state.rank<k>.safetensors     rank k's AdamW moments keyed "<full parameter name>/<field>", its torch RNG states
       state.rank<k>.json            data position, scheduler, optimizer hyper-parameters, python/numpy RNG, file hashes
       COMMITTED                     JSON written last by rank 0, after every rank wrote its part: the step, the
-                                    resolved config, the hash of every rank's state JSON
+                                    resolved config, the data files' SHA-256, the hash of every rank's state JSON
 
 Every file is covered by a hash: the marker holds those of the JSON files, which hold those of the
 safetensors files. A directory without COMMITTED is never loaded. Optimizer state is keyed by full-model parameter
@@ -401,7 +401,7 @@ def check_compatible(checkpoint: Checkpoint, settings: CheckpointSettings) -> No
 def _shown(value: Any) -> str:
     """A recorded value for a message: long text (a system prompt) cut to its start."""
     text = repr(value)
-    return text if len(text) <= 60 else f"{text[:57]}...'"
+    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def _changed_data(was: Any, now: Any, source: Path) -> str | None:

@@ -1,6 +1,7 @@
-"""Starting a training run: checks and the run directory's lock first, then training in this process (under
-torchrun, or alone) or in local workers started through torch's elastic launcher; and how a worker's run ends
-when a peer, the disk or a signal ends it (one line, not a traceback per rank).
+"""Starting a training run: checks and the run directory's lock first, then the data tokenized into the token cache
+(a stop signal or a full disk there: one line saying the run had not started), then training in this process
+(under torchrun, or alone) or in local workers started through torch's elastic launcher; and how a worker's run
+ends when a peer, the disk or a signal ends it (one line, not a traceback per rank).
 
     pipetune train --config FILE [--nproc N] [--max-restarts K]     # N local workers
     torchrun --nproc-per-node N -m pipetune train --config FILE    # under torchrun: this process is one rank
@@ -247,7 +248,7 @@ def run_training(config: Config, quiet: bool = False) -> RunResult:
         except Stopped as e:  # the files being written were removed on the way here; committed ones stay
             where = status.where()
             message = f"stopped by {e} in {where}; committed checkpoints are kept: continue with --resume"
-            if status.step == 0:  # no step ran in this attempt
+            if status.step == 0 and status.phase == "setup":  # no step ran in this attempt
                 message = stopped_before_training(e.signum, Path(config.output.dir), f" in {where}")
             end_worker(Ending("stopped", env.rank, message, signum=e.signum))
             if env.distributed:  # a peer blocked in a collective with this rank returns only once this process is gone

@@ -104,9 +104,9 @@ def no_space_message(ranks: list[int], files: list[str]) -> str:
 
 
 def named_cache_error(error: OSError) -> OSError:
-    """`error` from building the token cache, with the cache's data directory as its file when it names none (a
-    write to an open file fails without a name)."""
-    if error.filename is not None:
+    """`error` from building the token cache; a full disk's with the cache's data directory as its file when it
+    names none (a write to an open file fails without a name)."""
+    if error.filename is not None or error.errno not in DISK_FULL:
         return error
     from pipetune.files import default_cache_dir
 
