@@ -65,30 +65,33 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
         run_training(config, quiet)  # a group restarted by torchrun resumes from the newest checkpoint
         return 0  # cli.run ends the worker (process_group.exit_finished)
     world_size = nproc or config.parallel.world_size
-    prepared = preflight(config, world_size)  # fail here, once, before any process starts
-    with lock_run_dir(config.output.dir):  # held until the workers are done; they run inside it
-        # A checkpoint that cannot be resumed, or a run a fresh start would clobber:
-        settings = CheckpointSettings.of(config)
-        if find_resume_checkpoint(settings) is None and settings.resume:
-            print(
-                f"pipetune: note: {settings.run_dir} holds no committed checkpoint to continue from: "
-                "training starts at step 0",
-                file=sys.stderr,
-            )
-        # A data error once, here, not once per worker; and the workers find the data tokenized.
-        previous_handlers = raise_on_stop_signals()  # a stop now: one line, and no half-written cache left behind
-        try:
+    # Until training starts, a stop signal ends the launcher with one line (and no half-written token cache).
+    previous_handlers = raise_on_stop_signals()
+    try:
+        prepared = preflight(config, world_size)  # fail here, once, before any process starts
+        with lock_run_dir(config.output.dir):  # held until the workers are done; they run inside it
+            # A checkpoint that cannot be resumed, or a run a fresh start would clobber:
+            settings = CheckpointSettings.of(config)
+            if find_resume_checkpoint(settings) is None and settings.resume:
+                print(
+                    f"pipetune: note: {settings.run_dir} holds no committed checkpoint to continue from: "
+                    "training starts at step 0",
+                    file=sys.stderr,
+                )
+            # A data error once, here, not once per worker; and the workers find the data tokenized.
             data = tokenize(config, prepared.prompts)
-        except Stopped as e:
-            print(f"pipetune: error: {stopped_before_training(e.signum, settings.run_dir)}", file=sys.stderr)
-            return 128 + e.signum
-        finally:
-            restore_signals(previous_handlers)  # the elastic agent handles them from here on
-        check_optimizer_steps(config, len(data.splits.get("train", ())), data.skipped_line())
-        if world_size == 1 and max_restarts == 0:
-            run_training(config, quiet)
-            return 0
-        return launch_local(config, world_size, quiet, max_restarts, started)
+            check_optimizer_steps(config, len(data.splits.get("train", ())), data.skipped_line())
+            restore_signals(previous_handlers)  # run_training, or the elastic agent, handles them from here on
+            previous_handlers = {}
+            if world_size == 1 and max_restarts == 0:
+                run_training(config, quiet)
+                return 0
+            return launch_local(config, world_size, quiet, max_restarts, started)
+    except Stopped as e:
+        print(f"pipetune: error: {stopped_before_training(e.signum, Path(config.output.dir))}", file=sys.stderr)
+        return 128 + e.signum
+    finally:
+        restore_signals(previous_handlers)
 
 
 def tokenize(config: Config, prompts: PromptBuilder) -> TokenizedData:
