@@ -19,6 +19,7 @@ import torch
 from pipetune.bench import strategy_config
 from pipetune.checkpoint import (
     MARKER,
+    CheckpointError,
     CheckpointSettings,
     Position,
     TrainState,
@@ -219,3 +220,74 @@ def test_bench_rows_must_divide_the_steps(tmp_path: Path, capsys: pytest.Capture
     path = str(write_config(config, tmp_path / "c.toml"))
     assert main(["bench", "--config", path, "--rows", "3", "--steps", "20", "--warmup", "5"]) == 2
     assert "--rows 3 must be >= 1 and divide --steps 20 and --warmup 5" in capsys.readouterr().err
+
+
+def _save_plain(config, step: int, value: float = 0.5) -> None:
+    """A committed one-process checkpoint of `config`'s run at `step` whose one adapter tensor holds `value`."""
+    param = torch.nn.Parameter(torch.full((2, 3), value))
+    optimizer = torch.optim.AdamW([param], lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    state = TrainState({"base_model.model.layers.0.q_proj.lora_A.weight": param}, optimizer, scheduler, {param: "p"})
+    save_checkpoint(CheckpointSettings.of(config), state, Position(step, 0, step), 0, 1)
+
+
+def test_resume_refuses_data_whose_content_changed_under_the_same_name(tmp_path: Path) -> None:
+    data = tmp_path / "meetings.jsonl"
+    data.write_text(json.dumps({"dialogue": "A: hi.", "summary": "They met."}) + "\n")
+    run_dir = tmp_path / "run"
+    _save_plain(tiny_config(run_dir, f'data.source="{data}"'), step=2)
+    resume = CheckpointSettings.of(tiny_config(run_dir, f'data.source="{data}"', 'train.resume="auto"'))
+    assert find_resume_checkpoint(resume).step == 2  # the same content: resumed
+
+    data.write_text(json.dumps({"dialogue": "B: other.", "summary": "Others met."}) + "\n")
+    with pytest.raises(CheckpointError) as refused:  # a restarted group checks it too
+        find_resume_checkpoint(CheckpointSettings.of(tiny_config(run_dir, f'data.source="{data}"')), restarted=True)
+    message = str(refused.value)
+    assert f"checkpoint {run_dir / 'checkpoints' / 'step-2'} was trained on other data: the content of '{data}'" in (
+        message
+    )
+    assert "Restore the data it was trained on, or start a new run in another output.dir" in message
+
+    # A checkpoint of an older version recorded no data content, quantization or system prompt: it resumes.
+    marker_path = run_dir / "checkpoints" / "step-2" / MARKER
+    marker = json.loads(marker_path.read_text())
+    del marker["data_content"], marker["config"]["model"]["quantize"], marker["config"]["data"]["system_prompt"]
+    marker_path.write_text(json.dumps(marker))
+    assert find_resume_checkpoint(CheckpointSettings.of(tiny_config(run_dir, f'data.source="{data}"')), True).step == 2
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ('data.system_prompt="Answer in French."', "data.system_prompt 'You are "),
+        ('model.dtype="bfloat16"', "model.dtype 'float32' (config: 'bfloat16')"),
+        ('model.quantize="nf4"', "model.quantize 'none' (config: 'nf4')"),
+    ],
+)
+def test_resume_refuses_another_prompt_dtype_or_quantization(run_dir: Path, override: str, message: str) -> None:
+    """The system turn is part of every sample; dtype and quantization are the base weights the adapter learned
+    against: a resume under others would train the rest of the run on another model."""
+    with pytest.raises(CheckpointError) as refused:
+        find_resume_checkpoint(CheckpointSettings.of(tiny_config(run_dir, 'train.resume="auto"', override)))
+    assert f"checkpoint {run_dir / 'checkpoints' / 'step-2'} was written with {message}" in str(refused.value)
+
+
+def test_resume_of_a_run_directory_that_does_not_exist_or_is_empty_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    missing = tmp_path / "typo"
+    assert _train(missing, "--resume") == 2
+    err = capsys.readouterr().err
+    assert f"--resume: output.dir = '{missing}' does not exist, so there is no run to continue" in err
+    assert "point output.dir at the run to continue, or drop --resume to start a new run there" in err
+    assert not missing.exists()
+    missing.mkdir()
+    assert _train(missing, "--resume") == 2
+    assert f"output.dir = '{missing}' is empty, so there is no run to continue" in capsys.readouterr().err
+    # A run that stopped before its first checkpoint: --resume starts it over, and says so.
+    data = tmp_path / "meetings.jsonl"
+    data.write_text(json.dumps({"dialogue": "A: hi.", "summary": "They met."}) + "\n")  # no optimizer step: stops
+    config_file = write_config(tiny_config(missing, f'data.source="{data}"'), missing / "config.toml")
+    assert main(["train", "--config", str(config_file), "--quiet", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"pipetune: note: {missing} holds no committed checkpoint to continue from: training starts at step 0" in err

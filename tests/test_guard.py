@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -15,11 +16,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipetune.checkpoint import committed_checkpoints, verify_files
+from pipetune.checkpoint import (
+    CheckpointError,
+    CheckpointSettings,
+    Position,
+    TrainState,
+    committed_checkpoints,
+    find_resume_checkpoint,
+    save_checkpoint,
+    verify_files,
+)
 from pipetune.metrics import MetricsWindow
 from pipetune.parallel.mesh import bad_ranks, clip_global_grad_norm
 from pipetune.parallel.process_group import DistEnv
-from pipetune.train import lr_factor
+from pipetune.train import lr_factor, too_many_skipped
 from tests.conftest import run_cli, tiny_config, write_config
 
 
@@ -75,7 +85,7 @@ def test_nan_on_a_middle_stage_is_skipped_by_all_then_stops_the_run(
     assert "3 optimizer steps in a row (up to step 7) had a non-finite loss or gradient norm; stopping" in result.stderr
     assert result.stderr.count("; stopping.") == 1  # said once, by rank 0
     assert (  # steps 5 and 6 were skipped: step-6 holds the weights of step 4
-        f"The newest committed checkpoint, {run_dir / 'checkpoints' / 'step-6'}, holds weights from before them "
+        f"The newest committed checkpoint, {run_dir / 'checkpoints' / 'step-6'}, holds finite weights from before them "
         "(those of step 4: a skipped step changes no weight). Lower train.lr (applied on resume" in result.stderr
     )
 
@@ -163,3 +173,44 @@ def test_a_rank_that_fails_says_why_at_once_and_leaves_without_teardown(
     err = capsys.readouterr().err
     assert "pipetune: rank 1 failed in the pipeline send/recv of step 1:" in err
     assert "RuntimeError: stage 5 has no gradient to send" in err  # the traceback
+
+
+def _checkpoint(run_dir: Path, step: int, value: float, skipped_in_row: int = 0) -> None:
+    """A committed one-process checkpoint at `step` whose adapter tensor holds `value` (1e12: a diverged run)."""
+    param = torch.nn.Parameter(torch.full((2, 3), 0.01))
+    with torch.no_grad():
+        param[0, 0] = value
+    optimizer = torch.optim.AdamW([param], lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    state = TrainState({"base_model.model.layers.0.q_proj.lora_A.weight": param}, optimizer, scheduler, {param: "p"})
+    settings = CheckpointSettings.of(tiny_config(run_dir, "parallel.pp=1", "train.keep_checkpoints=5"))
+    save_checkpoint(settings, state, Position(step, 0, step, skipped_in_row), 0, 1)
+
+
+def test_the_non_finite_stop_names_a_checkpoint_whose_weights_are_finite_and_sane(tmp_path: Path) -> None:
+    """A run that diverged before its steps turned non-finite: the newest checkpoint's adapter holds 1e12. Resuming
+    it with a lower lr stops again at once, so the advice names the newest sane one, and a resume of the diverged
+    one is refused with the same advice."""
+    run_dir = tmp_path / "run"
+    _checkpoint(run_dir, 2, 0.3)
+    _checkpoint(run_dir, 4, 1e12)
+    _checkpoint(run_dir, 6, 1e12, skipped_in_row=1)  # step 6 skipped: the weights of step 5
+    message = str(too_many_skipped(run_dir, 3, 8))
+    step2 = run_dir / "checkpoints" / "step-2"
+    assert "3 optimizer steps in a row (up to step 8) had a non-finite loss or gradient norm; stopping." in message
+    assert "step-6: its adapter holds values up to 1.0e+12 (base_model.model.layers.0.q_proj.lora_A.weight)" in message
+    assert f"{step2} holds finite weights (those of step 2): move step-4, step-6 out of {run_dir / 'checkpoints'}" in (
+        message
+    )
+    with pytest.raises(CheckpointError) as refused:
+        find_resume_checkpoint(CheckpointSettings.of(tiny_config(run_dir, 'train.resume="auto"')))
+    assert f"checkpoint {run_dir / 'checkpoints' / 'step-6'} cannot be resumed: its adapter holds values up to" in (
+        str(refused.value)
+    )
+    assert f"{step2} holds finite weights (those of step 2): move step-4, step-6 out of" in str(refused.value)
+
+    shutil.rmtree(step2)  # none sane left: start over
+    _checkpoint(run_dir, 7, float("nan"))
+    message = str(too_many_skipped(run_dir, 3, 10))
+    assert "step-7: its adapter holds non-finite values" in message
+    assert "no committed checkpoint holds finite, sane weights: start over with a lower train.lr in another" in message

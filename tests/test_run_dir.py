@@ -8,6 +8,7 @@ changed learning rate.
 from __future__ import annotations
 
 import csv
+import errno
 import gzip
 import json
 import os
@@ -126,6 +127,60 @@ def test_a_full_disk_ends_the_run_with_one_line_and_keeps_what_was_committed(
     assert not [p for p in run_dir.rglob("*") if p.name.endswith(".tmp")]  # the temporary file is gone
     assert [c.step for c in committed_checkpoints(run_dir)] == [1]
     verify_files(committed_checkpoints(run_dir)[0])
+
+
+def test_a_lock_path_that_is_a_directory_is_named(tmp_path: Path) -> None:
+    (tmp_path / LOCK_FILE).mkdir()
+    with pytest.raises(ConfigError) as refused:
+        lock_run_dir(tmp_path)
+    assert str(refused.value) == (
+        f"{tmp_path / LOCK_FILE} is a directory, not pipetune's lock file; remove it (pipetune keeps nothing there), "
+        "or choose another output.dir"
+    )
+
+
+@pytest.mark.parametrize("fault", ["SIGTERM", "disk full"])
+def test_a_launcher_ended_while_it_tokenizes_says_the_run_had_not_started(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, fault: str
+) -> None:
+    """Before any worker starts, the launcher builds the token cache: SIGTERM to it, or a full disk under it, ends
+    the run with one line saying nothing trained, and leaves no half-written cache (staging directory) behind."""
+    from pipetune.data import cache
+
+    monkeypatch.setenv("PIPETUNE_CACHE", str(tmp_path / "cache"))
+    write_split = cache._write_split
+
+    def fail_while_writing(directory: Path, *args: object) -> dict:
+        if fault == "SIGTERM":
+            os.kill(os.getpid(), signal.SIGTERM)
+            return write_split(directory, *args)
+        raise OSError(errno.ENOSPC, "No space left on device")  # as a write to an open file: no file name
+
+    def unhandled(signum: int, frame: object) -> None:  # SIGTERM's default would end pytest, not fail the test
+        raise AssertionError("the launcher left SIGTERM unhandled while it tokenized")
+
+    monkeypatch.setattr(cache, "_write_split", fail_while_writing)
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        code = _train(write_config(tiny_config(tmp_path / "run"), tmp_path / "c.toml"))  # pp = 2: a launcher
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    err = capsys.readouterr().err
+    assert err.count("pipetune: error:") == 1 and "Traceback" not in err, err
+    if fault == "SIGTERM":
+        assert code == 128 + signal.SIGTERM
+        assert "pipetune: error: stopped by SIGTERM before training started; there is nothing to resume: run the " in (
+            err
+        )
+    else:
+        assert code == 1
+        assert (
+            f"pipetune: error: no space left on the device writing {tmp_path / 'cache' / 'data'} (the token cache); "
+            "the run had not started: free space there, or set PIPETUNE_CACHE to a directory on a disk with room"
+        ) in err
+        assert "--resume" not in err
+    assert list((tmp_path / "cache" / "data").iterdir()) == []  # no staging directory, no cache
+    assert not (tmp_path / "run" / LOCK_FILE).exists()
 
 
 @pytest.mark.slow

@@ -5,7 +5,7 @@
       state.rank<k>.safetensors     rank k's AdamW moments keyed "<full parameter name>/<field>", its torch RNG states
       state.rank<k>.json            data position, scheduler, optimizer hyper-parameters, python/numpy RNG, file hashes
       COMMITTED                     JSON written last by rank 0, after every rank wrote its part: the step, the
-                                    resolved config, the hash of every rank's state JSON
+                                    resolved config, the data files' SHA-256, the hash of every rank's state JSON
 
 Every file is covered by a hash: the marker holds those of the JSON files, which hold those of the
 safetensors files. A directory without COMMITTED is never loaded. Optimizer state is keyed by full-model parameter
@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pipetune.config import Config, ConfigError
 from pipetune.files import write_atomic
+from pipetune.run_lock import LOCK_FILE
 
 if TYPE_CHECKING:  # peft (2 s to import) only where adapters are read or written: the launcher finds
     import peft  # and checks checkpoints without it
@@ -44,7 +45,7 @@ MARKER = "COMMITTED"
 PART_NAME = re.compile(r"(adapter|state)\.rank\d+\.safetensors")
 """The only file names a rank's state JSON may list: plain names inside the checkpoint directory."""
 RESUME_REFUSED = {
-    "model": ("name", "init", "tokenizer"),
+    "model": ("name", "init", "tokenizer", "dtype", "quantize"),
     "data": (
         "source",
         "max_length",
@@ -54,14 +55,21 @@ RESUME_REFUSED = {
         "summary_column",
         "synthetic_train",
         "validation_fraction",
+        "system_prompt",
     ),
     "lora": ("r", "alpha", "target_modules"),
     "train": ("seed", "batch_size", "grad_accum"),
     "parallel": ("dp",),
 }
-"""Keys a resumed run must keep: they shape the base model, the adapters, the samples or the data order and
+"""Keys a resumed run must keep: they shape the base model (its weights as the adapters see them: dtype and
+quantization included), the adapters, the samples (the prompt's system turn included) or the data order and
 position (seed, batch_size x dp, grad_accum). Every other key may change on resume and is applied: lr, weight
-decay and the schedule (warmup_steps, min_lr_ratio, epochs, max_steps) included."""
+decay and the schedule (warmup_steps, min_lr_ratio, epochs, max_steps) included. The data's content must not
+change either: COMMITTED records a digest of every data file (`data_content`)."""
+SANE_ADAPTER_MAX = 1e4
+"""The largest adapter weight magnitude a checkpoint is resumed from or recommended with. LoRA weights start at
+about 1/sqrt(hidden size) (A) and 0 (B) and AdamW moves each by about lr a step: a value beyond this is a run
+that diverged (lr far too high), not one that learned."""
 
 
 class CheckpointError(ConfigError):
@@ -81,11 +89,18 @@ class CheckpointSettings:
     """train.resume = "auto": continue from the newest committed checkpoint."""
     recorded: dict[str, Any]
     """What COMMITTED records besides the step and the world size: the layout (pp, dp, tp), the model, the LoRA
-    shape and the resolved config, whose RESUME_REFUSED keys a resumed run must keep."""
+    shape, the resolved config, whose RESUME_REFUSED keys a resumed run must keep, and the data's content
+    (`data_content`: each data file's name and SHA-256, as the token cache keys it; a hub dataset's fingerprints)."""
 
     @classmethod
     def of(cls, config: Config) -> CheckpointSettings:
+        """The settings of `config`'s run; reads (hashes) its data files, as the token cache does for its key."""
+        from pipetune.data import sources
+        from pipetune.data.cache import source_identity
+
+        synthetic = config.data.source == sources.SYNTHETIC  # its settings are refused keys: nothing to hash
         recorded = {
+            "data_content": None if synthetic else source_identity(config.data),
             "pp": config.parallel.pp,
             "dp": config.parallel.dp,
             "tp": config.parallel.tp,
@@ -257,7 +272,89 @@ def find_resume_checkpoint(settings: CheckpointSettings, restarted: bool = False
         return None
     check_compatible(latest, settings)
     verify_files(latest)
+    problem = adapter_problem(latest)
+    if problem is not None:  # resumed, it would stop again with non-finite steps: name one that would not
+        raise CheckpointError(f"checkpoint {latest.path} cannot be resumed: {problem}; {diverged_advice(run_dir)}")
     return latest
+
+
+def require_run_to_resume(run_dir: str | Path) -> None:
+    """`--resume` names a run to continue: refuse an output.dir that does not exist or is empty, where it would
+    silently start a new run (train.resume = "auto" in a config may: it means "continue if there is a run")."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        state = "does not exist"
+    elif run_dir.is_dir() and not any(p.name != LOCK_FILE for p in run_dir.iterdir()):
+        state = "is empty"
+    else:
+        return
+    raise ConfigError(
+        f"--resume: output.dir = {str(run_dir)!r} {state}, so there is no run to continue; point output.dir at "
+        "the run to continue, or drop --resume to start a new run there"
+    )
+
+
+def adapter_problem(checkpoint: Checkpoint) -> str | None:
+    """Why `checkpoint`'s adapter weights are not worth resuming (non-finite values, or values beyond
+    SANE_ADAPTER_MAX: a run that diverged), or None; a damaged part raises CheckpointError."""
+    largest, where = 0.0, ""
+    for rank in range(checkpoint.marker["world_size"]):
+        for name, digest in _rank_files(checkpoint, _read_rank_meta(checkpoint, rank)).items():
+            if not name.startswith("adapter."):
+                continue
+            for key, tensor in _read_verified(checkpoint, name, digest).items():
+                if not torch.isfinite(tensor).all():
+                    return f"its adapter holds non-finite values ({key})"
+                peak = float(tensor.abs().max()) if tensor.numel() else 0.0
+                if peak > largest:
+                    largest, where = peak, key
+    if largest > SANE_ADAPTER_MAX:
+        return (
+            f"its adapter holds values up to {largest:.1e} ({where}), beyond {SANE_ADAPTER_MAX:g}: the run had "
+            "diverged (train.lr too high) before it was written"
+        )
+    return None
+
+
+def sane_checkpoint(run_dir: Path, before_step: int | None = None) -> tuple[Checkpoint | None, list[str]]:
+    """The newest committed checkpoint whose adapter weights are finite and sane (`adapter_problem`) and, with
+    `before_step`, date from before that step (its `weights_step`: skipped steps change no weight); and why each
+    newer one is not."""
+    rejected = []
+    for checkpoint in reversed(committed_checkpoints(run_dir)):
+        if before_step is not None and checkpoint.weights_step >= before_step:
+            rejected.append(
+                f"{checkpoint.path.name} holds the weights of step {checkpoint.weights_step}, not from before step "
+                f"{before_step}"
+            )
+            continue
+        try:
+            problem = adapter_problem(checkpoint)
+        except CheckpointError as e:
+            problem = str(e)
+        if problem is None:
+            return checkpoint, rejected
+        rejected.append(f"{checkpoint.path.name}: {problem}")
+    return None, rejected
+
+
+def diverged_advice(run_dir: Path, before_step: int | None = None) -> str:
+    """What to resume from when the newest checkpoint is not worth it: the newest sane one (the newer ones moved
+    aside, since --resume takes the newest), else a new start with a lower lr."""
+    good, _ = sane_checkpoint(run_dir, before_step)
+    newer = [c.path.name for c in committed_checkpoints(run_dir) if good is not None and c.step > good.step]
+    if good is None:
+        return (
+            "no committed checkpoint holds finite, sane weights: start over with a lower train.lr in another "
+            f"output.dir (or after deleting {Path(run_dir) / CHECKPOINTS_DIR}), and check the data"
+        )
+    if not newer:
+        return f"{good.path} holds finite weights (those of step {good.weights_step}): continue from it with --resume"
+    return (
+        f"{good.path} holds finite weights (those of step {good.weights_step}): move {', '.join(newer)} out of "
+        f"{Path(run_dir) / CHECKPOINTS_DIR} (--resume takes the newest), lower train.lr (applied on resume, like "
+        "the schedule), then continue with --resume"
+    )
 
 
 def commit_metadata(settings: CheckpointSettings, step: int, world_size: int) -> dict[str, Any]:
@@ -276,20 +373,58 @@ def check_compatible(checkpoint: Checkpoint, settings: CheckpointSettings) -> No
         if saved_lora.get(key) != expected["lora"][key]:
             problems.append(f"lora.{key} {saved_lora.get(key)!r} (config: {expected['lora'][key]!r})")
     saved = checkpoint.marker.get("config", {})  # absent in checkpoints of older versions: model and LoRA only
+    defaults = Config().to_dict()  # a key an older version did not record had its default value
     for section, keys in RESUME_REFUSED.items() if saved else ():
         for key in keys:
             name = f"{section}.{key}"
             if name in ("model.name", "lora.r", "lora.alpha", "lora.target_modules"):
                 continue  # compared above
-            was = saved[section].get(key) if isinstance(saved.get(section), dict) else None
+            was = saved[section].get(key, defaults[section][key]) if isinstance(saved.get(section), dict) else None
             now = expected["config"][section][key]
             if was != now:
-                problems.append(f"{name} {was!r} (config: {now!r})")
+                problems.append(f"{name} {_shown(was)} (config: {_shown(now)})")
     if problems:
         raise CheckpointError(
             f"checkpoint {checkpoint.path} was written with {'; '.join(problems)}; resume with the settings it "
             f"was written with, or start a new run in another output.dir"
         )
+    source = Path(expected["config"]["data"]["source"]).expanduser()
+    changed = _changed_data(checkpoint.marker.get("data_content"), expected.get("data_content"), source)
+    if changed:
+        raise CheckpointError(
+            f"checkpoint {checkpoint.path} was trained on other data: {changed}; a resume would train the rest of "
+            "the run on other samples than its first part. Restore the data it was trained on, or start a new run "
+            "in another output.dir"
+        )
+
+
+def _shown(value: Any) -> str:
+    """A recorded value for a message: long text (a system prompt) cut to its start."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:57]}..."
+
+
+def _changed_data(was: Any, now: Any, source: Path) -> str | None:
+    """What differs between the data content a checkpoint recorded and the config's (None: the same, or nothing
+    recorded: a synthetic source, or a checkpoint of an older version); `source`: data.source, whose files the
+    records name (a file by its name, a directory's by their path inside it)."""
+    if was is None or now is None or was == now:
+        return None
+    if isinstance(was, list) and isinstance(now, list) and all(isinstance(f, list) for f in was + now):
+        before = {name: digest for name, digest in was}
+        after = {name: digest for name, digest in now}
+        for name in sorted(before.keys() | after.keys()):
+            path = source if source.is_file() and name == source.name else source / name
+            if name not in after:
+                return f"its data file {str(path)!r} is gone"
+            if name not in before:
+                return f"the data file {str(path)!r} was added since"
+            if before[name] != after[name]:
+                return (
+                    f"the content of {str(path)!r} has changed since (SHA-256 {before[name][:12]}... then, "
+                    f"{after[name][:12]}... now)"
+                )
+    return f"the data source's fingerprint has changed since ({_shown(was)}, now {_shown(now)})"
 
 
 def verify_files(checkpoint: Checkpoint) -> None:

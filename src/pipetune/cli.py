@@ -244,6 +244,9 @@ def main(argv: list[str] | None = None) -> int:
             return run_config(args)
         config = load_config(args.config, args.set)
         if args.resume:
+            from pipetune.checkpoint import require_run_to_resume
+
+            require_run_to_resume(config.output.dir)  # --resume names a run; train.resume = "auto" may start one
             config.train.resume = "auto"
         from pipetune.launch import run_train
 

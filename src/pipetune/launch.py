@@ -1,6 +1,7 @@
-"""Starting a training run: checks and the run directory's lock first, then training in this process (under
-torchrun, or alone) or in local workers started through torch's elastic launcher; and how a worker's run ends
-when a peer, the disk or a signal ends it (one line, not a traceback per rank).
+"""Starting a training run: checks and the run directory's lock first, then the data tokenized into the token cache
+(a stop signal or a full disk there: one line saying the run had not started), then training in this process
+(under torchrun, or alone) or in local workers started through torch's elastic launcher; and how a worker's run
+ends when a peer, the disk or a signal ends it (one line, not a traceback per rank).
 
     pipetune train --config FILE [--nproc N] [--max-restarts K]     # N local workers
     torchrun --nproc-per-node N -m pipetune train --config FILE    # under torchrun: this process is one rank
@@ -33,6 +34,7 @@ from pipetune.worker import (
     disk_full_message,
     end_with_launcher,
     end_worker,
+    named_cache_error,
     no_space_message,
     raise_on_stop_signals,
     ranks_label,
@@ -42,6 +44,8 @@ from pipetune.worker import (
 if TYPE_CHECKING:  # pipetune.train (peft: 2 s to import) only in a process that trains, never in the launcher
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+    from pipetune.data.cache import TokenizedData
+    from pipetune.data.prompt import PromptBuilder
     from pipetune.train import LoopStatus, RunResult
 
 
@@ -61,19 +65,54 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
         run_training(config, quiet)  # a group restarted by torchrun resumes from the newest checkpoint
         return 0  # cli.run ends the worker (process_group.exit_finished)
     world_size = nproc or config.parallel.world_size
-    prepared = preflight(config, world_size)  # fail here, once, before any process starts
-    with lock_run_dir(config.output.dir):  # held until the workers are done; they run inside it
-        # A checkpoint that cannot be resumed, or a run a fresh start would clobber:
-        find_resume_checkpoint(CheckpointSettings.of(config))
-        if world_size == 1 and max_restarts == 0:
-            run_training(config, quiet)
-            return 0
-        from pipetune.data.cache import tokenized_data
+    # Until training starts, a stop signal ends the launcher with one line (and no half-written token cache).
+    previous_handlers = raise_on_stop_signals()
+    try:
+        prepared = preflight(config, world_size)  # fail here, once, before any process starts
+        with lock_run_dir(config.output.dir):  # held until the workers are done; they run inside it
+            # A checkpoint that cannot be resumed, or a run a fresh start would clobber:
+            settings = CheckpointSettings.of(config)
+            if find_resume_checkpoint(settings) is None and settings.resume:
+                print(
+                    f"pipetune: note: {settings.run_dir} holds no committed checkpoint to continue from: "
+                    "training starts at step 0",
+                    file=sys.stderr,
+                )
+            # A data error once, here, not once per worker; and the workers find the data tokenized.
+            data = tokenize(config, prepared.prompts)
+            check_optimizer_steps(config, len(data.splits.get("train", ())), data.skipped_line())
+            restore_signals(previous_handlers)  # run_training, or the elastic agent, handles them from here on
+            previous_handlers = {}
+            if world_size == 1 and max_restarts == 0:
+                run_training(config, quiet)
+                return 0
+            return launch_local(config, world_size, quiet, max_restarts, started)
+    except Stopped as e:
+        print(f"pipetune: error: {stopped_before_training(e.signum, Path(config.output.dir))}", file=sys.stderr)
+        return 128 + e.signum
+    finally:
+        restore_signals(previous_handlers)
 
-        # A data error once, here, not once per worker; and the workers find the data tokenized.
-        data = tokenized_data(config.data, prepared.prompts, config.train.seed)
-        check_optimizer_steps(config, len(data.splits.get("train", ())), data.skipped_line())
-        return launch_local(config, world_size, quiet, max_restarts, started)
+
+def tokenize(config: Config, prompts: PromptBuilder) -> TokenizedData:
+    """The config's data from the token cache (built if missing); a write that fails names the cache's path."""
+    from pipetune.data.cache import tokenized_data
+
+    try:
+        return tokenized_data(config.data, prompts, config.train.seed)
+    except OSError as e:
+        raise named_cache_error(e) from None
+
+
+def stopped_before_training(signum: int, run_dir: Path, where: str = "") -> str:
+    """The line for a stop signal that came before the first optimizer step of this attempt (`where`: in what)."""
+    newest = latest_checkpoint(run_dir)
+    kept = (
+        f"the newest committed checkpoint, {newest.path}, is kept: continue with --resume"
+        if newest
+        else "there is nothing to resume: run the same command again to start"
+    )
+    return f"stopped by {signal.Signals(signum).name}{where} before training started; {kept}"
 
 
 WORKER_MODULE = "pipetune"
@@ -185,6 +224,10 @@ def run_training(config: Config, quiet: bool = False) -> RunResult:
                 if env.is_main:
                     print(f"pipetune: error: {e}", file=sys.stderr, flush=True)
                 raise SystemExit(1) from None
+            except ConfigError as e:  # likewise (a checkpoint a restarted group cannot resume: the same files)
+                if env.is_main:
+                    print(f"pipetune: error: {e}", file=sys.stderr, flush=True)
+                raise SystemExit(2) from None
             except Exception as e:
                 ending = None
                 if isinstance(e, RuntimeError):
@@ -208,6 +251,8 @@ def run_training(config: Config, quiet: bool = False) -> RunResult:
         except Stopped as e:  # the files being written were removed on the way here; committed ones stay
             where = status.where()
             message = f"stopped by {e} in {where}; committed checkpoints are kept: continue with --resume"
+            if status.step == 0 and status.phase == "setup":  # no step ran in this attempt
+                message = stopped_before_training(e.signum, Path(config.output.dir), f" in {where}")
             end_worker(Ending("stopped", env.rank, message, signum=e.signum))
             if env.distributed:  # a peer blocked in a collective with this rank returns only once this process is gone
                 if lock is not None:

@@ -60,7 +60,18 @@ def lock_run_dir(run_dir: str | Path) -> RunLock:
     path = run_dir / LOCK_FILE
     token = uuid.uuid4().hex
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a directory where the lock file goes, or a directory this user cannot write
+            if path.is_dir():
+                raise ConfigError(
+                    f"{path} is a directory, not pipetune's lock file; remove it (pipetune keeps nothing there), "
+                    "or choose another output.dir"
+                ) from None
+            raise ConfigError(
+                f"the lock file {path} cannot be opened ({e.strerror}); make output.dir writable, or choose "
+                "another output.dir"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:

@@ -27,9 +27,11 @@ from pipetune.checkpoint import (
     CheckpointSettings,
     Position,
     TrainState,
+    diverged_advice,
     find_resume_checkpoint,
     latest_checkpoint,
     load_checkpoint,
+    sane_checkpoint,
     save_checkpoint,
 )
 from pipetune.config import Config, save_config
@@ -62,6 +64,7 @@ from pipetune.parallel.tp import apply_tp, sum_partial_gradients
 from pipetune.preflight import Prepared, check_optimizer_steps, preflight
 from pipetune.profile import profiled
 from pipetune.schedules import SCHEDULES, stage_ids
+from pipetune.worker import named_cache_error
 
 
 @dataclass
@@ -215,7 +218,10 @@ def build_data(
     Each step's batch is cut from the memory-mapped cache on the host, so no rank holds the whole training set
     on its device."""
     t, p = config.train, config.parallel
-    data = tokenized_data(config.data, prepared.prompts, t.seed, wait=env.local_rank != 0)
+    try:
+        data = tokenized_data(config.data, prepared.prompts, t.seed, wait=env.local_rank != 0)
+    except OSError as e:  # a full disk: the line names the cache (worker.no_space_message)
+        raise named_cache_error(e) from None
     if env.is_main:
         data.write_summary(run_dir / "data.json")
     train_split = data.splits["train"]
@@ -553,6 +559,8 @@ def settle(loop: Loop) -> None:
         f"optimizer step skipped ({loop.skipped_in_row} in a row, the run stops at {t.max_skipped_steps})",
     )
     if loop.skipped_in_row >= t.max_skipped_steps:
+        if not loop.env.is_main:  # rank 0 says why, after reading the checkpoints' adapters
+            raise TrainingError(f"{loop.skipped_in_row} non-finite optimizer steps in a row")
         raise too_many_skipped(Path(loop.config.output.dir), loop.skipped_in_row, step)
 
 
@@ -665,18 +673,30 @@ def cadence(config: Config, step: int, total_steps: int, epoch_end: bool, has_va
 
 
 def too_many_skipped(run_dir: Path, skipped_in_row: int, step: int) -> TrainingError:
-    """The error that stops a run after train.max_skipped_steps non-finite steps in a row, up to `step`."""
-    last = latest_checkpoint(run_dir)
-    kept = (
-        f"The newest committed checkpoint, {last.path}, holds weights from before them (those of "
-        f"step {last.weights_step}: a skipped step changes no weight)"
-        if last
-        else "No checkpoint was committed"
+    """The error that stops a run after train.max_skipped_steps non-finite steps in a row, up to `step`: it names
+    a checkpoint to continue from whose weights predate those steps and are finite and sane, never one whose
+    weights would stop the resumed run again (a run that diverged before its steps turned non-finite)."""
+    first = step - skipped_in_row + 1
+    newest = latest_checkpoint(run_dir)
+    good, rejected = sane_checkpoint(run_dir, before_step=first)
+    stop = (
+        f"{skipped_in_row} optimizer steps in a row (up to step {step}) had a non-finite loss or gradient norm; "
+        "stopping."
     )
+    if newest is None:
+        return TrainingError(
+            f"{stop} No checkpoint was committed. Lower train.lr, check the data, or raise train.max_skipped_steps, "
+            "then run again with --resume (it starts over: there is no checkpoint to continue from)"
+        )
+    if good is not None and good.step == newest.step:
+        return TrainingError(
+            f"{stop} The newest committed checkpoint, {good.path}, holds finite weights from before them (those of "
+            f"step {good.weights_step}: a skipped step changes no weight). Lower train.lr (applied on resume, like "
+            "the schedule), check the data, or raise train.max_skipped_steps, then continue with --resume"
+        )
     return TrainingError(
-        f"{skipped_in_row} optimizer steps in a row (up to step {step}) had a non-finite loss or "
-        f"gradient norm; stopping. {kept}. Lower train.lr (applied on resume, like the schedule), "
-        "check the data, or raise train.max_skipped_steps, then continue with --resume"
+        f"{stop} The newest committed checkpoint is no place to continue from ({'; '.join(rejected)}); "
+        f"{diverged_advice(run_dir, first)}"
     )
 
 

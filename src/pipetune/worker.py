@@ -19,6 +19,7 @@ import signal
 import sys
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 LAUNCHER_ENV = "PIPETUNE_LAUNCHER_PID"
 """Set by pipetune's local launcher for its workers: the pid whose death ends them, and who reports for them."""
@@ -84,17 +85,39 @@ def disk_full_message(error: OSError, rank: int | None = None) -> str | None:
 
 def no_space_message(ranks: list[int], files: list[str]) -> str:
     """The disk-full line for `ranks` (none: the launcher itself) that were writing `files`: the file, or the
-    directory that holds them all."""
+    directory that holds them all. Writing the token cache, the run had not started: nothing to continue."""
     who = f"{ranks_label(ranks)}: " if ranks else ""
     where = ""
     if len(set(files)) == 1:
         where = f" writing {files[0]}"
     elif files:
         where = f" writing into {os.path.commonpath(files)}"
+    if files and all(_in_cache(f) for f in files):
+        return (
+            f"{who}no space left on the device{where} (the token cache); the run had not started: free space "
+            "there, or set PIPETUNE_CACHE to a directory on a disk with room"
+        )
     return (
         f"{who}no space left on the device{where}; committed checkpoints are kept: free space, "
         "then continue with --resume"
     )
+
+
+def named_cache_error(error: OSError) -> OSError:
+    """`error` from building the token cache; a full disk's with the cache's data directory as its file when it
+    names none (a write to an open file fails without a name)."""
+    if error.filename is not None or error.errno not in DISK_FULL:
+        return error
+    from pipetune.files import default_cache_dir
+
+    return OSError(error.errno, error.strerror, str(default_cache_dir() / "data"))
+
+
+def _in_cache(file: str) -> bool:
+    """`file` is in the token cache (files.default_cache_dir()/data)."""
+    from pipetune.files import default_cache_dir
+
+    return Path(os.path.abspath(file)).is_relative_to(os.path.abspath(default_cache_dir() / "data"))
 
 
 @dataclass
