@@ -219,3 +219,18 @@ def test_bench_rows_must_divide_the_steps(tmp_path: Path, capsys: pytest.Capture
     path = str(write_config(config, tmp_path / "c.toml"))
     assert main(["bench", "--config", path, "--rows", "3", "--steps", "20", "--warmup", "5"]) == 2
     assert "--rows 3 must be >= 1 and divide --steps 20 and --warmup 5" in capsys.readouterr().err
+
+
+def test_a_missing_data_file_is_named_before_any_model_work(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """data.source names a file that is not there: said before the model is resolved (a download, a conversion),
+    here shown by a model.name that would fail too, and would be named first if the model came first."""
+    missing = tmp_path / "no" / "meetings.jsonl"
+    config = tiny_config(tmp_path / "run", f'data.source="{missing}"', 'model.name="./no/such/model"')
+    path = str(write_config(config, tmp_path / "c.toml"))
+    for command in (["train", "--config", path, "--quiet"], ["data", "inspect", "--config", path]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"pipetune: error: data.source = '{missing}' does not exist; give a JSONL"), err
+    config.parallel.strategy = "auto"  # the plan of "auto" resolves the model too: the data comes first there too
+    assert main(["train", "--config", str(write_config(config, tmp_path / "auto.toml")), "--quiet"]) == 2
+    assert f"data.source = '{missing}' does not exist" in capsys.readouterr().err
