@@ -211,7 +211,7 @@ def test_data_that_makes_no_optimizer_step_is_a_config_error(tmp_path: Path, cap
     assert "make no optimizer step of train.batch_size 4 x train.grad_accum 2; lower them or add data" in err
 
 
-def test_bench_rows_must_divide_the_steps(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_bench_arguments_are_refused_before_any_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """`bench --rows N`: a metrics row every N steps (strategy_config's log_every), refused before any run when N
     does not divide the warm-up and timed steps."""
     config = tiny_config(tmp_path / "run")
@@ -219,6 +219,13 @@ def test_bench_rows_must_divide_the_steps(tmp_path: Path, capsys: pytest.Capture
     path = str(write_config(config, tmp_path / "c.toml"))
     assert main(["bench", "--config", path, "--rows", "3", "--steps", "20", "--warmup", "5"]) == 2
     assert "--rows 3 must be >= 1 and divide --steps 20 and --warmup 5" in capsys.readouterr().err
+    for option, value, message in (
+        ("--timeout", "nan", "--timeout nan must be >= 0 seconds (0: no limit)"),
+        ("--peak-tflops", "nan", "--peak-tflops nan must be a positive, finite TFLOP/s per GPU (e.g. 790)"),
+        ("--peak-tflops", "0", "--peak-tflops 0.0 must be a positive, finite TFLOP/s per GPU (e.g. 790)"),
+    ):
+        assert main(["bench", "--config", path, option, value]) == 2
+        assert capsys.readouterr().err == f"pipetune: error: {message}\n"
 
 
 def test_a_missing_data_file_is_named_before_any_model_work(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -319,6 +319,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
             f"--rows {args.rows} must be >= 1 and divide --steps {args.steps} and --warmup {args.warmup} "
             "(rows start after the warm-up), e.g. --rows 5 --steps 40 --warmup 5"
         )
+    if not args.timeout >= 0:  # nan too
+        raise ConfigError(f"--timeout {args.timeout} must be >= 0 seconds (0: no limit)")
+    if not 0 < args.peak_tflops < math.inf:
+        raise ConfigError(f"--peak-tflops {args.peak_tflops} must be a positive, finite TFLOP/s per GPU (e.g. 790)")
     config = load_config(args.config, args.set, "pipetune bench")
     default = "pp,single"
     if config.parallel.strategy == "auto":
@@ -328,10 +332,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
         default = config.parallel.strategy
     strategies = [s.strip() for s in (args.strategies or default).split(",") if s.strip()]
     preflight(config, config.parallel.world_size)  # one clear error before any run starts
-    if not args.timeout >= 0:  # nan too
-        raise ConfigError(f"--timeout {args.timeout} must be >= 0 seconds (0: no limit)")
-    if not 0 < args.peak_tflops < math.inf:
-        raise ConfigError(f"--peak-tflops {args.peak_tflops} must be a positive, finite TFLOP/s per GPU (e.g. 790)")
     results = run_bench(
         config, strategies, args.steps, args.warmup, Path(args.out), args.peak_tflops, args.timeout, args.rows
     )
