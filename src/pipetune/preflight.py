@@ -7,6 +7,7 @@ one message; every worker runs it again to get the same resolved model and token
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,8 +18,9 @@ from pipetune.config import Config, ConfigError, DataConfig, check_stage_count, 
 from pipetune.data.prompt import PromptBuilder
 from pipetune.data.sources import LOCAL_SUFFIXES, SYNTHETIC
 from pipetune.loggers import check_loggers
+from pipetune.model.gguf import gguf_source
 from pipetune.model.quantize import check_quantize
-from pipetune.model.shapes import ResolvedModel, one_layer_model, resolve_model
+from pipetune.model.shapes import BUILTIN_SHAPES, ResolvedModel, one_layer_model, resolve_model
 
 
 @dataclass
@@ -75,10 +77,18 @@ def check_layout(config: Config, world_size: int) -> None:
 
 
 def _layer_count(config: Config) -> int | None:
-    """The model's decoder layers from its config alone (no weights), or None when it cannot be resolved: a model
-    that cannot be found is prepare()'s to report, after the config's values."""
+    """The model's decoder layers from what this machine holds already: a built-in shape, a local directory or
+    GGUF file (converted once, as prepare() would), or the config.json of a hub model in the Hugging Face cache.
+    None otherwise (no download for a config that fails anyway), or when it cannot be read: a model that cannot
+    be found is prepare()'s to report."""
+    name = config.model.name
     try:
-        return resolve_model(dataclasses.replace(config.model, init="random")).config.num_hidden_layers
+        if name in BUILTIN_SHAPES or Path(name).expanduser().exists() or gguf_source(name) is not None:
+            return resolve_model(dataclasses.replace(config.model, init="random")).config.num_hidden_layers
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "config.json")
+        return json.loads(Path(cached).read_text())["num_hidden_layers"] if isinstance(cached, str) else None
     except Exception:  # noqa: BLE001 (any failure here leaves the validation's own error to be raised)
         return None
 
