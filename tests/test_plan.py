@@ -158,11 +158,11 @@ def test_without_a_gpu_the_plan_says_whose_predictions_and_what_auto_runs_here(
     out = capsys.readouterr().out
     pick = re.search(r"^pick: (.+?), \d+ x \d+", out, re.MULTILINE).group(1)
     note = out.splitlines()[-1]
-    assert note.startswith("no GPU found here: these predictions are for 2 GPUs (an H200's 151 GB each, "), note
+    assert note.startswith("no GPU found here: these predictions are for 2 H200 GPUs (151 GB each), not for"), note
     assert f'parallel.strategy = "auto" runs {pick} (' in note and "as 2 CPU processes" in note, note
 
     config = load_config("demo", ['parallel.strategy="auto"'])
     assert pick.startswith(resolve_auto(config, 2).parallel.strategy)  # "ddp dp=2", "pp=2 1f1b", ...
     said = capsys.readouterr().out
-    assert said.startswith("pipetune: parallel.strategy = auto: no GPU found here, so this is the plan for 2 GPUs")
+    assert said.startswith("pipetune: parallel.strategy = auto: no GPU found here, so this is the plan for 2 H200")
     assert f"pick: {pick}," in said

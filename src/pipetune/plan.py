@@ -50,7 +50,7 @@ from pipetune.parallel.speed import (
     link_seconds,
     replay_schedule,
 )
-from pipetune.preflight import linear_layer_names
+from pipetune.preflight import check_data_source, linear_layer_names
 from pipetune.schedules import stage_ids
 
 H200_MEMORY = 143_771 * 2**20
@@ -485,8 +485,6 @@ def available_gpus(config: Config, nproc: int | None = None) -> int:
 def resolve_auto(config: Config, gpus: int, announce: bool = True) -> Config:
     """`parallel.strategy = "auto"`: the config as its plan's pick on `gpus` GPUs, and one line saying what and why
     (printed by the first process only)."""
-    from pipetune.preflight import check_data_source
-
     check_data_source(config.data)  # a missing data file fails before the plan resolves the model
     plan = make_plan(config, gpus)
     if plan.pick is None:
@@ -495,7 +493,7 @@ def resolve_auto(config: Config, gpus: int, announce: bool = True) -> Config:
         elsewhere = ""
         if not torch.cuda.is_available():
             elsewhere = (
-                f"no GPU found here, so this is the plan for {_gpus(gpus)} ({_of_memory(plan)}, an H200's speed), "
+                f"no GPU found here, so this is the plan for {_planned_gpus(plan)}, "
                 f"and the pick runs as {_processes(gpus)}: "
             )
         print(f"pipetune: parallel.strategy = auto: {elsewhere}{pick_line(plan)}", flush=True)
@@ -516,19 +514,20 @@ def no_gpu_line(config: Config, plan: Plan) -> str | None:
         else f"refuses to run: {no_fit_message(auto)}"
     )
     return (
-        f"no GPU found here: these predictions are for {_gpus(plan.gpus)} ({_of_memory(plan)}, an H200's speed), "
+        f"no GPU found here: these predictions are for {_planned_gpus(plan)}, "
         f'not for this machine; on it, parallel.strategy = "auto" {runs} (--calibrate on a GPU machine times its '
         "own GPUs)"
     )
-
-
-def _gpus(n: int) -> str:
-    return f"{n} GPU" + ("s" if n > 1 else "")
 
 
 def _processes(n: int) -> str:
     return f"{n} CPU process" + ("es" if n > 1 else "")
 
 
-def _of_memory(plan: Plan) -> str:
-    return "an H200's 151 GB each" if plan.budget == H200_MEMORY else f"{plan.budget / GB:.0f} GB each"
+def _planned_gpus(plan: Plan) -> str:
+    """What a plan made without a GPU here is for: H200s, or GPUs of --gpu-memory (or train.memory_gb) at an
+    H200's speed."""
+    n, memory = plan.gpus, f"{plan.budget / GB:.0f} GB"
+    if plan.budget == H200_MEMORY:
+        return f"{n} H200 GPU{'s' if n > 1 else ''} ({memory} each)"
+    return f"{n} GPU{'s' if n > 1 else ''} of {memory} at an H200's speed"
