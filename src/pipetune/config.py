@@ -270,8 +270,8 @@ def from_dict(raw: dict[str, Any]) -> Config:
     """Build a Config from nested dicts, rejecting unknown sections and keys by name."""
     config = Config()
     for section_name, values in raw.items():
-        if not hasattr(config, section_name) or not isinstance(values, dict):
-            sections = [f.name for f in dataclasses.fields(Config)]
+        sections = [f.name for f in dataclasses.fields(Config)]
+        if section_name not in sections or not isinstance(values, dict):
             raise ConfigError(
                 f"unknown config section [{section_name}]{_did_you_mean(section_name, sections, '[{}]')}; "
                 f"sections are: {', '.join(sections)}"
@@ -393,8 +393,8 @@ def _data_as_config(path: Path, kind: str, command: str) -> str:
 
 
 def _did_you_mean(name: str, names: list[str], form: str = "{}") -> str:
-    """ " (did you mean X?)" for the closest of `names` to a misspelt `name`, or ""."""
-    close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
+    """The hint ' (did you mean X?)' with the closest of `names` to a misspelt `name` (`form` shapes X), or ""."""
+    close = difflib.get_close_matches(name, [n for n in names if n != name], n=1, cutoff=0.6)
     return f" (did you mean {form.format(close[0])}?)" if close else ""
 
 
@@ -404,8 +404,8 @@ def apply_override(config: Config, item: str) -> None:
     section_name, dot, key = key_path.strip().partition(".")
     if not sep or not dot:
         raise ConfigError(f"--set {item!r} is not of the form section.key=value (e.g. train.lr=1e-4)")
-    if not hasattr(config, section_name):
-        sections = [f.name for f in dataclasses.fields(Config)]
+    sections = [f.name for f in dataclasses.fields(Config)]
+    if section_name not in sections:  # not hasattr: Config has methods and properties too
         close = difflib.get_close_matches(section_name, sections, n=1, cutoff=0.6)
         hint = f" (did you mean --set {close[0]}.{key}{sep}{text}?)" if close else ""
         raise ConfigError(f"--set {item!r}: unknown section {section_name!r}{hint}; sections: {', '.join(sections)}")
