@@ -57,9 +57,10 @@ def test_output_into_a_closed_pipe_ends_quietly() -> None:
 
 
 def test_set_with_a_space_instead_of_equals_names_the_form(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["config", "show", "--config", "demo", "--set", "train.lr", "1e-4"]) == 2
-    err = capsys.readouterr().err
-    assert err == "pipetune: error: --set takes section.key=value: did you mean --set train.lr=1e-4?\n"
+    for words in (["train.lr", "1e-4"], ["train.lr", "=", "1e-4"], ["train.lr=", "1e-4"], ["train.lr", "=1e-4"]):
+        assert main(["config", "show", "--config", "demo", "--set", *words, "--set", "train.seed=1"]) == 2
+        err = capsys.readouterr().err
+        assert err == "pipetune: error: --set takes section.key=value: did you mean --set train.lr=1e-4?\n", words
     with pytest.raises(SystemExit):  # any other stray argument is argparse's, as before
         main(["config", "show", "--config", "demo", "stray"])
     assert "unrecognized arguments: stray" in capsys.readouterr().err

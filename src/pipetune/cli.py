@@ -7,6 +7,7 @@ imported inside the commands that need them, so `--help`, `--version` and `confi
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import math
 import os
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, unknown = parser.parse_known_args(argv)
     if unknown:
-        meant = set_without_equals(argv, unknown[0])
+        meant = set_without_equals(argv, unknown)
         if meant is None:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         print(f"pipetune: error: --set takes section.key=value: did you mean {meant}?", file=sys.stderr)
@@ -271,11 +272,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
-def set_without_equals(argv: list[str], extra: str) -> str | None:
-    """`--set train.lr 1e-4` leaves 1e-4 to argparse as an unknown argument: the `--set train.lr=1e-4` meant."""
-    for flag, item, value in zip(argv, argv[1:], argv[2:], strict=False):
-        if flag == "--set" and "=" not in item and value == extra:
-            return f"--set {item}={value}"
+def set_without_equals(argv: list[str], unknown: list[str]) -> str | None:
+    """`--set train.lr 1e-4` (or `train.lr = 1e-4`, `train.lr= 1e-4`) leaves words to argparse as unknown
+    arguments: the `--set train.lr=1e-4` meant, or None when the unknown arguments follow no --set."""
+    for i, flag in enumerate(argv[:-2]):
+        words = list(itertools.takewhile(lambda word: word in unknown, argv[i + 2 : i + 4]))
+        if flag != "--set" or not words:
+            continue
+        key, sep, value = " ".join([argv[i + 1], *words]).partition("=")
+        return f"--set {key.strip()}={value.strip()}" if sep else f"--set {argv[i + 1]}={words[0]}"
     return None
 
 
