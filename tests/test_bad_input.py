@@ -212,7 +212,7 @@ def test_data_that_makes_no_optimizer_step_is_a_config_error(tmp_path: Path, cap
     assert "make no optimizer step of train.batch_size 4 x train.grad_accum 2; lower them or add data" in err
 
 
-def test_bench_rows_must_divide_the_steps(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_bench_arguments_are_refused_before_any_run(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """`bench --rows N`: a metrics row every N steps (strategy_config's log_every), refused before any run when N
     does not divide the warm-up and timed steps."""
     config = tiny_config(tmp_path / "run")
@@ -291,3 +291,27 @@ def test_resume_of_a_run_directory_that_does_not_exist_or_is_empty_is_refused(
     assert main(["train", "--config", str(config_file), "--quiet", "--resume"]) == 2
     err = capsys.readouterr().err
     assert f"pipetune: note: {missing} holds no committed checkpoint to continue from: training starts at step 0" in err
+
+
+    for option, value, message in (
+        ("--timeout", "nan", "--timeout nan must be >= 0 seconds (0: no limit)"),
+        ("--peak-tflops", "nan", "--peak-tflops nan must be a positive, finite TFLOP/s per GPU (e.g. 790)"),
+        ("--peak-tflops", "0", "--peak-tflops 0.0 must be a positive, finite TFLOP/s per GPU (e.g. 790)"),
+    ):
+        assert main(["bench", "--config", path, option, value]) == 2
+        assert capsys.readouterr().err == f"pipetune: error: {message}\n"
+
+
+def test_a_missing_data_file_is_named_before_any_model_work(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """data.source names a file that is not there: said before the model is resolved (a download, a conversion),
+    here shown by a model.name that would fail too, and would be named first if the model came first."""
+    missing = tmp_path / "no" / "meetings.jsonl"
+    config = tiny_config(tmp_path / "run", f'data.source="{missing}"', 'model.name="./no/such/model"')
+    path = str(write_config(config, tmp_path / "c.toml"))
+    for command in (["train", "--config", path, "--quiet"], ["data", "inspect", "--config", path]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"pipetune: error: data.source = '{missing}' does not exist; give a JSONL"), err
+    config.parallel.strategy = "auto"  # the plan of "auto" resolves the model too: the data comes first there too
+    assert main(["train", "--config", str(write_config(config, tmp_path / "auto.toml")), "--quiet"]) == 2
+    assert f"data.source = '{missing}' does not exist" in capsys.readouterr().err

@@ -46,11 +46,19 @@ def test_set_overrides_parse_toml_values() -> None:
         ("nosection.key=1", "unknown section"),
         ("train.batch_size=two", "expected int"),
         ("train.lr", "section.key=value"),
+        ("train.lrr=1e-4", r"unknown key train.lrr \(did you mean train.lr\?\); keys of \[train\] are: epochs"),
+        ("trian.lr=1e-4", r"unknown section 'trian' \(did you mean --set train.lr=1e-4\?\); sections: model"),
+        ("train.pp=4", r"unknown key train.pp \(did you mean parallel.pp\?\)"),  # a key of another section
     ],
 )
 def test_bad_overrides_name_the_problem(item: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         apply_override(Config(), item)
+
+
+def test_a_misspelt_section_in_a_file_gets_a_suggestion() -> None:
+    with pytest.raises(ConfigError, match=r"unknown config section \[parallell\] \(did you mean \[parallel\]\?\)"):
+        from_dict({"parallell": {"pp": 2}})
 
 
 def test_shipped_configs_load_by_name_from_anywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,6 +96,70 @@ def test_config_show_prints_resolved_toml_with_docs(capsys: pytest.CaptureFixtur
     assert main(["config", "list"]) == 0
     listing = capsys.readouterr().out
     assert all(name in listing for name in shipped_configs())
+
+
+def test_config_list_shows_whole_first_sentences(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each shipped config's description is its header's first sentence, whole, wrapped under the name."""
+    from pipetune.config_docs import WIDTH
+
+    assert main(["config", "list"]) == 0
+    entries: dict[str, str] = {}
+    for line in capsys.readouterr().out.split("\n\n")[0].splitlines():
+        assert len(line) <= WIDTH, line
+        name, _, text = line.partition("  ")
+        if name.strip():
+            entries[name] = text.strip()
+        else:
+            entries[list(entries)[-1]] += " " + line.strip()
+    assert set(entries) == set(shipped_configs())
+    for name, text in entries.items():
+        header = " ".join(
+            line.lstrip("# ") for line in shipped_configs()[name].read_text().splitlines() if line.startswith("#")
+        )
+        assert text.endswith((".", "!", "?")) and header.startswith(text), (name, text)
+
+
+@pytest.mark.parametrize(
+    "name, content, kind, source",
+    [
+        ("meetings.jsonl", '{"dialogue": "A: hi.", "summary": "They met."}\n', "JSONL", "meetings.jsonl"),
+        ("meetings.csv", "dialogue,summary\nA: hi.,They met.\n", "CSV", "meetings.csv"),
+        ("meetings", '{"dialogue": "A: hi.", "summary": "They met."}\n{"dialogue": "B"}\n', "JSONL", "meetings.jsonl"),
+        ("rows.dat", "dialogue,summary\nA: hi.,They met.\n", "CSV", "rows.csv"),
+        ("table", b"PAR1\x15\x04", "Parquet", "table.parquet"),
+    ],
+)
+def test_data_given_as_the_config_names_the_option_that_takes_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, content: str | bytes, kind: str, source: str
+) -> None:
+    """`--config my.jsonl` (by its suffix, or by content that is not TOML but data): which option takes the file,
+    and the command with it there (under the suffix data.source reads it by)."""
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    assert main(["data", "inspect", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pipetune: error: --config {str(path)!r} holds {kind} data, not a TOML config: "), err
+    assert err.endswith(f"`pipetune data inspect --config qwen3-4b-ami --set data.source={tmp_path / source}`\n")
+
+
+def test_a_transcript_given_as_the_config_points_at_summarize(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "meeting.txt").write_text("A: hi. B: hello.")
+    assert main(["train", "--config", str(tmp_path / "meeting.txt")]) == 2
+    err = capsys.readouterr().err
+    assert "is a text file, not a TOML config: a transcript to summarize goes to `pipetune summarize" in err
+
+
+def test_config_from_dev_null_and_a_pipe(tmp_path: Path) -> None:
+    """Any readable path that is not a directory is read: /dev/null (empty: the defaults) and `<(...)`, a pipe
+    named /dev/fd/N."""
+    assert load_config("/dev/null") == Config()
+    read, write = os.pipe()
+    os.write(write, b"[train]\nlr = 0.5\n")
+    os.close(write)
+    try:
+        assert load_config(f"/dev/fd/{read}").train.lr == 0.5
+    finally:
+        os.close(read)
 
 
 def test_output_tensorboard_is_read_as_a_logger(capsys: pytest.CaptureFixture[str]) -> None:
@@ -225,6 +297,20 @@ def test_activation_checkpointing_takes_true_false_or_auto(tmp_path: Path) -> No
 def test_model_dependent_errors(tmp_path: Path, overrides: list[str], world_size: int, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         preflight(tiny_config(tmp_path, *overrides), world_size)
+
+
+def test_more_stages_than_layers_is_named_before_the_microbatches(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """pp = 8 on 4 layers with 4 microbatches breaks two rules; raising the microbatches cannot help, so the stage
+    count is named (and only it), for train and data inspect alike."""
+    config = tiny_config(tmp_path / "run", "parallel.pp=8")
+    assert config.parallel.n_microbatches < 8  # the schedule's rule is broken too
+    path = str(write_config(config, tmp_path / "c.toml"))
+    for command in (["train", "--config", path], ["data", "inspect", "--config", path]):
+        assert main(command) == 2
+        err = capsys.readouterr().err
+        assert err == "pipetune: error: parallel.pp = 8 > 4 decoder layers of 'tiny-qwen3'; use at most 4 stages\n"
 
 
 def test_cli_fails_before_starting_workers(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

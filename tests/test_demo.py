@@ -40,6 +40,7 @@ def test_demo_runs_end_to_end(demo_run: tuple[Path, subprocess.CompletedProcess]
     log = (out / "train.log").read_text()
     assert "step 10/25" in log and "done: 25 steps" in log and "run directory" in log
     assert "FutureWarning" not in result.stderr  # library warnings a user cannot act on are silenced
+    assert "too few to teach the model" not in result.stderr  # 25 steps are a sixth of the default: enough
     assert json.loads((out / "run.json").read_text())["final_val_loss"] == float(rows[-1]["val_loss"])
 
     before, after = map(float, re.search(r"([\d.]+) before, ([\d.]+) after", result.stdout).groups())

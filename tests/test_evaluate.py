@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -106,3 +107,21 @@ def test_eval_rejects_unknown_split(demo_run: Path, capsys: pytest.CaptureFixtur
 def test_eval_needs_a_run_with_an_adapter(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["eval", "--run", str(tmp_path), "--quiet"]) == 2
     assert "has no adapter/" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_demo_evaluation_shows_its_progress(
+    demo_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The real-model demo's evaluation (show_evaluation) runs for minutes on a CPU: it says what it does and how
+    far it is, on stderr, while stdout keeps the table. Run on a copy of the demo's adapter, 2 meetings."""
+    from pipetune.config import load_config
+    from pipetune.demo import show_evaluation
+
+    shutil.copytree(demo_run / "adapter", tmp_path / "adapter")
+    config = load_config(demo_run / "config.toml", [f'output.dir="{tmp_path}"', "data.max_summary_tokens=16"])
+    show_evaluation(config, limit=2)
+    captured = capsys.readouterr()
+    for progress in ("eval: loading", "base: 0/2 (", "base: 2/2 (", "fine-tuned: 0/2 (", "fine-tuned: 2/2 ("):
+        assert progress in captured.err, captured.err
+    assert "validation: 2 meetings" in captured.out and "fine-tuned: 2/2" not in captured.out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -98,7 +99,7 @@ def test_plan_arguments_and_an_unresolved_auto_are_refused(capsys: pytest.Captur
     if not torch.cuda.is_available():
         assert main(["plan", "--config", str(QWEN3_4B), "--calibrate"]) == 2
     errors = capsys.readouterr().err
-    assert "--gpus 0 must be at least 1" in errors and "--gpu-memory -1.0 must be positive" in errors, errors
+    assert "--gpus 0 must be at least 1" in errors and "--gpu-memory -1.0 must be a positive" in errors, errors
     config = load_config(QWEN3_4B, ['parallel.strategy="auto"'])
     with pytest.raises(ConfigError, match="'auto' is chosen by pipetune train and pipetune bench"):
         validate(config, 2)
@@ -134,3 +135,34 @@ def test_strategy_auto_runs_the_plans_pick(tmp_path: Path) -> None:
     with open(out / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == [1] and rows[0]["strategy"] == ran.parallel.strategy
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-5"])
+def test_gpu_memory_must_be_a_positive_finite_number(value: str, capsys: pytest.CaptureFixture) -> None:
+    assert main(["plan", "--config", str(QWEN3_4B), "--gpu-memory", value]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"pipetune: error: --gpu-memory {float(value)} must be a positive, finite number (GB per GPU, e.g. 141)\n"
+    )
+
+
+def test_without_a_gpu_the_plan_says_whose_predictions_and_what_auto_runs_here(
+    capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a machine without GPUs the figures are an H200's: `plan` and `parallel.strategy = "auto"` say so, and
+    what auto runs on this machine (the pick, as CPU processes)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["plan", "--config", "demo"]) == 0
+    out = capsys.readouterr().out
+    pick = re.search(r"^pick: (.+?), \d+ x \d+", out, re.MULTILINE).group(1)
+    note = out.splitlines()[-1]
+    assert note.startswith("no GPU found here: these predictions are for 2 H200 GPUs (151 GB each), not for"), note
+    assert f'parallel.strategy = "auto" runs {pick} (' in note and "as 2 CPU processes" in note, note
+
+    config = load_config("demo", ['parallel.strategy="auto"'])
+    assert pick.startswith(resolve_auto(config, 2).parallel.strategy)  # "ddp dp=2", "pp=2 1f1b", ...
+    said = capsys.readouterr().out
+    assert said.startswith("pipetune: parallel.strategy = auto: no GPU found here, so this is the plan for 2 H200")
+    assert f"pick: {pick}," in said

@@ -7,13 +7,17 @@ imported inside the commands that need them, so `--help`, `--version` and `confi
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
+import math
+import os
+import select
 import sys
 import time
 import warnings
 from pathlib import Path
 
-from pipetune.config import Config, ConfigError, load_config, validate
+from pipetune.config import Config, ConfigError, load_config
 
 EXAMPLES = """\
 examples:
@@ -222,7 +226,14 @@ def main(argv: list[str] | None = None) -> int:
     show.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key")
     config_commands.add_parser("list", help="the configs shipped with pipetune (use them by name with --config)")
 
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        meant = set_without_equals(argv, unknown)
+        if meant is None:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        print(f"pipetune: error: --set takes section.key=value: did you mean {meant}?", file=sys.stderr)
+        return 2
     try:
         if args.command == "demo":
             return run_demo(args.model, args.out, args.steps, args.nproc)
@@ -231,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             return run_plan(args)
         if args.command == "data":
-            return run_data_inspect(load_config(args.config, args.set), args.json)
+            return run_data_inspect(load_config(args.config, args.set, "pipetune data inspect"), args.json)
         if args.command == "summarize":
             return run_summarize(args)
         if args.command == "eval":
@@ -242,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_export(args.run, args.out, args.merge)
         if args.command == "config":
             return run_config(args)
-        config = load_config(args.config, args.set)
+        config = load_config(args.config, args.set, "pipetune train")
         if args.resume:
             from pipetune.checkpoint import require_run_to_resume
 
@@ -264,6 +275,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def set_without_equals(argv: list[str], unknown: list[str]) -> str | None:
+    """`--set train.lr 1e-4` (or `train.lr = 1e-4`, `train.lr= 1e-4`) leaves words to argparse as unknown
+    arguments: the `--set train.lr=1e-4` meant, or None when the unknown arguments follow no --set."""
+    for i, flag in enumerate(argv[:-2]):
+        words = list(itertools.takewhile(lambda word: word in unknown, argv[i + 2 : i + 4]))
+        if flag != "--set" or not words:
+            continue
+        key, sep, value = " ".join([argv[i + 1], *words]).partition("=")
+        return f"--set {key.strip()}={value.strip()}" if sep else f"--set {argv[i + 1]}={words[0]}"
+    return None
+
+
 DEMOS = {"tiny-qwen3": "demo", "smollm2-135m": "demo-smollm2"}
 """`pipetune demo --model NAME` -> its shipped config."""
 
@@ -279,16 +302,17 @@ def run_config(args: argparse.Namespace) -> int:
     if args.config_command == "list":
         print(config_listing())
     else:
-        print(annotated_toml(load_config(args.config, args.set)))
+        print(annotated_toml(load_config(args.config, args.set, "pipetune config show")))
     return 0
 
 
 def run_data_inspect(config: Config, as_json: bool = False) -> int:
     """Print what the config's data looks like to the model: rows, skipped rows, lengths, truncation, padding."""
     from pipetune.data.inspect import format_report, inspect_data
-    from pipetune.preflight import prepare
+    from pipetune.preflight import check_data_source, check_layout, prepare
 
-    validate(config, config.parallel.world_size)
+    check_data_source(config.data)  # a missing file fails before the model and tokenizer are resolved
+    check_layout(config, config.parallel.world_size)
     report = inspect_data(config, prepare(config).prompts)
     print(report.to_json() if as_json else format_report(report))
     return 0
@@ -303,7 +327,11 @@ def run_bench_command(args: argparse.Namespace) -> int:
             f"--rows {args.rows} must be >= 1 and divide --steps {args.steps} and --warmup {args.warmup} "
             "(rows start after the warm-up), e.g. --rows 5 --steps 40 --warmup 5"
         )
-    config = load_config(args.config, args.set)
+    if not args.timeout >= 0:  # nan too
+        raise ConfigError(f"--timeout {args.timeout} must be >= 0 seconds (0: no limit)")
+    if not 0 < args.peak_tflops < math.inf:
+        raise ConfigError(f"--peak-tflops {args.peak_tflops} must be a positive, finite TFLOP/s per GPU (e.g. 790)")
+    config = load_config(args.config, args.set, "pipetune bench")
     default = "pp,single"
     if config.parallel.strategy == "auto":
         from pipetune.plan import available_gpus, resolve_auto
@@ -312,8 +340,6 @@ def run_bench_command(args: argparse.Namespace) -> int:
         default = config.parallel.strategy
     strategies = [s.strip() for s in (args.strategies or default).split(",") if s.strip()]
     preflight(config, config.parallel.world_size)  # one clear error before any run starts
-    if args.timeout < 0:
-        raise ConfigError(f"--timeout {args.timeout} must be >= 0 seconds (0: no limit)")
     results = run_bench(
         config, strategies, args.steps, args.warmup, Path(args.out), args.peak_tflops, args.timeout, args.rows
     )
@@ -322,15 +348,15 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 def run_plan(args: argparse.Namespace) -> int:
     """Print the plan: every layout's predicted peak memory per rank and tokens/s, ranked, and the pick."""
+    if args.gpu_memory is not None and not 0 < args.gpu_memory < math.inf:
+        raise ConfigError(f"--gpu-memory {args.gpu_memory} must be a positive, finite number (GB per GPU, e.g. 141)")
     from pipetune.parallel.memory import GB
-    from pipetune.plan import available_gpus, format_plan, make_plan
+    from pipetune.plan import available_gpus, format_plan, make_plan, no_gpu_line
 
-    config = load_config(args.config, args.set)
+    config = load_config(args.config, args.set, "pipetune plan")
     gpus = args.gpus if args.gpus is not None else available_gpus(config)
     if gpus < 1:
         raise ConfigError(f"--gpus {gpus} must be at least 1")
-    if args.gpu_memory is not None and args.gpu_memory <= 0:
-        raise ConfigError(f"--gpu-memory {args.gpu_memory} must be positive (GB per GPU, e.g. 141)")
     budget = args.gpu_memory * GB if args.gpu_memory is not None else None
     rates = None
     if args.calibrate:
@@ -339,17 +365,23 @@ def run_plan(args: argparse.Namespace) -> int:
         rates = calibrate(config, gpus, budget)
     plan = make_plan(config, gpus, budget, rates)
     print(format_plan(plan, top=None if args.all else 15))
+    note = no_gpu_line(config, plan)
+    if note:
+        print(note)
     return 0 if plan.pick is not None else 1
 
 
 def run_demo(model: str, out: str | None, steps: int | None, nproc: int) -> int:
     """Train the demo config, then show what fine-tuning changed and how long each part took."""
-    from pipetune.demo import intro, show_evaluation, show_results
+    from pipetune.demo import few_steps_note, intro, show_evaluation, show_results
 
     config = demo_config(model)
     config.output.dir = str(demo_dir(out, config.output.dir))
     config.parallel.pp = nproc
     if steps is not None:
+        note = few_steps_note(steps, demo_config(model))
+        if note:
+            print(f"pipetune: note: {note}", file=sys.stderr)
         config.train.max_steps = steps
     if model != "tiny-qwen3":
         from pipetune.evaluate import rouge_scorer
@@ -505,12 +537,35 @@ def run() -> None:
     That teardown frees every module a process imported, ~1.2 s on a 2-core CPU once torch, transformers and
     PEFT are in, paid once per command and once per worker for nothing: each file pipetune writes is closed by
     its writer before main returns. An exception leaves the usual way, with its traceback."""
-    code = main()
+    try:
+        code = main()
+        sys.stdout.flush()  # a reader that left early fails here, inside the try, not in the interpreter's exit
+    except BrokenPipeError:
+        if not stdout_reader_gone():
+            raise
+        code = quiet_broken_pipe()
     if "torch" not in sys.modules:  # --help, --version, config: little to free
         sys.exit(code)
     from pipetune.parallel.process_group import exit_finished
 
     exit_finished(code)
+
+
+def stdout_reader_gone() -> bool:
+    """stdout is a pipe whose reader has closed it (`pipetune config list | head -3`): poll says POLLERR."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), stdout replaced or closed
+        return False
+
+
+def quiet_broken_pipe() -> int:
+    """End as a Unix command does when its reader has gone: no traceback, exit status 128 + SIGPIPE. stdout then
+    points at /dev/null, so that the flush at exit does not fail again (the Python docs' recipe, signal module)."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 141
 
 
 if __name__ == "__main__":

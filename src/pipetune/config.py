@@ -7,6 +7,8 @@ value fails once, on the launching process, with a message that names it and the
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import json
 import math
 import sys
 import tomllib
@@ -268,9 +270,12 @@ def from_dict(raw: dict[str, Any]) -> Config:
     """Build a Config from nested dicts, rejecting unknown sections and keys by name."""
     config = Config()
     for section_name, values in raw.items():
-        if not hasattr(config, section_name) or not isinstance(values, dict):
-            sections = ", ".join(f.name for f in dataclasses.fields(Config))
-            raise ConfigError(f"unknown config section [{section_name}]; sections are: {sections}")
+        sections = [f.name for f in dataclasses.fields(Config)]
+        if section_name not in sections or not isinstance(values, dict):
+            raise ConfigError(
+                f"unknown config section [{section_name}]{_did_you_mean(section_name, sections, '[{}]')}; "
+                f"sections are: {', '.join(sections)}"
+            )
         for key, value in values.items():
             _set_key(config, section_name, key, value)
     return config
@@ -304,9 +309,10 @@ def shipped_configs() -> dict[str, Path]:
 
 
 def config_path(name: str | Path) -> Path:
-    """A TOML file's path, or the path of the shipped config of that name (`qwen3-4b-ami` or `demo.toml`)."""
+    """A TOML file's path, or the path of the shipped config of that name (`qwen3-4b-ami` or `demo.toml`). Any
+    path that exists and is not a directory is read: /dev/null, a named pipe, `<(...)`'s /dev/fd/N."""
     path = Path(name)
-    if path.is_file():
+    if path.exists() and not path.is_dir():
         return path
     shipped = shipped_configs()
     stem = path.name.removesuffix(".toml")
@@ -318,26 +324,78 @@ def config_path(name: str | Path) -> Path:
     )
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    """Read a TOML file or shipped config (defaults when path is None) and apply `section.key=value` overrides."""
+def load_config(path: str | Path | None, overrides: list[str] = (), command: str = "pipetune train") -> Config:
+    """Read a TOML file or shipped config (defaults when path is None; an empty file is the defaults too) and apply
+    `section.key=value` overrides. `command` is the one a data file given as the config is shown with."""
     raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         if path.is_dir():
             raise ConfigError(f"config file {str(path)!r} is a directory; pass --config with a TOML file")
         path = config_path(path)
+        if path.suffix.lower() in DATA_SUFFIXES:
+            raise ConfigError(_data_as_config(path, DATA_SUFFIXES[path.suffix.lower()], command))
         try:
-            raw = tomllib.loads(path.read_bytes().decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({e}); save it as UTF-8") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+            content = path.read_bytes()  # once: a pipe (/dev/fd/N) cannot be read twice
         except OSError as e:
             raise ConfigError(f"config file {str(path)!r} cannot be read ({e.strerror})") from None
+        try:
+            raw = tomllib.loads(content.decode("utf-8"))
+        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+            kind = _data_kind(content)
+            if kind is not None:
+                raise ConfigError(_data_as_config(path, kind, command)) from None
+            if isinstance(e, UnicodeDecodeError):
+                raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({e}); save it as UTF-8") from None
+            raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
     config = from_dict(raw)
     for item in overrides:
         apply_override(config, item)
     return config
+
+
+DATA_SUFFIXES = {".jsonl": "JSONL", ".json": "JSON", ".csv": "CSV", ".parquet": "Parquet", ".txt": "text"}
+"""File types that hold data or a transcript, never a config (a TOML file), and what they hold."""
+
+
+def _data_kind(content: bytes) -> str | None:
+    """What a config file that is not TOML holds, when it looks like data: "Parquet", "JSON", "JSONL", "CSV"."""
+    if content.startswith(b"PAR1"):
+        return "Parquet"
+    text = content.decode("utf-8", errors="replace").strip()
+    first = text.splitlines()[0] if text else ""
+    for kind, candidate in (("JSON", text), ("JSONL", first)):
+        try:
+            if isinstance(json.loads(candidate), (dict, list)):
+                return kind
+        except ValueError:
+            pass
+    if "," in first and "=" not in first and not first.startswith(("[", "#")):
+        return "CSV"
+    return None
+
+
+def _data_as_config(path: Path, kind: str, command: str) -> str:
+    """The message for data given as --config: which option takes it, and the command with it there."""
+    if kind == "text":
+        return (
+            f"--config {str(path)!r} is a text file, not a TOML config: a transcript to summarize goes to "
+            f"`pipetune summarize --adapter RUN/adapter {path}`; training data is a JSONL, JSON, CSV or Parquet file "
+            "given with --set data.source=FILE"
+        )
+    suffix = f".{kind.lower()}"
+    named = "" if path.suffix.lower() == suffix else f" (a file named *{suffix})"
+    source = path if not named else path.with_suffix(suffix)
+    return (
+        f"--config {str(path)!r} holds {kind} data, not a TOML config: give data with --set data.source=FILE"
+        f"{named} and the settings with --config, e.g. `{command} --config qwen3-4b-ami --set data.source={source}`"
+    )
+
+
+def _did_you_mean(name: str, names: list[str], form: str = "{}") -> str:
+    """The hint ' (did you mean X?)' with the closest of `names` to a misspelt `name` (`form` shapes X), or ""."""
+    close = difflib.get_close_matches(name, [n for n in names if n != name], n=1, cutoff=0.6)
+    return f" (did you mean {form.format(close[0])}?)" if close else ""
 
 
 def apply_override(config: Config, item: str) -> None:
@@ -346,8 +404,11 @@ def apply_override(config: Config, item: str) -> None:
     section_name, dot, key = key_path.strip().partition(".")
     if not sep or not dot:
         raise ConfigError(f"--set {item!r} is not of the form section.key=value (e.g. train.lr=1e-4)")
-    if not hasattr(config, section_name):
-        raise ConfigError(f"--set {item!r}: unknown section {section_name!r}")
+    sections = [f.name for f in dataclasses.fields(Config)]
+    if section_name not in sections:  # not hasattr: Config has methods and properties too
+        close = difflib.get_close_matches(section_name, sections, n=1, cutoff=0.6)
+        hint = f" (did you mean --set {close[0]}.{key}{sep}{text}?)" if close else ""
+        raise ConfigError(f"--set {item!r}: unknown section {section_name!r}{hint}; sections: {', '.join(sections)}")
     try:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
@@ -358,7 +419,11 @@ def apply_override(config: Config, item: str) -> None:
 def _set_field(section: Any, section_name: str, key: str, value: Any) -> None:
     fields = {f.name: f for f in dataclasses.fields(section)}
     if key not in fields:
-        raise ConfigError(f"unknown key {section_name}.{key}; keys of [{section_name}] are: {', '.join(fields)}")
+        elsewhere = [f"{f.name}.{key}" for f in dataclasses.fields(Config) if key in _keys(f.name)]
+        hint = _did_you_mean(key, list(fields), f"{section_name}.{{}}") or (
+            f" (did you mean {elsewhere[0]}?)" if elsewhere else ""
+        )
+        raise ConfigError(f"unknown key {section_name}.{key}{hint}; keys of [{section_name}] are: {', '.join(fields)}")
     declared = fields[key]
     default = declared.default if declared.default is not dataclasses.MISSING else declared.default_factory()
     if isinstance(value, str) and value in declared.metadata.get("also", ()):
@@ -381,6 +446,11 @@ def _set_field(section: Any, section_name: str, key: str, value: Any) -> None:
             + "".join(f" or {alt!r}" for alt in declared.metadata.get("also", ()))
         )
     setattr(section, key, value)
+
+
+def _keys(section_name: str) -> list[str]:
+    section = next(f for f in dataclasses.fields(Config) if f.name == section_name)
+    return [f.name for f in dataclasses.fields(section.default_factory())]
 
 
 def to_toml(config: Config) -> str:
@@ -622,14 +692,7 @@ def validate_against_model(
         f"{config.model.name!r}: each tensor-parallel rank runs whole heads; use a tp that divides both "
         f"({', '.join(str(n) for n in range(2, kv_heads + 1) if heads % n == 0 and kv_heads % n == 0) or 'none > 1'})",
     )
-    n_stages = p.n_stages
-    stages = f"parallel.pp = {p.pp}" + (
-        f" x stages_per_rank = {p.stages_per_rank} = {n_stages} stages" if p.stages_per_rank > 1 else ""
-    )
-    _check(
-        n_stages <= n_layers,
-        f"{stages} > {n_layers} decoder layers of {config.model.name!r}; use at most {n_layers} stages",
-    )
+    check_stage_count(config, n_layers)
     if p.layers_per_stage:
         _check(
             sum(p.layers_per_stage) == n_layers,
@@ -641,6 +704,18 @@ def validate_against_model(
         not unknown,
         f"lora.target_modules {unknown} match no linear layer of {config.model.name!r}; "
         f"its linear layers are: {', '.join(sorted(module_names))}",
+    )
+
+
+def check_stage_count(config: Config, n_layers: int) -> None:
+    """Every pipeline stage runs at least one decoder layer: at most n_layers stages."""
+    p = config.parallel
+    stages = f"parallel.pp = {p.pp}" + (
+        f" x stages_per_rank = {p.stages_per_rank} = {p.n_stages} stages" if p.stages_per_rank > 1 else ""
+    )
+    _check(
+        p.n_stages <= n_layers,
+        f"{stages} > {n_layers} decoder layers of {config.model.name!r}; use at most {n_layers} stages",
     )
 
 

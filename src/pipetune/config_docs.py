@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import re
 import textwrap
 from functools import cache
 from pathlib import Path
@@ -66,10 +67,14 @@ def annotated_toml(config: Config) -> str:
 
 
 def config_listing() -> str:
-    """One line per shipped config: its name and the first line of its header comment."""
+    """Each shipped config: its name and the first sentence of its header comment, whole, wrapped to WIDTH."""
     configs = shipped_configs()
     width = max(map(len, configs))
-    lines = [f"{name:<{width}}  {_description(path)}" for name, path in configs.items()]
+    lines = []
+    for name, path in configs.items():
+        wrapped = textwrap.wrap(_description(path), WIDTH - width - 2) or [""]
+        lines.append(f"{name:<{width}}  {wrapped[0]}".rstrip())
+        lines += [f"{'':<{width}}  {line}" for line in wrapped[1:]]
     directory = next(iter(configs.values())).parent
     lines.append(
         f"\nfiles in {directory}; use one with --config NAME, or start your own from "
@@ -79,9 +84,14 @@ def config_listing() -> str:
 
 
 def _description(path: Path) -> str:
+    """The first sentence of the file's header comment (its first lines of prose, up to a command or a gap)."""
+    prose = []
     for line in path.read_text().splitlines():
-        if line.startswith("#"):
-            return line.lstrip("# ").strip()
-        if line.strip():
+        if not line.startswith("#") or line.startswith("#  ") or not line.strip("# "):
             break
-    return ""
+        prose.append(line.lstrip("# ").strip())
+    return _FIRST_SENTENCE.split(" ".join(prose), maxsplit=1)[0]
+
+
+_FIRST_SENTENCE = re.compile(r"(?<=[.!?])\s+(?=[A-Z`(])")
+"""Where a sentence ends: '.', '!' or '?', a space, and a capital (not "e.g. the"), a backquote or a parenthesis."""

@@ -13,9 +13,23 @@ from pipetune.data.batching import tokenize_split
 from pipetune.data.sources import load_dataset
 from pipetune.evaluate import EvalResult, evaluate
 from pipetune.generate import load_finetuned, mean_token_loss, summarize
+from pipetune.metrics import TaskProgress
 
 EVAL_MEETINGS = 16
 """Held-out meetings scored by the real-model demo."""
+
+
+def few_steps_note(steps: int, default: Config) -> str | None:
+    """A note when `--steps` is too few for the demo to show fine-tuning: no more than the learning-rate warm-up,
+    or under a tenth of the steps the demo config was tuned for. None otherwise."""
+    t = default.train
+    if steps < 1 or (steps > t.warmup_steps and steps * 10 >= t.max_steps):  # -1: every epoch; 0: validation's
+        return None
+    return (
+        f"--steps {steps} is too few to teach the model: the first {t.warmup_steps} steps only warm the learning rate "
+        f"up, and the demo's default, {t.max_steps} steps, is what it is tuned for (the validation loss falls over "
+        "most of them); expect the fine-tuned model to do little better than the base model"
+    )
 
 
 def intro(config: Config) -> str:
@@ -93,7 +107,8 @@ def show_results(config: Config) -> dict[str, float]:
 def show_evaluation(config: Config, limit: int = EVAL_MEETINGS) -> EvalResult:
     """ROUGE and loss of the base and the fine-tuned model on held-out meetings (eval.json), and one summary of each."""
     run_dir = Path(config.output.dir)
-    result = evaluate(config, run_dir / "adapter", "validation", limit)
+    with TaskProgress() as progress:  # on stderr: a bar on a terminal, else a line per batch with elapsed time
+        result = evaluate(config, run_dir / "adapter", "validation", limit, progress=progress)
     result.save(run_dir / "eval.json")
     print()
     print(result.table())

@@ -50,7 +50,7 @@ from pipetune.parallel.speed import (
     link_seconds,
     replay_schedule,
 )
-from pipetune.preflight import linear_layer_names
+from pipetune.preflight import check_data_source, linear_layer_names
 from pipetune.schedules import stage_ids
 
 H200_MEMORY = 143_771 * 2**20
@@ -130,9 +130,7 @@ def make_plan(
     """Predict every candidate layout (or `layouts`) of `config` on `gpus` GPUs with `budget` bytes each (None:
     train.memory_gb, the GPU's, else an H200's). `search`: when nothing fits, look for the changes that would."""
     rates = rates or GpuRates()
-    if budget is None:
-        budget = memory_budget(config)
-        budget = H200_MEMORY if budget == float("inf") else budget
+    budget = default_budget(config) if budget is None else budget
     resolved = resolve_model(dataclasses.replace(config.model, init="random"))  # its config only, no weights
     enumerated = layouts is None
     if layouts is None:
@@ -151,6 +149,12 @@ def make_plan(
     if plan.pick is None and search and enumerated and predictions:
         plan.changes = changes_that_fit(config, gpus, budget, rates)
     return plan
+
+
+def default_budget(config: Config) -> float:
+    """Bytes per GPU to plan for without --gpu-memory: train.memory_gb, else this machine's GPU, else an H200's."""
+    budget = memory_budget(config)
+    return H200_MEMORY if budget == float("inf") else budget
 
 
 def changes_that_fit(config: Config, gpus: int, budget: float, rates: GpuRates) -> list[str]:
@@ -481,9 +485,49 @@ def available_gpus(config: Config, nproc: int | None = None) -> int:
 def resolve_auto(config: Config, gpus: int, announce: bool = True) -> Config:
     """`parallel.strategy = "auto"`: the config as its plan's pick on `gpus` GPUs, and one line saying what and why
     (printed by the first process only)."""
+    check_data_source(config.data)  # a missing data file fails before the plan resolves the model
     plan = make_plan(config, gpus)
     if plan.pick is None:
         raise ConfigError(f"parallel.strategy = 'auto': {no_fit_message(plan)}")
     if announce and os.environ.get("RANK", "0") == "0":
-        print(f"pipetune: parallel.strategy = auto: {pick_line(plan)}", flush=True)
+        elsewhere = ""
+        if not torch.cuda.is_available():
+            elsewhere = (
+                f"no GPU found here, so this is the plan for {_planned_gpus(plan)}, "
+                f"and the pick runs as {_processes(gpus)}: "
+            )
+        print(f"pipetune: parallel.strategy = auto: {elsewhere}{pick_line(plan)}", flush=True)
     return plan.pick.layout.apply(config)
+
+
+def no_gpu_line(config: Config, plan: Plan) -> str | None:
+    """Without a GPU here, a plan's figures are an H200's (or a GPU of --gpu-memory at an H200's speed): one line
+    saying so, and what parallel.strategy = "auto" runs on this machine (resolve_auto's plan). None with a GPU."""
+    if torch.cuda.is_available():
+        return None
+    here = available_gpus(config)
+    auto = plan if (here, default_budget(config)) == (plan.gpus, plan.budget) else make_plan(config, here)
+    runs = (
+        f"runs {auto.pick.layout.describe()} ({auto.pick.layout.batching()} microbatches, checkpointing "
+        f"{auto.pick.checkpointing()}) as {_processes(here)} (gloo), at a CPU's speed"
+        if auto.pick is not None
+        else f"refuses to run: {no_fit_message(auto)}"
+    )
+    return (
+        f"no GPU found here: these predictions are for {_planned_gpus(plan)}, "
+        f'not for this machine; on it, parallel.strategy = "auto" {runs} (--calibrate on a GPU machine times its '
+        "own GPUs)"
+    )
+
+
+def _processes(n: int) -> str:
+    return f"{n} CPU process" + ("es" if n > 1 else "")
+
+
+def _planned_gpus(plan: Plan) -> str:
+    """What a plan made without a GPU here is for: H200s, or GPUs of --gpu-memory (or train.memory_gb) at an
+    H200's speed."""
+    n, memory = plan.gpus, f"{plan.budget / GB:.0f} GB"
+    if plan.budget == H200_MEMORY:
+        return f"{n} H200 GPU{'s' if n > 1 else ''} ({memory} each)"
+    return f"{n} GPU{'s' if n > 1 else ''} of {memory} at an H200's speed"

@@ -6,16 +6,21 @@ one message; every worker runs it again to get the same resolved model and token
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch import nn
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from pipetune.config import Config, ConfigError, validate, validate_against_model
+from pipetune.config import Config, ConfigError, DataConfig, check_stage_count, validate, validate_against_model
 from pipetune.data.prompt import PromptBuilder
+from pipetune.data.sources import LOCAL_SUFFIXES, SYNTHETIC
 from pipetune.loggers import check_loggers
+from pipetune.model.gguf import gguf_source
 from pipetune.model.quantize import check_quantize
-from pipetune.model.shapes import ResolvedModel, one_layer_model, resolve_model
+from pipetune.model.shapes import BUILTIN_SHAPES, ResolvedModel, one_layer_model, resolve_model
 
 
 @dataclass
@@ -36,7 +41,8 @@ class Prepared:
 
 def preflight(config: Config, world_size: int) -> Prepared:
     """All checks for a training run of world_size processes, then the resolved model and tokenizer."""
-    validate(config, world_size)
+    check_data_source(config.data)
+    check_layout(config, world_size)
     check_loggers(config.output.loggers)
     prepared = prepare(config)
     from pipetune.model.split import run_split
@@ -44,6 +50,47 @@ def preflight(config: Config, world_size: int) -> Prepared:
 
     check_weights_fit(config, prepared.model.config, run_split(config, prepared.model.config)[1])
     return prepared
+
+
+def check_data_source(data: DataConfig) -> None:
+    """A data.source that names a local file or directory that is not there fails now, in the launching process,
+    before the model and tokenizer are resolved (a download, a GGUF conversion), not after them."""
+    path = Path(data.source).expanduser()
+    looks_local = path.suffix.lower() in LOCAL_SUFFIXES or data.source.startswith((".", "/", "~"))
+    if data.source != SYNTHETIC and looks_local and not path.exists():
+        raise ConfigError(
+            f"data.source = {data.source!r} does not exist; give a JSONL, JSON, CSV or Parquet file, a directory "
+            "with train.* (and validation.*, test.*) files, a hub dataset id, or 'synthetic'"
+        )
+
+
+def check_layout(config: Config, world_size: int) -> None:
+    """validate(), except that more pipeline stages than the model has decoder layers is named first: the schedule's
+    rules for that many stages (a microbatch per stage, ...) would otherwise ask for changes that cannot help."""
+    try:
+        validate(config, world_size)
+    except ConfigError:
+        n_layers = _layer_count(config) if config.parallel.n_stages > 1 else None
+        if n_layers is not None:
+            check_stage_count(config, n_layers)
+        raise
+
+
+def _layer_count(config: Config) -> int | None:
+    """The model's decoder layers from what this machine holds already: a built-in shape, a local directory or
+    GGUF file (converted once, as prepare() would), or the config.json of a hub model in the Hugging Face cache.
+    None otherwise (no download for a config that fails anyway), or when it cannot be read: a model that cannot
+    be found is prepare()'s to report."""
+    name = config.model.name
+    try:
+        if name in BUILTIN_SHAPES or Path(name).expanduser().exists() or gguf_source(name) is not None:
+            return resolve_model(dataclasses.replace(config.model, init="random")).config.num_hidden_layers
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "config.json")
+        return json.loads(Path(cached).read_text())["num_hidden_layers"] if isinstance(cached, str) else None
+    except Exception:  # noqa: BLE001 (any failure here leaves the validation's own error to be raised)
+        return None
 
 
 def prepare(config: Config) -> Prepared:
