@@ -220,6 +220,13 @@ def test_bench_arguments_are_refused_before_any_run(tmp_path: Path, capsys: pyte
     path = str(write_config(config, tmp_path / "c.toml"))
     assert main(["bench", "--config", path, "--rows", "3", "--steps", "20", "--warmup", "5"]) == 2
     assert "--rows 3 must be >= 1 and divide --steps 20 and --warmup 5" in capsys.readouterr().err
+    for option, value, message in (
+        ("--timeout", "nan", "--timeout nan must be >= 0 seconds (0: no limit)"),
+        ("--peak-tflops", "nan", "--peak-tflops nan must be a positive, finite TFLOP/s per GPU (e.g. 790)"),
+        ("--peak-tflops", "0", "--peak-tflops 0.0 must be a positive, finite TFLOP/s per GPU (e.g. 790)"),
+    ):
+        assert main(["bench", "--config", path, option, value]) == 2
+        assert capsys.readouterr().err == f"pipetune: error: {message}\n"
 
 
 def _save_plain(config, step: int, value: float = 0.5) -> None:
@@ -291,15 +298,6 @@ def test_resume_of_a_run_directory_that_does_not_exist_or_is_empty_is_refused(
     assert main(["train", "--config", str(config_file), "--quiet", "--resume"]) == 2
     err = capsys.readouterr().err
     assert f"pipetune: note: {missing} holds no committed checkpoint to continue from: training starts at step 0" in err
-
-
-    for option, value, message in (
-        ("--timeout", "nan", "--timeout nan must be >= 0 seconds (0: no limit)"),
-        ("--peak-tflops", "nan", "--peak-tflops nan must be a positive, finite TFLOP/s per GPU (e.g. 790)"),
-        ("--peak-tflops", "0", "--peak-tflops 0.0 must be a positive, finite TFLOP/s per GPU (e.g. 790)"),
-    ):
-        assert main(["bench", "--config", path, option, value]) == 2
-        assert capsys.readouterr().err == f"pipetune: error: {message}\n"
 
 
 def test_a_missing_data_file_is_named_before_any_model_work(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
