@@ -41,7 +41,9 @@ baselines() {  # seed steps, seed timeout s, DDP timeout s[, 1: DDP + PEFT compi
   (cd $W && MB=8 GA=1 MAX_STEPS=20 COMPILE=${4:-0} timeout $3 torchrun --nproc_per_node=2 $OLDPWD/.baselines/lora_ddp.py 2>&1 | grep -E "RESULT|rror" | tail -3)
 }
 START=$(date +%s)
-left() { echo $((${BUDGET:-570} - $(date +%s) + START)); }  # seconds of the call's budget left
+left() {  # seconds of the call's budget left; a dry run spends none (its output must not depend on the clock)
+  if [ "$DRY_RUN" = 1 ]; then echo "${BUDGET:-570}"; else echo $((${BUDGET:-570} - $(date +%s) + START)); fi
+}
 bench() {  # name, timeout s, config, args... (then $BENCH_ARGS): one `pipetune bench` into $W/name, skipped when the
   # budget cannot hold it; the bench's own --timeout ends a strategy that stalls
   local name=$1 limit=$2 config=$3; shift 3
