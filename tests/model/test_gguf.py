@@ -221,6 +221,18 @@ def test_tensors_the_architecture_needs_are_checked_before_converting(tmp_path: 
         ),
     ):
         resolve_model(ModelConfig(name=str(wide)))
+    import gguf as gguf_package
+
+    writer = gguf_package.GGUFWriter(str(tmp_path / "text-width.gguf"), "llama")
+    writer.add_string("llama.embedding_length", "wide")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    with pytest.raises(
+        ConfigError,
+        match=r"text-width.gguf': its metadata does not make a llama config \(.+\); download the file again$",
+    ):
+        resolve_model(ModelConfig(name=str(tmp_path / "text-width.gguf")))
     whole = _tiny_gguf(tmp_path / "qwen3.gguf", "qwen3", q_k_norms=True, head_dim=128)
     assert gguf.check_gguf(whole).model_type == "qwen3"  # a whole file passes
 

@@ -247,12 +247,13 @@ def check_gguf(path: Path) -> Any:
 
     try:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as e:  # transformers' GGUF reading raises many kinds on metadata it cannot map
+        expected = expected_tensors(config, architecture)
+    except Exception as e:  # transformers raises many kinds on metadata it cannot map, or a model it cannot build
         raise ConfigError(
             f"model.name = {str(path)!r}: its metadata does not make a {architecture} config "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); download the file again"
         ) from None
-    check_tensors(path, header, expected_tensors(config, architecture), architecture)
+    check_tensors(path, header, expected, architecture)
     return config
 
 
