@@ -77,6 +77,12 @@ def _cut(name: str, keep: float) -> Callable[[Path], None]:
     return cut
 
 
+def _one_token_fewer(cache: Path) -> None:
+    meta = json.loads((cache / "meta.json").read_text())
+    meta["splits"]["train"]["tokens"] -= 1
+    (cache / "meta.json").write_text(json.dumps(meta))
+
+
 DAMAGE = {
     "tokens overwritten, same size": (_same_size_other_ids, "train.tokens's content differs"),
     "tokens cut short": (_cut("train.tokens", 0.5), "train.tokens has"),
@@ -84,6 +90,7 @@ DAMAGE = {
     "offsets deleted": (lambda cache: (cache / "validation.offsets.npy").unlink(), "offsets.npy is missing"),
     "meta.json cut short": (_cut("meta.json", 0.5), "meta.json cannot be read"),
     "meta.json deleted": (lambda cache: (cache / "meta.json").unlink(), "meta.json is missing"),
+    "meta.json's count edited": (_one_token_fewer, "token count of split 'train' disagrees with its file's size"),
 }
 
 

@@ -100,9 +100,15 @@ def cache_damage(target: Path) -> str | None:
     if not isinstance(meta, dict) or not isinstance(meta.get("splits"), dict) or "summary" not in meta:
         return "meta.json lacks its splits"
     files = meta.get("files")
-    for name in meta["splits"]:
+    for name, info in meta["splits"].items():
         if not all(isinstance(files, dict) and f in files for f in _split_files(name)):
             return f"meta.json has no record of split {name!r}'s files"
+        counts = [info.get(key) if isinstance(info, dict) else None for key in ("samples", "tokens", "truncated")]
+        recorded = files[f"{name}.tokens"]
+        if not all(isinstance(n, int) for n in counts) or not isinstance(recorded, dict):
+            return f"meta.json's record of split {name!r} is malformed"
+        if recorded.get("bytes") != 4 * counts[1]:
+            return f"meta.json's token count of split {name!r} disagrees with its file's size"
     return files_damage(target, files)
 
 
