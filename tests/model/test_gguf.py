@@ -202,7 +202,9 @@ def test_damaged_or_crafted_gguf_files_are_refused_in_one_line(tmp_path: Path, b
     assert re.search(what, message), message
 
 
-def test_tensors_the_architecture_needs_are_checked_before_converting(tmp_path: Path) -> None:
+def test_tensors_the_architecture_needs_are_checked_before_converting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     relabelled = _tiny_gguf(tmp_path / "llama-as-qwen3.gguf", "qwen3")  # a llama file: no q_norm / k_norm
     with pytest.raises(ConfigError) as error:
         resolve_model(ModelConfig(name=str(relabelled)))
@@ -235,6 +237,9 @@ def test_tensors_the_architecture_needs_are_checked_before_converting(tmp_path: 
         resolve_model(ModelConfig(name=str(tmp_path / "text-width.gguf")))
     whole = _tiny_gguf(tmp_path / "qwen3.gguf", "qwen3", q_k_norms=True, head_dim=128)
     assert gguf.check_gguf(whole).model_type == "qwen3"  # a whole file passes
+    monkeypatch.delitem(gguf_package.MODEL_ARCH_NAMES, gguf_package.MODEL_ARCH.QWEN3)  # an older gguf package
+    with pytest.raises(ConfigError, match=r"architecture 'qwen3', which the installed gguf package does not know; up"):
+        gguf.check_gguf(whole)
 
 
 def _cut_file(name: str) -> Callable[[Path], None]:

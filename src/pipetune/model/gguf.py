@@ -231,7 +231,7 @@ def check_gguf(path: Path) -> Any:
     header or tensor table, an architecture pipetune does not build, tensors the architecture needs that the
     file lacks or holds in other shapes than its own config says. Returns the file's transformers config."""
     try:
-        import gguf as _  # noqa: F401 (transformers needs it to read the file; its type sizes check the header)
+        import gguf as package  # transformers needs it to read the file; its type sizes check the header
     except ImportError:
         raise ConfigError(
             f"model.name = {str(path)!r} is a GGUF file, which needs the gguf package: pip install 'pipetune[gguf]'"
@@ -242,6 +242,11 @@ def check_gguf(path: Path) -> Any:
         raise ConfigError(
             f"model.name = {str(path)!r} is a GGUF file of architecture {architecture!r}; pipetune reads GGUF "
             f"files of the {', '.join(GGUF_ARCHITECTURES)} architectures (Llama, Mistral, Qwen2, Qwen3 models)"
+        )
+    if architecture not in package.MODEL_ARCH_NAMES.values():
+        raise ConfigError(
+            f"model.name = {str(path)!r} is a GGUF file of architecture {architecture!r}, which the installed gguf "
+            f"package does not know; upgrade it: pip install -U gguf"
         )
     from transformers import AutoConfig
 
