@@ -298,9 +298,9 @@ def check_tensors(path: Path, header: GGUFHeader, expected: dict[str, tuple[int,
     if wrong:
         more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
         raise ConfigError(
-            f"model.name = {str(path)!r} holds tensors of other shapes than its own {architecture} config says (as "
-            f"transformers reads it): "
-            f"{'; '.join(wrong[:3])}{more}; the file is damaged or mislabelled: download it again"
+            f"model.name = {str(path)!r} holds tensors of other shapes than its own {architecture} config says "
+            f"(as transformers reads it): {'; '.join(wrong[:3])}{more}; the file is damaged or mislabelled: "
+            f"download it again"
         )
 
 
