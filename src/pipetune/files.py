@@ -1,6 +1,7 @@
 """Files that survive crashes: written so that a reader sees the old one or the whole new one (a failure leaves
 no temporary file), and metrics.csv read back as a crash may have left it; where pipetune caches what it builds
-once, and the content digest that keys those caches."""
+once, the content digest that keys those caches, and the record of a cache's files that tells a whole cache
+from a damaged one."""
 
 from __future__ import annotations
 
@@ -37,33 +38,85 @@ def write_atomic(path: str | Path, data: bytes | str, sync: bool = False) -> Non
         raise
 
 
-def write_atomic_dir(target: Path, build: Callable[[Path], None], complete: str) -> None:
+def write_atomic_dir(target: Path, build: Callable[[Path], None], complete: str, replace: bool = False) -> None:
     """Make the directory `target` whole or not at all: `build(staging)` fills a private directory beside it,
     which a rename (atomic) then turns into `target`.
 
     When another process's build got there first the rename fails; its copy stays if it holds the file
-    `complete`, and this one is dropped. A failed build leaves nothing behind.
+    `complete`, and this one is dropped. A failed build leaves nothing behind. `replace`: a `target` already
+    there (found damaged) is renamed aside once the new copy is built, then deleted; readers that opened its
+    files keep reading them.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    aside = target.with_name(f".{target.name}.damaged.{os.getpid()}")
     try:
         staging.chmod(0o755)  # mkdtemp makes it owner-only
         build(staging)
+        if replace:
+            try:
+                os.rename(target, aside)
+            except FileNotFoundError:  # another process moved it first
+                pass
         os.rename(staging, target)
     except OSError:
         if not (target / complete).is_file():
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def record_files(directory: Path, names: list[str], digest: bool = True) -> dict[str, dict]:
+    """Each file's size, and its SHA-256 when `digest`: written beside a cache, checked by `files_damage`."""
+    records = {name: {"bytes": (directory / name).stat().st_size} for name in names}
+    for name in names if digest else ():
+        records[name]["sha256"] = file_digest(directory / name)
+    return records
+
+
+def files_damage(directory: Path, recorded: object) -> str | None:
+    """What differs between `directory` and its `record_files` record (a file missing, cut short, other
+    content), or None when every file is as recorded. A recorded digest costs one read of the file."""
+    if not isinstance(recorded, dict) or not recorded:
+        return "it has no record of its files"
+    for name, want in recorded.items():
+        path = directory / name
+        if not isinstance(want, dict) or not isinstance(want.get("bytes"), int):
+            return f"the record of {name} is malformed"
+        if not path.is_file():
+            return f"{name} is missing"
+        if (size := path.stat().st_size) != want["bytes"]:
+            return f"{name} has {size} bytes where {want['bytes']} were written"
+        if "sha256" in want and file_digest(path) != want["sha256"]:
+            return f"{name}'s content differs from what was written (SHA-256 mismatch)"
+    return None
 
 
 def default_cache_dir() -> Path:
-    """``$PIPETUNE_CACHE``, else ``$XDG_CACHE_HOME/pipetune``, else ``~/.cache/pipetune``."""
-    if os.environ.get("PIPETUNE_CACHE"):
-        return Path(os.environ["PIPETUNE_CACHE"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "pipetune"
+    """``$PIPETUNE_CACHE``, else ``$XDG_CACHE_HOME/pipetune``, else ``~/.cache/pipetune``.
+
+    Raises ConfigError when the variable names a file (or a path below one): no cache could be made there."""
+    for variable, below in (("PIPETUNE_CACHE", ""), ("XDG_CACHE_HOME", "pipetune")):
+        if os.environ.get(variable):
+            value = os.environ[variable]
+            _check_cache_dir(Path(value).expanduser(), variable, value)
+            return Path(value).expanduser() / below if below else Path(value).expanduser()
     return Path.home() / ".cache" / "pipetune"
+
+
+def _check_cache_dir(path: Path, variable: str, value: str) -> None:
+    for existing in (path, *path.parents):
+        if existing.exists():
+            if not existing.is_dir():
+                from pipetune.config import ConfigError
+
+                where = "" if existing == path else f": {str(existing)!r}"
+                raise ConfigError(
+                    f"{variable} = {value!r}{where} is a file, not a directory; point {variable} at a directory "
+                    f"for pipetune's cache (or unset it)"
+                )
+            return
 
 
 def file_digest(path: Path) -> str:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
-from pipetune.config import DataConfig
+from pipetune.config import ConfigError, DataConfig
 from pipetune.data.batching import SampleStore, tokenize_split
 from pipetune.data.cache import tokenized_data
 from pipetune.data.prompt import PromptBuilder
@@ -59,6 +62,87 @@ def test_a_change_to_data_prompt_or_hold_out_is_a_new_cache(tmp_path: Path) -> N
     write_jsonl(source, GOOD[:4])  # same file name, other content
     changed = tokenized_data(DataConfig(source=str(source)), prompts, 0, cache_dir=cache)
     assert changed.path != base and len(changed.splits["train"]) == 4
+
+
+def _same_size_other_ids(cache: Path) -> None:
+    tokens = cache / "train.tokens"
+    tokens.write_bytes(np.full(tokens.stat().st_size // 4, 7, dtype=np.int32).tobytes())
+
+
+def _cut(name: str, keep: float) -> Callable[[Path], None]:
+    def cut(cache: Path) -> None:
+        data = (cache / name).read_bytes()
+        (cache / name).write_bytes(data[: int(len(data) * keep)])
+
+    return cut
+
+
+def _one_token_fewer(cache: Path) -> None:
+    meta = json.loads((cache / "meta.json").read_text())
+    meta["splits"]["train"]["tokens"] -= 1
+    (cache / "meta.json").write_text(json.dumps(meta))
+
+
+DAMAGE = {
+    "tokens overwritten, same size": (_same_size_other_ids, "train.tokens's content differs"),
+    "tokens cut short": (_cut("train.tokens", 0.5), "train.tokens has"),
+    "tokens deleted": (lambda cache: (cache / "train.tokens").unlink(), "train.tokens is missing"),
+    "offsets deleted": (lambda cache: (cache / "validation.offsets.npy").unlink(), "offsets.npy is missing"),
+    "meta.json cut short": (_cut("meta.json", 0.5), "meta.json cannot be read"),
+    "meta.json deleted": (lambda cache: (cache / "meta.json").unlink(), "meta.json is missing"),
+    "meta.json's count edited": (_one_token_fewer, "token count of split 'train' disagrees with its file's size"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_cache_is_rebuilt_with_a_note(tmp_path: Path, damage: str, capsys: pytest.CaptureFixture) -> None:
+    source = write_jsonl(tmp_path / "meetings.jsonl", GOOD * 2)
+    data = DataConfig(source=str(source), validation_fraction=0.3)
+    prompts = PromptBuilder(demo_tokenizer(), max_length=64, max_summary_tokens=8)
+    first = tokenized_data(data, prompts, seed=1, cache_dir=tmp_path / "cache")
+    expected = {name: (np.array(split.tokens), np.array(split.offsets)) for name, split in first.splits.items()}
+    damage_cache, problem = DAMAGE[damage]
+    damage_cache(first.path)
+    capsys.readouterr()
+
+    # A rank that must not build waits for the repair instead of reading the damaged files.
+    waiting: list = []
+    reader = threading.Thread(
+        target=lambda: waiting.append(tokenized_data(data, prompts, 1, wait=True, cache_dir=tmp_path / "cache")),
+        daemon=True,
+    )
+    reader.start()
+    again = tokenized_data(data, prompts, seed=1, cache_dir=tmp_path / "cache")
+    reader.join(timeout=60)
+    assert again.built and again.path == first.path
+    note = capsys.readouterr().err.splitlines()[0]
+    assert note.startswith(f"pipetune: note: the token cache {first.path} is damaged (") and problem in note
+    assert note.endswith("; rebuilding it")
+    assert len(waiting) == 1
+    for found in (again, waiting[0]):
+        assert found.splits.keys() == expected.keys()
+        for name, (tokens, offsets) in expected.items():
+            assert np.array_equal(found.splits[name].tokens, tokens)
+            assert np.array_equal(found.splits[name].offsets, offsets)
+    assert not tokenized_data(data, prompts, seed=1, cache_dir=tmp_path / "cache").built  # whole again
+    assert [p.name for p in first.path.parent.iterdir()] == [first.path.name]  # nothing left beside it
+
+
+def test_cache_variables_naming_a_file_are_one_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = DataConfig(source=str(write_jsonl(tmp_path / "meetings.jsonl", GOOD)))
+    prompts = PromptBuilder(demo_tokenizer(), max_length=64, max_summary_tokens=8)
+    afile = tmp_path / "notes.txt"
+    afile.write_text("a file")
+    monkeypatch.setenv("PIPETUNE_CACHE", str(afile))
+    with pytest.raises(ConfigError, match=rf"^PIPETUNE_CACHE = '{afile}' is a file, not a directory; point "):
+        tokenized_data(data, prompts, seed=0)
+    monkeypatch.setenv("PIPETUNE_CACHE", str(afile / "cache"))
+    with pytest.raises(ConfigError, match=rf"^PIPETUNE_CACHE = '{afile}/cache': '{afile}' is a file, not a directory"):
+        tokenized_data(data, prompts, seed=0)
+    monkeypatch.delenv("PIPETUNE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(afile))
+    with pytest.raises(ConfigError, match=r"^XDG_CACHE_HOME = .* is a file, not a directory; point XDG_CACHE_HOME"):
+        tokenized_data(data, prompts, seed=0)
 
 
 def test_batches_carry_labels_from_the_prompt_length_whatever_the_pad_id() -> None:

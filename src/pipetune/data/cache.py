@@ -9,6 +9,9 @@ The cache directory is named by a digest of everything the samples depend on: th
 the tokenizer, the prompt (chat template, system prompt, lengths) and the code that reads and cuts rows.
 Change any of them and the next run tokenizes afresh into a new directory. A build writes into a private
 directory and renames it into place, so concurrent builders never leave a half-written cache.
+
+meta.json records every file's size and SHA-256; each start checks them (one read of the cache, which also
+brings it into the page cache) and rebuilds a cache that was cut short, half deleted or changed since.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ import numpy as np
 from pipetune.config import DataConfig
 from pipetune.data.batching import SampleStore
 from pipetune.data.prompt import PromptBuilder
-from pipetune.files import default_cache_dir, file_digest, write_atomic, write_atomic_dir
+from pipetune.files import default_cache_dir, file_digest, files_damage, record_files, write_atomic, write_atomic_dir
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 """Part of the digest; bump it when the stored layout changes."""
 CHUNK = 8192
 """Examples tokenized per batch call while building."""
@@ -64,19 +67,49 @@ def tokenized_data(
 ) -> TokenizedData:
     """The config's data tokenized by `prompts`: from the cache, else built into it.
 
-    `wait`: never build, wait for another process to finish the build (the other ranks of a node, while its
-    local rank 0 builds).
+    `wait`: never build, wait for another process to finish the build or the repair (the other ranks of a
+    node, while its local rank 0 builds). A damaged cache is rebuilt in place, with a note.
     """
     root = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / "data"
     target = root / data_digest(data, prompts, seed)
-    while wait and not (target / "meta.json").is_file():
+    damage = cache_damage(target)
+    while wait and damage is not None:
         time.sleep(0.5)
-    built = not (target / "meta.json").is_file()
+        damage = cache_damage(target)
+    built = damage is not None
     if built:
-        _build_into(target, data, prompts, seed)
+        if target.exists():
+            print(f"pipetune: note: the token cache {target} is damaged ({damage}); rebuilding it", file=sys.stderr)
+        _build_into(target, data, prompts, seed, replace=target.exists())
     meta = json.loads((target / "meta.json").read_text())
     splits = {name: _open_split(target, name, info) for name, info in meta["splits"].items()}
     return TokenizedData(splits, meta["summary"], target, built)
+
+
+def cache_damage(target: Path) -> str | None:
+    """What is wrong with the cache directory `target` (not built, meta.json unreadable, a file missing, cut short
+    or changed), or None when it is whole."""
+    if not target.is_dir():
+        return "not built"
+    try:
+        meta = json.loads((target / "meta.json").read_text())
+    except FileNotFoundError:
+        return "meta.json is missing"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"meta.json cannot be read: {e}"
+    if not isinstance(meta, dict) or not isinstance(meta.get("splits"), dict) or "summary" not in meta:
+        return "meta.json lacks its splits"
+    files = meta.get("files")
+    for name, info in meta["splits"].items():
+        if not all(isinstance(files, dict) and f in files for f in _split_files(name)):
+            return f"meta.json has no record of split {name!r}'s files"
+        counts = [info.get(key) if isinstance(info, dict) else None for key in ("samples", "tokens", "truncated")]
+        recorded = files[f"{name}.tokens"]
+        if not all(isinstance(n, int) for n in counts) or not isinstance(recorded, dict):
+            return f"meta.json's record of split {name!r} is malformed"
+        if recorded.get("bytes") != 4 * counts[1]:
+            return f"meta.json's token count of split {name!r} disagrees with its file's size"
+    return files_damage(target, files)
 
 
 def data_digest(data: DataConfig, prompts: PromptBuilder, seed: int) -> str:
@@ -117,8 +150,13 @@ def source_identity(data: DataConfig) -> Any:
     return [[str(f.relative_to(path)) if f != path else f.name, file_digest(f)] for f in files]
 
 
-def _build_into(target: Path, data: DataConfig, prompts: PromptBuilder, seed: int) -> None:
-    """Read, clean and tokenize every split into a private directory, then rename it to `target`."""
+def _split_files(name: str) -> tuple[str, str, str]:
+    return f"{name}.tokens", f"{name}.offsets.npy", f"{name}.n_prompt.npy"
+
+
+def _build_into(target: Path, data: DataConfig, prompts: PromptBuilder, seed: int, replace: bool = False) -> None:
+    """Read, clean and tokenize every split into a private directory, then rename it to `target` (replacing a
+    damaged one when `replace`)."""
     from pipetune.data.sources import load_dataset
 
     started = time.perf_counter()
@@ -126,10 +164,16 @@ def _build_into(target: Path, data: DataConfig, prompts: PromptBuilder, seed: in
 
     def build(staging: Path) -> None:
         splits = {name: _write_split(staging, name, examples, prompts) for name, examples in dataset.splits.items()}
-        meta = {"summary": dataset.summary(), "splits": splits, "seconds": round(time.perf_counter() - started, 1)}
+        files = record_files(staging, [f for name in splits for f in _split_files(name)])
+        meta = {
+            "summary": dataset.summary(),
+            "splits": splits,
+            "files": files,
+            "seconds": round(time.perf_counter() - started, 1),
+        }
         (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")  # last: marks the build complete
 
-    write_atomic_dir(target, build, complete="meta.json")
+    write_atomic_dir(target, build, complete="meta.json", replace=replace)
     n = sum(len(examples) for examples in dataset.splits.values())
     print(f"pipetune: tokenized {n} samples in {time.perf_counter() - started:.1f} s -> {target}", file=sys.stderr)
 
