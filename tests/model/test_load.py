@@ -27,6 +27,20 @@ def write_checkpoint(path: Path, config, shard: str | None = "300KB") -> Path:
     return path
 
 
+def test_a_bfloat16_model_keeps_its_rotary_frequencies_in_float32() -> None:
+    """As transformers computes them: in bfloat16 each frequency keeps ~3 significant digits, so a position far
+    into a long row is rotated by a visibly wrong angle."""
+    config = Qwen3Config(**{**TINY, "max_position_embeddings": 131072})
+    model, _ = build_model(ResolvedModel("tiny", config, None), torch.bfloat16, CPU, seed=3)
+    rotary = model.model.rotary_emb
+    reference = type(rotary)(config=config)
+    assert rotary.inv_freq.dtype == torch.float32
+    torch.testing.assert_close(rotary.inv_freq, reference.inv_freq, rtol=0, atol=0)
+    positions = torch.tensor([[100_000]])
+    x = torch.zeros(1, 1, config.head_dim, dtype=torch.bfloat16)
+    torch.testing.assert_close(rotary(x, positions)[0], reference(x, positions)[0], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_stages_hold_exactly_the_weights_of_a_full_load(tmp_path: Path, tied: bool) -> None:
     checkpoint = write_checkpoint(tmp_path / "ckpt", Qwen3Config(**{**TINY, "tie_word_embeddings": tied}))

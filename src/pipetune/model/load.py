@@ -100,12 +100,19 @@ def materialize(
     for root in roots if roots is not None else [model]:
         root.to_empty(device=device)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    # Buffers computed in __init__ (rotary inv_freq, kept in float32) are lost by to_empty: compute them again.
+    # Buffers computed in __init__ (rotary inv_freq) are lost by to_empty: compute them again, and keep them in
+    # the float32 that transformers computes them in (the model's .to(dtype) made them bfloat16: ~3 significant
+    # digits of each frequency, so positions far into a long row were rotated by the wrong angles).
     rotary = base.model.rotary_emb
     with torch.device(device):
         fresh = type(rotary)(config=resolved.config)
     for name, buffer in fresh.named_buffers():
-        rotary.get_buffer(name).copy_(buffer)
+        owner_name, _, leaf = name.rpartition(".")
+        owner = rotary.get_submodule(owner_name) if owner_name else rotary
+        owner._buffers[leaf] = buffer
+    for name, value in vars(fresh).items():  # tensors kept as plain attributes (original_inv_freq)
+        if isinstance(value, torch.Tensor) and name not in fresh._buffers:
+            setattr(rotary, name, value)
 
     from pipetune.model.lora import initial_adapter_value
     from pipetune.model.quantize import weight_writers
