@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipetune.data.facts import Fact
+
 
 @dataclass(frozen=True)
 class Example:
@@ -13,3 +15,5 @@ class Example:
     """The meeting transcript (for AMI and the synthetic corpus: speaker-tagged turns, one per line)."""
     summary: str
     """The reference summary."""
+    facts: tuple[Fact, ...] = ()
+    """What the summary must state, key by key (synthetic meetings); () when unknown (real data): no fact recall."""
