@@ -1,8 +1,11 @@
 """Whole meetings against meetings cut to 512 tokens: fact recall of the same model fine-tuned on each.
 
-On the GPU machine (1 H200), from the repo root (the converted SmolLM2 checkpoint as in smollm2_rouge.md):
+On the GPU machine (1 H200), from the repo root, with what smollm2_rouge.md lists (rouge-score's wheels and the
+converted SmolLM2 checkpoint in .whl/):
 
-    PYTHONPATH=src python benchmarks/fact_recall.py --model .whl/smollm2-135m --out $OUT/fact-recall
+    pip install --no-index --find-links .whl rouge-score
+    PYTHONPATH=src PIPETUNE_CACHE=/tmp/pipetune-cache HF_HUB_OFFLINE=1 \
+        python benchmarks/fact_recall.py --model .whl/smollm2-135m --out $OUT/fact-recall
 
 Trains the shipped demo-smollm2-meetings config (whole synthetic meetings, ~6,000 tokens each, read at
 data.max_length 8192, batch 2) and its cut counterpart (data.max_length 512, batch 32: the same optimizer steps and
