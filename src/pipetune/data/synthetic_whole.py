@@ -140,14 +140,11 @@ def _plan_whole_meeting(rng: random.Random) -> WholeMeetingPlan:
         decisions.append(chosen)
         rejected.append(alternative)
     things = [option.thing for option in decisions if option.subject != "the price"]
-    action_items, taken = [], set()
-    for _ in range(rng.randint(2, 4) + longer):
-        role = rng.choice(ROLES)
-        tasks = [t for t in TASKS[role] if (things or "{thing}" not in t) and t not in taken]
-        template = rng.choice(tasks)
-        taken.add(template)
-        date = f"{rng.randint(1, 28)} {rng.choice(MONTHS)}"
+    tasks = [(role, task) for role in ROLES for task in TASKS[role] if things or "{thing}" not in task]
+    action_items = []
+    for role, template in rng.sample(tasks, rng.randint(2, 4) + longer):  # distinct tasks, anyone's
         task = template.format(thing=rng.choice(things) if things else "")
+        date = f"{rng.randint(1, 28)} {rng.choice(MONTHS)}"
         action_items.append(ActionItem(role, names[role], task, date))
     figures = [_draw_figure(rng, row) for row in rng.sample(_FIGURES, rng.randint(2, 4))]
     return WholeMeetingPlan(
