@@ -115,7 +115,7 @@ def test_rows_without_facts_report_no_fact_recall(monkeypatch: pytest.MonkeyPatc
 
 def test_table_marks_a_model_without_fact_recall() -> None:
     scores = ModelScores(0.5, 0.25, 0.5, loss=1.0, fact_recall=0.75)
-    result = EvalResult("validation", 2, 16, "adapter", 8, ModelScores(0.1, 0.0, 0.1, loss=3.0), scores)
+    result = EvalResult("validation", 2, 16, "adapter", ModelScores(0.1, 0.0, 0.1, loss=3.0), scores, n_facts=8)
     base, tuned = result.table().splitlines()[2:]
     assert tuned.split() == ["fine-tuned", "50.0", "25.0", "50.0", "75.0", "1.000"]
     assert base.split() == ["base", "10.0", "0.0", "10.0", "-", "3.000"]

@@ -26,7 +26,7 @@ STRATEGIES = RUN_STRATEGIES + ("auto",)
 """parallel.strategy's values: a run's, or "auto" (pipetune plan picks one before the run starts)."""
 RESUME_MODES = ("never", "auto")
 SYNTHETIC_LENGTHS = ("short", "whole")
-"""data.synthetic_lengths' values (data/synthetic.py: LENGTHS)."""
+"""data.synthetic_lengths' values: short meetings (data/synthetic.py) or whole ones (data/synthetic_whole.py)."""
 MAX_LENGTH = 2**20
 """The longest sample pipetune accepts (tokens); far beyond what any model here can attend to."""
 MAX_TIMEOUT_S = 86400 * 7

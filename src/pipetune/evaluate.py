@@ -83,8 +83,6 @@ class EvalResult:
     n_examples: int
     max_new_tokens: int
     adapter: str
-    n_facts: int
-    """Facts of the scored meetings, all together (0: no fact recall)."""
     base: ModelScores | None
     """None with --no-base."""
     finetuned: ModelScores
@@ -92,6 +90,8 @@ class EvalResult:
     """The first few meetings: reference, base (when scored) and fine-tuned summaries."""
     base_settings: dict[str, Any] = field(default_factory=dict)
     """What the base scores depend on; a later eval with the same settings reuses them."""
+    n_facts: int = 0
+    """Facts of the scored meetings, all together (0: meetings without facts, no fact recall)."""
 
     def table(self) -> str:
         """Scores in percent (ROUGE, fact recall) and nats per token (loss), one row per model; the fact recall
@@ -214,7 +214,14 @@ def evaluate(
             example["facts_missed"] = [fact.text for fact in facts[i] if not states(tuned_summaries[i], fact)]
         shown.append(example)
     base_record = settings if base_scores is not None else {}
-    n_facts = sum(map(len, facts))
     return EvalResult(
-        split, len(examples), max_new_tokens, str(adapter_dir), n_facts, base_scores, finetuned, shown, base_record
+        split,
+        len(examples),
+        max_new_tokens,
+        str(adapter_dir),
+        base_scores,
+        finetuned,
+        shown,
+        base_record,
+        n_facts=sum(map(len, facts)),
     )
