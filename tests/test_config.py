@@ -72,7 +72,8 @@ def test_shipped_configs_load_by_name_from_anywhere(tmp_path: Path, monkeypatch:
         config = load_config(name)
         validate(config, config.parallel.pp * config.parallel.dp)
     with pytest.raises(
-        ConfigError, match=r"does not exist; .* shipped config: bench-.*, demo, qwen3-4b-ami \(pipetune"
+        ConfigError,
+        match=r"does not exist; .* shipped config: bench-.*, demo, qwen3-4b-ami, qwen3-4b-meetings \(pipetune",
     ):
         load_config("qwen3-4b")
 

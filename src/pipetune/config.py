@@ -27,6 +27,8 @@ RUN_STRATEGIES = ("pp", "ddp", "fsdp", "tp", "single")
 STRATEGIES = RUN_STRATEGIES + ("auto",)
 """parallel.strategy's values: a run's, or "auto" (pipetune plan picks one before the run starts)."""
 RESUME_MODES = ("never", "auto")
+SYNTHETIC_LENGTHS = ("short", "whole")
+"""data.synthetic_lengths' values: short meetings (data/synthetic.py) or whole ones (data/synthetic_whole.py)."""
 MAX_LENGTH = 2**20
 """The longest sample pipetune accepts (tokens); far beyond what any model here can attend to."""
 MAX_TIMEOUT_S = 86400 * 7
@@ -76,6 +78,10 @@ class DataConfig:
     """Number of synthetic training meetings (source = "synthetic")."""
     synthetic_validation: int = 32
     """Number of synthetic validation meetings (source = "synthetic")."""
+    synthetic_lengths: str = "short"
+    """Synthetic meetings' length (source = "synthetic"): "short" (12-40 turns, a few hundred tokens: the demo's) or
+    "whole" (log-normal lengths around 6,000 tokens, up to 30,000, as real meetings run; their decisions, action
+    items and figures spread over the whole meeting, each one checked by `pipetune eval`'s fact recall)."""
     validation_fraction: float = 0.0
     """Share of train held out as validation when the source has none (chosen by train.seed); 0 = none."""
     system_prompt: str = SYSTEM_PROMPT
@@ -527,6 +533,10 @@ def _check_data(d: DataConfig) -> None:
         ("data.synthetic_train", d.synthetic_train),
     )
     _non_negative(("data.synthetic_validation", d.synthetic_validation))
+    _check(
+        d.synthetic_lengths in SYNTHETIC_LENGTHS,
+        f"data.synthetic_lengths = {d.synthetic_lengths!r} is unknown; use one of {', '.join(SYNTHETIC_LENGTHS)}",
+    )
     _check(d.max_length <= MAX_LENGTH, f"data.max_length = {d.max_length} is beyond {MAX_LENGTH} tokens; lower it")
     _check_set("data.source", d.source)
     for name, value in [("data.transcript_column", d.transcript_column), ("data.summary_column", d.summary_column)]:

@@ -1,4 +1,4 @@
-"""ROUGE and token loss of the base model and the fine-tuned one on a held-out split.
+"""ROUGE, fact recall and token loss of the base model and the fine-tuned one on a held-out split.
 
     pipetune eval --run runs/demo
     pipetune eval --adapter runs/x/adapter --config my.toml --split test --limit 50
@@ -6,6 +6,10 @@
 Both models are the same PEFT model: the base is scored with the adapter disabled, so the
 comparison isolates what fine-tuning learned. ROUGE is rouge-score's F-measure (Porter stemmer),
 averaged over the split; for ROUGE-Lsum each text is split into one sentence per line first.
+Fact recall, for meetings that know their facts (synthetic ones: decisions, action items, figures), is the share of
+a meeting's facts the generated summary states, averaged over those meetings; a fact is stated when each of its
+key strings appears in the summary, in one of its written forms, after data/facts.normalize (case, punctuation,
+whitespace, thousands separators). Real data has no facts and reports no recall (None), not 0.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 
 from pipetune.config import Config, ConfigError
 from pipetune.data.batching import tokenize_split
+from pipetune.data.facts import fact_recall, mean_fact_recall, states
 from pipetune.data.sources import load_dataset
 from pipetune.files import write_atomic
 from pipetune.generate import load_finetuned, mean_token_loss, summarize
@@ -67,6 +72,9 @@ class ModelScores:
     rougeLsum: float  # noqa: N815 (rouge-score's name)
     loss: float
     """Mean cross-entropy per summary token (teacher forcing), as in training."""
+    fact_recall: float | None = None
+    """Share of each meeting's facts its generated summary states (0..1), averaged over the meetings that have facts;
+    None when none has (real data)."""
 
 
 @dataclass
@@ -78,23 +86,32 @@ class EvalResult:
     base: ModelScores | None
     """None with --no-base."""
     finetuned: ModelScores
-    examples: list[dict[str, str]] = field(default_factory=list)
+    examples: list[dict[str, Any]] = field(default_factory=list)
     """The first few meetings: reference, base (when scored) and fine-tuned summaries."""
     base_settings: dict[str, Any] = field(default_factory=dict)
     """What the base scores depend on; a later eval with the same settings reuses them."""
+    n_facts: int = 0
+    """Facts of the scored meetings, all together (0: meetings without facts, no fact recall)."""
 
     def table(self) -> str:
-        """Scores in percent (ROUGE) and nats per token (loss), one row per model."""
-        header = f"{'model':<12}" + "".join(f"{ROUGE_NAMES[key]:>12}" for key in ROUGE_KEYS) + f"{'loss':>10}"
+        """Scores in percent (ROUGE, fact recall) and nats per token (loss), one row per model; the fact recall
+        column only where the meetings have facts."""
+        with_facts = self.n_facts > 0
+        header = f"{'model':<12}" + "".join(f"{ROUGE_NAMES[key]:>12}" for key in ROUGE_KEYS)
+        header += f"{'facts':>10}" * with_facts + f"{'loss':>10}"
+        facts = f" ({self.n_facts} facts)" if with_facts else ""
         lines = [
-            f"{self.split}: {self.n_examples} meetings, greedy, at most {self.max_new_tokens} new tokens",
+            f"{self.split}: {self.n_examples} meetings{facts}, greedy, at most {self.max_new_tokens} new tokens",
             header,
         ]
         for name, scores in (("base", self.base), ("fine-tuned", self.finetuned)):
             if scores is None:
-                lines.append(f"{name:<12}{'(not scored: --no-base)':>46}")
+                lines.append(f"{name:<12}{'(not scored: --no-base)':>{46 + 10 * with_facts}}")
                 continue
             values = "".join(f"{100 * getattr(scores, key):>12.1f}" for key in ROUGE_KEYS)
+            if with_facts:
+                recall = scores.fact_recall
+                values += f"{100 * recall:>10.1f}" if recall is not None else f"{'-':>10}"
             lines.append(f"{name:<12}{values}{scores.loss:>10.3f}")
         return "\n".join(lines)
 
@@ -168,6 +185,7 @@ def evaluate(
     tokenized = tokenize_split(examples, prepared.prompts, prepared.pad_id)
     transcripts = [example.transcript for example in examples]
     references = [example.summary for example in examples]
+    facts = [example.facts for example in examples]
 
     def score(name: str) -> tuple[ModelScores, list[str]]:
         progress.note(f"eval: {name} model: token loss, then summaries of {len(examples)} {split} meetings")
@@ -175,7 +193,8 @@ def evaluate(
         generated = summarize(
             model, prepared, transcripts, max_new_tokens, batch_size, progress=progress.task(name, len(examples))
         )
-        return ModelScores(**rouge_scores(generated, references, scorer), loss=loss), generated
+        recall = mean_fact_recall(generated, facts)
+        return ModelScores(**rouge_scores(generated, references, scorer), loss=loss, fact_recall=recall), generated
 
     base_scores, base_summaries = None, None
     if reused is not None:
@@ -187,11 +206,22 @@ def evaluate(
     finetuned, tuned_summaries = score("fine-tuned")
     shown = []
     for i in range(min(N_EXAMPLES_SAVED, len(examples))):
-        example = {"reference": references[i], "finetuned": tuned_summaries[i]}
+        example: dict[str, Any] = {"reference": references[i], "finetuned": tuned_summaries[i]}
         if base_summaries is not None and i < len(base_summaries):
             example["base"] = base_summaries[i]
+        if facts[i]:
+            example["fact_recall"] = fact_recall(tuned_summaries[i], facts[i])
+            example["facts_missed"] = [fact.text for fact in facts[i] if not states(tuned_summaries[i], fact)]
         shown.append(example)
     base_record = settings if base_scores is not None else {}
     return EvalResult(
-        split, len(examples), max_new_tokens, str(adapter_dir), base_scores, finetuned, shown, base_record
+        split,
+        len(examples),
+        max_new_tokens,
+        str(adapter_dir),
+        base_scores,
+        finetuned,
+        shown,
+        base_record,
+        n_facts=sum(map(len, facts)),
     )

@@ -136,7 +136,8 @@ def source_identity(data: DataConfig) -> Any:
     from pipetune.data import sources
 
     if data.source == sources.SYNTHETIC:
-        return ["synthetic", data.synthetic_train, data.synthetic_validation]
+        lengths = [] if data.synthetic_lengths == "short" else [data.synthetic_lengths]  # short: the key as before
+        return ["synthetic", data.synthetic_train, data.synthetic_validation, *lengths]
     path = Path(data.source).expanduser()
     if path.is_file():
         files = [path]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipetune.data.facts import Fact
+
 
 @dataclass(frozen=True)
 class Example:
@@ -16,3 +18,5 @@ class Example:
     """The reference summary."""
     system: str | None = None
     """The row's own system prompt (a chat row's system message), used instead of data.system_prompt; None: that."""
+    facts: tuple[Fact, ...] = ()
+    """What the summary must state, key by key (synthetic meetings); () when unknown (real data): no fact recall."""

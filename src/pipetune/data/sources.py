@@ -135,7 +135,9 @@ def load_dataset(data: DataConfig, seed: int = 0) -> Dataset:
     every caller of the same config holds out the same rows.
     """
     if data.source == SYNTHETIC:
-        splits = synthetic_splits(seed=0, n_train=data.synthetic_train, n_validation=data.synthetic_validation)
+        splits = synthetic_splits(
+            seed=0, n_train=data.synthetic_train, n_validation=data.synthetic_validation, lengths=data.synthetic_lengths
+        )
         dataset = Dataset(
             {name: list(rows) for name, rows in splits.items()},
             {name: SplitStats(read=len(rows)) for name, rows in splits.items()},

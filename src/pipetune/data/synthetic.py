@@ -13,7 +13,9 @@ import random
 import re
 from dataclasses import dataclass
 
+from pipetune.config import SYNTHETIC_LENGTHS
 from pipetune.data.example import Example
+from pipetune.data.facts import Fact
 
 ROLES = ("Project Manager", "Marketing Expert", "User Interface Designer", "Industrial Designer")
 PROJECT_MANAGER = ROLES[0]
@@ -31,8 +33,8 @@ MIN_TURNS = 7
 
 
 Meeting = Example
-"""A generated meeting: speaker-tagged turns (``Role (Name): text``), and a short paragraph stating its
-decisions and action items as the summary."""
+"""A generated meeting: speaker-tagged turns (``Role (Name): text``), a short paragraph stating its
+decisions and action items as the summary, and those facts (``facts``) with the strings that state them."""
 
 
 @dataclass(frozen=True)
@@ -495,11 +497,24 @@ def _render_summary(plan: MeetingPlan, raised: list[Option], rng: random.Random)
     return " ".join(sentences)
 
 
+def decision_fact(option: Option) -> Fact:
+    """A decision is stated by its verb phrase, as the summaries word it ("use a rubber case")."""
+    return Fact("decision", f"The team decided to {option.phrase}.", ((option.phrase,),))
+
+
+def action_fact(item: ActionItem, deadline_forms: tuple[str, ...] | None = None) -> Fact:
+    """An action item is stated by its owner's name, the task and the deadline (in any of ``deadline_forms``)."""
+    forms = deadline_forms or (item.deadline,)
+    text = f"{item.name} ({item.role}) will {item.task} {'by ' if deadline_forms else ''}{forms[0]}."
+    return Fact("action", text, ((item.name,), (item.task,), forms))
+
+
 def render_meeting(plan: MeetingPlan) -> Meeting:
-    """Word a planned meeting: a transcript of exactly ``plan.n_turns`` turns and its summary."""
+    """Word a planned meeting: a transcript of exactly ``plan.n_turns`` turns, its summary and its facts."""
     rng = random.Random(plan.render_seed)
     transcript, raised = _render_transcript(plan, rng)
-    return Meeting(transcript=transcript, summary=_render_summary(plan, raised, rng))
+    facts = tuple(map(decision_fact, plan.decisions)) + tuple(map(action_fact, plan.action_items))
+    return Meeting(transcript=transcript, summary=_render_summary(plan, raised, rng), facts=facts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -517,14 +532,24 @@ def _derive_seed(seed: int, split: str) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
-def synthetic_splits(seed: int = 0, n_train: int = 256, n_validation: int = 32) -> dict[str, list[Meeting]]:
-    """Disjoint "train" and "validation" splits, each generated from its own seed derived from ``seed``."""
-    train = generate_meetings(n_train, seed=_derive_seed(seed, "train"))
+def synthetic_splits(
+    seed: int = 0, n_train: int = 256, n_validation: int = 32, lengths: str = "short"
+) -> dict[str, list[Meeting]]:
+    """Disjoint "train" and "validation" splits, each generated from its own seed derived from ``seed``;
+    ``lengths`` is data.synthetic_lengths: "short" meetings (generate_meetings: 12-40 turns, a few hundred tokens)
+    or "whole" ones (synthetic_whole.generate_whole_meetings: ~6,000 tokens, up to ~30,000)."""
+    if lengths == "short":
+        generate = generate_meetings
+    elif lengths == "whole":
+        from pipetune.data.synthetic_whole import generate_whole_meetings as generate  # it builds on this module
+    else:
+        raise ValueError(f"lengths={lengths!r} is unknown; use one of {', '.join(SYNTHETIC_LENGTHS)}")
+    train = generate(n_train, seed=_derive_seed(seed, "train"))
     seen = {meeting.transcript for meeting in train}
     # A validation meeting equal to a train one is astronomically unlikely but would leak: skip it.
     n_drawn = n_validation
     while True:
-        drawn = generate_meetings(n_drawn, seed=_derive_seed(seed, "validation"))
+        drawn = generate(n_drawn, seed=_derive_seed(seed, "validation"))
         validation = [meeting for meeting in drawn if meeting.transcript not in seen]
         if len(validation) >= n_validation:
             return {"train": train, "validation": validation[:n_validation]}

@@ -1,0 +1,167 @@
+"""Whole meetings against meetings cut to 512 tokens: fact recall of the same model fine-tuned on each.
+
+On the GPU machine (1 H200), from the repo root, with what smollm2_rouge.md lists (rouge-score's wheels and the
+converted SmolLM2 checkpoint in .whl/):
+
+    pip install --no-index --find-links .whl rouge-score
+    PYTHONPATH=src PIPETUNE_CACHE=/tmp/pipetune-cache HF_HUB_OFFLINE=1 \
+        python benchmarks/fact_recall.py --model .whl/smollm2-135m --out $OUT/fact-recall
+
+Trains the shipped demo-smollm2-meetings config (whole synthetic meetings, ~6,000 tokens each, read at
+data.max_length 8192, batch 2) and its cut counterpart (data.max_length 512, batch 32: the same optimizer steps and
+the same 16,384 tokens a step), then scores both with `pipetune eval` on the same held-out whole meetings, each
+read through its own prompt (the cut model sees each meeting cut to 512 tokens, as in training; the base model is
+scored at both lengths). A last row gives the cut-trained model the whole meetings to read, which separates what
+training on whole meetings taught from what reading them gives. Fact recall: the share of each meeting's
+decisions, action items and figures its summary states (evaluate.py). Prints the table, writes under --out the
+two runs (whole/, cut/, each with its eval.json) and result.json; exits 1 when the whole model's fact recall is
+not at least --target times the cut one's (2x).
+
+A CPU smoke run with the tiny random model (what tests/test_fact_recall_benchmark.py runs):
+
+    PYTHONPATH=src python benchmarks/fact_recall.py --model tiny-qwen3 --out /tmp/fr --steps 1 \\
+        --train-meetings 4 --meetings 2 --max-length 256 --cut-length 128 --max-new-tokens 4 --target 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import shutil
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+CONFIG = "demo-smollm2-meetings"
+CUT_LENGTH = 512
+"""The seed job's data.max_length: the cut counterpart's."""
+TARGET = 2.0
+"""The whole-meeting model's fact recall must be at least this many times the cut one's."""
+
+
+def run_configs(args: argparse.Namespace):
+    """The whole-meeting config and its cut counterpart: same data, steps and tokens a step."""
+    from pipetune.config import load_config
+
+    overrides = [f"model.name={args.model!r}", f"parallel.pp={args.nproc}", *args.set]
+    if args.model in ("tiny-qwen3",) or args.model.startswith("qwen3-"):
+        overrides.append("model.init='random'")  # built-in shapes have no weights
+    overrides.append(f"model.dtype={args.dtype or ('bfloat16' if torch.cuda.is_available() else 'float32')!r}")
+    if args.steps is not None:
+        overrides.append(f"train.max_steps={args.steps}")
+    if args.train_meetings is not None:
+        overrides.append(f"data.synthetic_train={args.train_meetings}")
+    if args.max_length is not None:
+        overrides.append(f"data.max_length={args.max_length}")
+    whole = load_config(CONFIG, overrides)
+    whole.data.synthetic_validation = args.meetings  # the held-out meetings: validation loss and eval
+    whole.data.max_summary_tokens = min(whole.data.max_summary_tokens, whole.data.max_length // 2)
+    whole.output.dir = str(Path(args.out) / "whole")
+    cut = load_config(CONFIG, overrides)
+    cut.data = type(whole.data)(**asdict(whole.data))
+    cut.data.max_length = args.cut_length
+    cut.data.max_summary_tokens = min(whole.data.max_summary_tokens, args.cut_length // 2)
+    cut.train.batch_size = whole.train.batch_size * whole.data.max_length // args.cut_length
+    cut.output.dir = str(Path(args.out) / "cut")
+    return whole, cut
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m", help="model.name: converted dir, .gguf, or smollm2-135m")
+    parser.add_argument("--out", required=True, help="directory for both runs and result.json")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps of each run (default: the config's)")
+    parser.add_argument("--meetings", type=int, default=64, help="held-out whole meetings scored (default: 64)")
+    parser.add_argument("--train-meetings", type=int, default=None, help="data.synthetic_train (default: config's)")
+    parser.add_argument("--max-length", type=int, default=None, help="whole run's data.max_length (default: 8192)")
+    parser.add_argument("--cut-length", type=int, default=CUT_LENGTH, help="cut run's data.max_length (512)")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="generation cap (default: summary cap)")
+    parser.add_argument("--dtype", default=None, help="model.dtype (default: bfloat16 on a GPU, float32 on CPU)")
+    parser.add_argument("--nproc", type=int, default=1, help="pipeline stages / processes per run (default: 1)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key")
+    parser.add_argument("--target", type=float, default=TARGET, help="required ratio of fact recalls (default: 2)")
+    args = parser.parse_args()
+
+    from pipetune.evaluate import evaluate, rouge_scorer
+    from pipetune.launch import run_train
+
+    rouge_scorer()  # fail before training when rouge-score is missing
+    whole, cut = run_configs(args)
+    shutil.rmtree(args.out, ignore_errors=True)
+    started = time.perf_counter()
+    seconds: dict[str, float] = {}
+    for name, config in (("whole", whole), ("cut", cut)):
+        if run_train(config, args.nproc, quiet=True) != 0:
+            return 1
+        seconds[f"train_{name}"] = round(time.perf_counter() - started - sum(seconds.values()), 1)
+
+    cap = args.max_new_tokens or whole.data.max_summary_tokens
+    results = {}
+    for name, config, adapter_of in (("whole", whole, whole), ("cut", cut, cut), ("cut_reading_whole", whole, cut)):
+        base = "skip" if name == "cut_reading_whole" else "score"  # the base at full length: the "whole" row's
+        result = evaluate(config, Path(adapter_of.output.dir) / "adapter", "validation", args.meetings, cap, base=base)
+        result.save(Path(adapter_of.output.dir) / f"eval-{name}.json")
+        results[name] = result
+    seconds["eval"] = round(time.perf_counter() - started - sum(seconds.values()), 1)
+
+    recall = {name: result.finetuned.fact_recall or 0.0 for name, result in results.items()}
+    ratio = recall["whole"] / recall["cut"] if recall["cut"] else float("inf") if recall["whole"] else 0.0
+    met = ratio >= args.target
+    print(table(results, whole, cut, cap))
+    print(f"\nfact recall: whole {100 * recall['whole']:.1f}% vs cut {100 * recall['cut']:.1f}%: {ratio:.2f}x "
+          f"(target >= {args.target:g}x): {'met' if met else 'NOT met'}")  # fmt: skip
+    summary = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "model": args.model,
+        "steps": whole.train.max_steps,
+        "tokens_per_step": {
+            "whole": whole.train.batch_size * whole.data.max_length,
+            "cut": cut.train.batch_size * cut.data.max_length,
+        },
+        "seconds": seconds,
+        "results": {name: asdict(result) for name, result in results.items()},
+        "fact_recall": recall,
+        "ratio": ratio,
+        "target_met": met,
+    }
+    (Path(args.out) / "result.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    return 0 if met else 1
+
+
+def table(results: dict, whole, cut, cap: int) -> str:
+    """One row per model and input length: ROUGE, fact recall and loss, in percent and nats per token."""
+    first = results["whole"]
+    lines = [
+        f"{first.split}: {first.n_examples} held-out whole meetings ({first.n_facts} facts), greedy, at most {cap} "
+        f"new tokens; trained {whole.train.max_steps} steps on {whole.train.batch_size} x {whole.data.max_length} "
+        f"(whole) or {cut.train.batch_size} x {cut.data.max_length} (cut) tokens a step",
+        f"{'model':<28}{'reads':>7}{'ROUGE-1':>9}{'ROUGE-2':>9}{'ROUGE-Lsum':>11}{'facts':>8}{'loss':>8}",
+    ]
+    rows = [
+        ("base", results["whole"].base, whole.data.max_length),
+        ("trained on whole meetings", results["whole"].finetuned, whole.data.max_length),
+        ("base", results["cut"].base, cut.data.max_length),
+        ("trained on cut meetings", results["cut"].finetuned, cut.data.max_length),
+        ("trained cut, reading whole", results["cut_reading_whole"].finetuned, whole.data.max_length),
+    ]
+    for name, scores, reads in rows:
+        if scores is None:
+            continue
+        facts = f"{100 * scores.fact_recall:>8.1f}" if scores.fact_recall is not None else f"{'-':>8}"
+        lines.append(
+            f"{name:<28}{reads:>7}{100 * scores.rouge1:>9.1f}{100 * scores.rouge2:>9.1f}{100 * scores.rougeLsum:>11.1f}"
+            f"{facts}{scores.loss:>8.3f}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""benchmarks/fact_recall.py end to end on CPU: a tiny model, one step per run, two held-out meetings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_fact_recall_benchmark_trains_both_runs_and_compares_them(tmp_path: Path) -> None:
+    out = tmp_path / "fact-recall"
+    args = ["--model", "tiny-qwen3", "--out", str(out), "--steps", "1", "--train-meetings", "4", "--meetings", "2"]
+    args += ["--max-length", "256", "--cut-length", "128", "--max-new-tokens", "4", "--target", "0"]
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "fact_recall.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 held-out whole meetings" in done.stdout and "trained on cut meetings" in done.stdout
+    result = json.loads((out / "result.json").read_text())
+    assert result["tokens_per_step"] == {"whole": 2 * 256, "cut": 4 * 128}  # the same tokens a step
+    runs = result["results"]
+    assert set(runs) == {"whole", "cut", "cut_reading_whole"}
+    assert runs["whole"]["n_facts"] == runs["cut"]["n_facts"] > 0  # the same held-out meetings
+    for name in ("whole", "cut"):
+        assert 0 <= runs[name]["finetuned"]["fact_recall"] <= 1 and runs[name]["base"]["fact_recall"] is not None
+        assert (out / name / "adapter").is_dir() and (out / name / f"eval-{name}.json").is_file()
+    assert runs["cut_reading_whole"]["base"] is None
