@@ -78,8 +78,12 @@ def test_a_damaged_adapter_is_refused_and_nothing_is_written(run: Path, tmp_path
     adapter_config = damaged / "adapter" / "adapter_config.json"
     adapter_config.write_text(adapter_config.read_text().replace('"r": 16', '"r": 8'))
     refused(r"of the wrong shape \(first: .* \[16, 256\], expected \[8, 256\]\)")
+    adapter_config.write_text(json.dumps({**json.loads(adapter_config.read_text()), "target_modules": ["qkv_proj"]}))
+    refused(r"adapter_config.json does not describe an adapter of this base model \(\w+: .*qkv_proj")
     adapter_config.write_text("{")
     refused(r"adapter_config.json is not valid JSON")
+    shutil.rmtree(damaged / "adapter")
+    refused(r"has no adapter/ or config.toml; give the directory of a finished training run")
 
 
 def test_a_failed_export_leaves_no_half_written_directory(

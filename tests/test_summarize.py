@@ -122,6 +122,11 @@ def test_inputs_text_jsonl_and_stdin(tmp_path: Path, meetings) -> None:
         read_transcripts(str(bad), data)
     with pytest.raises(ConfigError, match="is empty"):
         read_transcripts("-", data, stdin=io.StringIO("\n \n"))
+    with pytest.raises(ConfigError, match="is empty"):
+        read_transcripts("-", data, stdin=io.StringIO("\u00a0\u3000\n"))  # Unicode whitespace alone
+    (tmp_path / "latin1.txt").write_bytes("Ren\xe9: on y va.".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"input '.*latin1.txt' is not UTF-8 text \(.*\); save it as UTF-8"):
+        read_transcripts(str(tmp_path / "latin1.txt"), data)
     with pytest.raises(ConfigError, match="does not exist"):
         read_transcripts(str(tmp_path / "missing.txt"), data)
 

@@ -255,19 +255,20 @@ def read_transcripts(source: str, data: DataConfig, stdin: IO | None = None) -> 
             raise ConfigError(f"input {source!r} does not exist; give a text or JSONL file, or - for stdin")
         content = path.read_bytes()
     lines = [(n, line) for n, line in enumerate(content.splitlines(), start=1) if line.strip()]
+    empty = ConfigError(
+        f"input {name} is empty; give a transcript (text) or JSONL records with a {data.transcript_column!r} field"
+    )
     if not lines:
-        raise ConfigError(
-            f"input {name} is empty; give a transcript (text) or JSONL records with a {data.transcript_column!r} field"
-        )
+        raise empty
     if source.endswith(".jsonl") or isinstance(_json_object(lines[0][1]), dict):
         return _parse_jsonl(lines, data, name)
     try:
         text = content.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise ConfigError(f"input {name} is not UTF-8 text ({e}); save it as UTF-8") from None
-    transcript, reason = training_transcript({data.transcript_column: text}, data)
-    if transcript is None:
-        raise ConfigError(f"input {name} cannot be summarized: {reason}")
+    transcript, _ = training_transcript({data.transcript_column: text}, data)
+    if transcript is None:  # Unicode whitespace alone (no-break spaces, ...)
+        raise empty
     return SummaryInput([transcript], None, data.transcript_column)
 
 
