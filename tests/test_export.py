@@ -201,3 +201,28 @@ def test_a_gguf_runs_export_loads_with_plain_transformers_and_peft(smollm2: Path
     ids = torch.tensor([prepared.prompts.prompt_ids("Anna: the budget is 2024 euros.")])
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+def test_summarize_warns_when_the_prompt_is_not_the_runs(run: Path, tmp_path: Path) -> None:
+    """A tokenizer, chat template or prompt rule that changed since training is named, not summarized past."""
+    from pipetune.export import write_prompt_settings
+    from pipetune.generate import prompt_change
+
+    copy = shutil.copytree(run, tmp_path / "run")
+    config = inference_config(copy / "adapter").config
+    prepared = prepare(config)
+    assert prompt_change(copy / "adapter", prepared, config) == ""  # no prompt.json: nothing to compare
+    write_prompt_settings(copy / "prompt.json", prepared.prompts, config)
+    assert prompt_change(copy / "adapter", prepared, config) == ""
+    recorded = json.loads((copy / "prompt.json").read_text())
+    recorded["suffix_ids"] = recorded["suffix_ids"][:-1]  # e.g. a template that since renders an empty <think>
+    (copy / "prompt.json").write_text(json.dumps(recorded))
+    assert prompt_change(copy / "adapter", prepared, config) == (
+        f"the prompt built now differs from the one the adapter was trained on ({copy / 'prompt.json'}: suffix_ids "
+        "differ): the tokenizer, its chat template or pipetune's prompt rules changed since; summaries may be worse "
+        "than the run's (pass --config with the run's settings, or train again)"
+    )
+    (copy / "prompt.json").write_text("[")
+    assert "is not a JSON object: the prompt the adapter was trained on cannot be checked" in prompt_change(
+        copy / "adapter", prepared, config
+    )

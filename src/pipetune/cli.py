@@ -396,6 +396,7 @@ def run_summarize(args: argparse.Namespace) -> int:
         format_summaries,
         inference_config,
         load_finetuned,
+        prompt_change,
         read_transcripts,
         summarize,
     )
@@ -420,6 +421,9 @@ def run_summarize(args: argparse.Namespace) -> int:
     if inputs.skipped:  # the other rows are still summarized; the output has one line per usable row
         print(f"pipetune: warning: {inputs.skipped_line()}", file=sys.stderr)
     model, prepared = load_finetuned(config, args.adapter)
+    changed = prompt_change(Path(args.adapter), prepared, config)
+    if changed:
+        print(f"pipetune: warning: {changed}", file=sys.stderr)
     if not args.quiet:
         settings = source.config_path or "defaults"
         print(

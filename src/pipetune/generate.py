@@ -116,6 +116,33 @@ def read_adapter_config(adapter_dir: Path) -> dict[str, Any]:
     return loaded
 
 
+PROMPT_KEYS = ("prefix_ids", "suffix_ids", "stop_ids", "elision_ids", "transcript_budget", "transcript_max_chars")
+"""The prompt.json entries that decide a prompt's tokens."""
+
+
+def prompt_change(adapter_dir: Path, prepared: Prepared, config: Config) -> str:
+    """'' when the prompt built now is the one the run recorded in prompt.json beside the adapter (or there is
+    none); else a warning naming what changed: the tokenizer, its chat template or pipetune's prompt rules."""
+    from pipetune.export import PROMPT_FILE, prompt_settings
+
+    path = Path(adapter_dir).parent / PROMPT_FILE
+    try:
+        recorded = json.loads(path.read_bytes()) if path.is_file() else {}
+    except (ValueError, RecursionError):
+        recorded = None
+    if not isinstance(recorded, dict):
+        return f"{path} is not a JSON object: the prompt the adapter was trained on cannot be checked"
+    now = prompt_settings(prepared.prompts, config)
+    changed = [key for key in PROMPT_KEYS if key in recorded and recorded[key] != now[key]]
+    if not changed:
+        return ""
+    return (
+        f"the prompt built now differs from the one the adapter was trained on ({path}: {', '.join(changed)} "
+        "differ): the tokenizer, its chat template or pipetune's prompt rules changed since; summaries may be "
+        "worse than the run's (pass --config with the run's settings, or train again)"
+    )
+
+
 def _holds_weights(name: str) -> bool:
     """A local model directory with safetensors weights (not a shape that holds a config.json alone)."""
     path = Path(name).expanduser()
