@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipetune.cli import main
-from pipetune.config import ConfigError
+from pipetune.config import ConfigError, DataConfig
 from pipetune.data.synthetic import synthetic_splits
 from pipetune.generate import (
     SUMMARY_FIELD,
@@ -92,37 +92,43 @@ def test_cli_summarizes_jsonl_keeping_other_fields(run_dir: Path, finetuned, mee
 def test_inputs_text_jsonl_and_stdin(tmp_path: Path, meetings) -> None:
     text = tmp_path / "meeting.txt"
     text.write_text(meetings[0] + "\n")
-    one = read_transcripts(str(text), "dialogue")
+    data = DataConfig()  # transcript_column "dialogue"
+    one = read_transcripts(str(text), data)
     assert one.transcripts == [meetings[0]] and one.records is None
     assert format_summaries(["short summary"], one) == "short summary"
 
     jsonl = "".join(json.dumps({"dialogue": m, "n": i}) + "\n" for i, m in enumerate(meetings[:2]))
-    piped = read_transcripts("-", "dialogue", stdin=io.StringIO(jsonl))  # JSONL recognised without a suffix
+    piped = read_transcripts("-", data, stdin=io.StringIO(jsonl))  # JSONL recognised without a suffix
     assert piped.transcripts == meetings[:2] and [r["n"] for r in piped.records] == [0, 1]
     out = [json.loads(line) for line in format_summaries(["a", "b"], piped).splitlines()]
     assert out == [{"n": 0, SUMMARY_FIELD: "a"}, {"n": 1, SUMMARY_FIELD: "b"}]
-    assert read_transcripts("-", "dialogue", stdin=io.StringIO(meetings[1])).transcripts == [meetings[1]]
+    assert read_transcripts("-", data, stdin=io.StringIO(meetings[1])).transcripts == [meetings[1]]
 
     # unusable rows are skipped and counted, the rest summarized; the first line makes stdin JSONL
     rows = '{"dialogue": "a"}\n{"transcript": "b"}\nnot json\n{"dialogue": ""}\n[1]\n{"dialogue": "c", "n": 1}\n'
-    mixed = read_transcripts("-", "dialogue", stdin=io.StringIO(rows))
+    mixed = read_transcripts("-", data, stdin=io.StringIO(rows))
     assert mixed.transcripts == ["a", "c"] and [r.get("n") for r in mixed.records] == [None, 1]
     assert [n for n, _ in mixed.skipped] == [2, 3, 4, 5]
     assert mixed.skipped_line() == (
-        "skipped 4 of 6 rows: line 2 ('dialogue': no field), line 3 (not valid JSON), "
-        "line 4 ('dialogue': empty), line 5 (a JSON list)"
+        "skipped 4 of 6 rows: line 2 (missing dialogue), line 3 (not valid JSON), "
+        "line 4 (empty dialogue), line 5 (a JSON list)"
     )
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"transcript": "a"}\n{"transcript": "b", "id": 2}\n')
     with pytest.raises(ConfigError, match=r"no usable row .* --column \(fields seen: id, transcript\)"):
-        read_transcripts(str(bad), "dialogue")
+        read_transcripts(str(bad), data)
     bad.write_text('{"dialogue": " "}\n')
-    with pytest.raises(ConfigError, match=r"no usable row \(skipped 1 of 1 rows: line 1 \('dialogue': empty\)\)"):
-        read_transcripts(str(bad), "dialogue")
+    with pytest.raises(ConfigError, match=r"no usable row \(skipped 1 of 1 rows: line 1 \(empty dialogue\)\)"):
+        read_transcripts(str(bad), data)
     with pytest.raises(ConfigError, match="is empty"):
-        read_transcripts("-", "dialogue", stdin=io.StringIO("\n \n"))
+        read_transcripts("-", data, stdin=io.StringIO("\n \n"))
+    with pytest.raises(ConfigError, match="is empty"):
+        read_transcripts("-", data, stdin=io.StringIO("\u00a0\u3000\n"))  # Unicode whitespace alone
+    (tmp_path / "latin1.txt").write_bytes("Ren\xe9: on y va.".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"input '.*latin1.txt' is not UTF-8 text \(.*\); save it as UTF-8"):
+        read_transcripts(str(tmp_path / "latin1.txt"), data)
     with pytest.raises(ConfigError, match="does not exist"):
-        read_transcripts(str(tmp_path / "missing.txt"), "dialogue")
+        read_transcripts(str(tmp_path / "missing.txt"), data)
 
 
 @pytest.mark.slow
@@ -157,8 +163,12 @@ def test_cli_rejects_sampling_flags_without_sample(run_dir: Path, capsys: pytest
     assert "add --sample" in capsys.readouterr().err
 
 
+CARD_CODE = ("The prompt", r"transformers \+ PEFT")
+"""The model card's sections whose code, run in order, loads the export and summarizes."""
+
+
 def test_export_reproduces_summarize_with_plain_transformers_and_peft(
-    run_dir: Path, finetuned, meetings, tmp_path: Path
+    run_dir: Path, finetuned, meetings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The model card's code (transformers, PEFT, torch and the export directory only) builds pipetune's prompt
     token for token and generates the same summaries; the merged model computes the same logits."""
@@ -169,9 +179,12 @@ def test_export_reproduces_summarize_with_plain_transformers_and_peft(
     assert adapter_config["base_model_name_or_path"] == str((out / "base").resolve())
     assert AutoTokenizer.from_pretrained(out / "adapter").chat_template is not None
 
-    code = re.search(r"## transformers \+ PEFT\n\n```python\n(.*?)```", (out / "README.md").read_text(), re.S)
+    readme = (out / "README.md").read_text()
+    blocks = [re.search(rf"## {title}\n.*?```python\n(.*?)```", readme, re.S).group(1) for title in CARD_CODE]
     card: dict = {}
-    exec(compile(code.group(1), str(out / "README.md"), "exec"), card)
+    monkeypatch.chdir(out)  # the card's paths are relative to the export directory
+    for block in blocks:
+        exec(compile(block, str(out / "README.md"), "exec"), card)
     model, prepared = finetuned
     texts = [meetings[0], meetings[1][:60]]
     budget = json.loads((out / "prompt.json").read_text())["transcript_budget"]
@@ -215,3 +228,51 @@ def test_real_model_is_prompted_exactly_as_trained(smollm2: Path, tmp_path: Path
     prompts = sorted(ids[i][mask[i].bool()].tolist() for i in range(len(rows)))
     trained = [prepared.prompts.build(row.transcript, row.summary) for row in rows]
     assert prompts == sorted(split.input_ids[i, : s.n_prompt].tolist() for i, s in enumerate(trained))
+
+
+def words_filling(prompts, budget: int) -> str:
+    """Plain words that take at most `budget` tokens, and all of them nearly: a transcript at the cut."""
+    words = " ".join(f"w{i}" for i in range(budget))
+    while len(prompts.encode_text(words)) > budget:
+        words = words.rsplit(" ", 1)[0]
+    return words
+
+
+def test_jsonl_and_chat_rows_are_read_as_training_reads_them(tmp_path: Path, meetings) -> None:
+    """A JSONL row's summarize prompt is the prompt training built from the same row: the transcript stripped (a
+    row at the budget is not cut for trailing whitespace), chat `messages` rows read as train and eval read them;
+    the field the transcript came from is left out of the output, every other field kept."""
+    from pipetune.data.sources import load_dataset
+    from pipetune.preflight import prepare
+
+    config = tiny_config(tmp_path, "data.validation_fraction=0.0")
+    prompts = prepare(config).prompts
+    at_budget = words_filling(prompts, prompts.transcript_room)
+    user = [{"role": "system", "content": "ignored"}, {"role": "user", "content": " " + meetings[1][:90] + "\n"}]
+    rows = [
+        {"id": 0, "dialogue": "\n  " + meetings[0][:150] + "  \n", "summary": "s"},
+        {"id": 1, "dialogue": at_budget + "\n\n\n\n\n\n", "summary": "s"},
+        {"id": 2, "messages": [*user, {"role": "assistant", "content": "reference"}]},
+        {"id": 3, "messages": [*user, {"role": "assistant", "content": "reference"}, {"role": "user", "content": "?"}]},
+    ]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config.data.source = str(path)
+    trained = [prompts.build(e.transcript, e.summary) for e in load_dataset(config.data).splits["train"]]
+    read = read_transcripts(str(path), config.data)
+    assert not read.skipped and len(trained) == len(rows)
+    assert [prompts.prompt_ids(t) for t in read.transcripts] == [s.input_ids[: s.n_prompt] for s in trained]
+    # row 1 fits once stripped; as given, its trailing newlines would have taken it over the budget and cut it
+    room = prompts.transcript_room
+    assert len(prompts.encode_text(rows[1]["dialogue"])) > room >= len(prompts.encode_text(at_budget))
+    out = [json.loads(line) for line in format_summaries(["a", "b", "c", "d"], read).splitlines()]
+    assert out == [{"id": i, "summary": "s", SUMMARY_FIELD: s} for i, s in enumerate("ab")] + [
+        {"id": i, SUMMARY_FIELD: s} for i, s in ((2, "c"), (3, "d"))
+    ]
+
+    # a conversation awaiting its summary (no assistant message): its last user message, which training would skip
+    pending = read_transcripts("-", config.data, stdin=io.StringIO(json.dumps({"messages": user}) + "\n"))
+    assert pending.transcripts == [user[1]["content"].strip()]
+    bad = '{"messages": [{"role": "assistant", "content": "x"}]}\n{"messages": "hi"}\n'
+    with pytest.raises(ConfigError, match=r"line 1 \(no user message before the last assistant message\), line 2"):
+        read_transcripts("-", config.data, stdin=io.StringIO(bad))

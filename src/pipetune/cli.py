@@ -173,7 +173,10 @@ def main(argv: list[str] | None = None) -> int:
     summarize.add_argument("--adapter", required=True, help="adapter directory (a run's adapter/)")
     summarize.add_argument("--base", default=None, help="base model (default: the adapter's base_model_name_or_path)")
     summarize.add_argument(
-        "--config", default=None, help="TOML config: dtype, seed, tokenizer, lengths (default: the run's config.toml)"
+        "--config",
+        default=None,
+        help="TOML config: dtype, seed, tokenizer, lengths (default: the config.toml beside the adapter, a run's or an "
+        "export's)",
     )
     summarize.add_argument("--column", default=None, help="transcript field of JSONL records (data.transcript_column)")
     summarize.add_argument("--max-new-tokens", type=int, default=None, help="(default: data.max_summary_tokens)")
@@ -214,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         "export", help="a directory that plain transformers + PEFT (and vLLM) load: base, tokenizer, adapter, card"
     )
     export.add_argument("--run", required=True, help="run directory (its config.toml, adapter/ and prompt.json)")
-    export.add_argument("--out", required=True, help="directory to write (must not exist or be empty)")
+    export.add_argument("--out", required=True, help="directory to write (new or empty, outside the run directory)")
     export.add_argument("--merge", action="store_true", help="also write the model with the adapter merged in")
 
     config_parser = commands.add_parser(
@@ -428,6 +431,7 @@ def run_summarize(args: argparse.Namespace) -> int:
         format_summaries,
         inference_config,
         load_finetuned,
+        prompt_change,
         read_transcripts,
         summarize,
     )
@@ -444,12 +448,17 @@ def run_summarize(args: argparse.Namespace) -> int:
         temperature = 0.7 if args.temperature is None else args.temperature
         top_p = 0.9 if args.top_p is None else args.top_p
         sampling = Sampling(temperature, top_p, seed=config.train.seed)
-    inputs = read_transcripts(args.input, args.column or config.data.transcript_column)
+    if args.column:
+        config.data.transcript_column = args.column
+    inputs = read_transcripts(args.input, config.data)
     if source.warning:
         print(f"pipetune: warning: {source.warning}", file=sys.stderr)
     if inputs.skipped:  # the other rows are still summarized; the output has one line per usable row
         print(f"pipetune: warning: {inputs.skipped_line()}", file=sys.stderr)
     model, prepared = load_finetuned(config, args.adapter)
+    changed = prompt_change(Path(args.adapter), prepared, config)
+    if changed:
+        print(f"pipetune: warning: {changed}", file=sys.stderr)
     if not args.quiet:
         settings = source.config_path or "defaults"
         print(

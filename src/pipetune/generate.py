@@ -12,15 +12,16 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import IO, Any
 
 import torch
 import torch.nn.functional as F
 from peft import PeftModel
 from torch import nn
 
-from pipetune.config import Config, ConfigError, load_config
+from pipetune.config import Config, ConfigError, DataConfig, load_config
 from pipetune.data.batching import IGNORE, TokenizedSplit
+from pipetune.data.sources import MESSAGES, clean_rows, is_chat_row
 from pipetune.model.load import DTYPES, build_model
 from pipetune.model.shapes import BUILTIN_SHAPES
 from pipetune.preflight import Prepared, prepare
@@ -76,8 +77,14 @@ def inference_config(
     if config_path is None and (adapter_dir.parent / "config.toml").is_file():
         config_path = adapter_dir.parent / "config.toml"
     config = load_config(config_path)
-    recorded = json.loads(adapter_config.read_text()).get("base_model_name_or_path")
+    recorded = read_adapter_config(adapter_dir).get("base_model_name_or_path")
+    if base is None and recorded and Path(recorded).is_absolute() and not Path(recorded).exists():
+        beside = adapter_dir.parent / "base"  # an export moved since: its own base/, beside its adapter/
+        recorded = str(beside) if (beside / "config.json").is_file() else recorded
+    trained_on = config.model.name
     config.model.name = base or recorded or config.model.name
+    if config.model.name != trained_on and config.model.init == "random" and _holds_weights(config.model.name):
+        config.model.init = "pretrained"  # e.g. an export's base/: the random-init base, written with its weights
     warning = ""
     if config.model.trust_remote_code and not trust_remote_code:
         warning = (
@@ -94,6 +101,52 @@ def inference_config(
             "pass --config RUN/config.toml to rebuild the base the adapter was trained on"
         )
     return InferenceSource(config, Path(config_path) if config_path else None, warning)
+
+
+def read_adapter_config(adapter_dir: Path) -> dict[str, Any]:
+    """adapter_config.json as a dict; a ConfigError naming the file when it is not a JSON object."""
+    path = adapter_dir / "adapter_config.json"
+    try:
+        loaded = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, nested too deep
+        loaded = f"not valid JSON ({type(e).__name__}: {str(e)[:100]})"
+    if not isinstance(loaded, dict):
+        why = loaded if isinstance(loaded, str) else f"a JSON {type(loaded).__name__}, not an object"
+        raise ConfigError(f"{path} is {why}; restore the adapter directory that training wrote (adapter/)")
+    return loaded
+
+
+PROMPT_KEYS = ("prefix_ids", "suffix_ids", "stop_ids", "elision_ids", "transcript_budget", "transcript_max_chars")
+"""The prompt.json entries that decide a prompt's tokens."""
+
+
+def prompt_change(adapter_dir: Path, prepared: Prepared, config: Config) -> str:
+    """'' when the prompt built now is the one the run recorded in prompt.json beside the adapter (or there is
+    none); else a warning naming what changed: the tokenizer, its chat template or pipetune's prompt rules."""
+    from pipetune.export import PROMPT_FILE, prompt_settings
+
+    path = Path(adapter_dir).parent / PROMPT_FILE
+    try:
+        recorded = json.loads(path.read_bytes()) if path.is_file() else {}
+    except (ValueError, RecursionError):
+        recorded = None
+    if not isinstance(recorded, dict):
+        return f"{path} is not a JSON object: the prompt the adapter was trained on cannot be checked"
+    now = prompt_settings(prepared.prompts, config)
+    changed = [key for key in PROMPT_KEYS if key in recorded and recorded[key] != now[key]]
+    if not changed:
+        return ""
+    return (
+        f"the prompt built now differs from the one the adapter was trained on ({path}: {', '.join(changed)} "
+        "differ): the tokenizer, its chat template or pipetune's prompt rules changed since; summaries may be "
+        "worse than the run's (pass --config with the run's settings, or train again)"
+    )
+
+
+def _holds_weights(name: str) -> bool:
+    """A local model directory with safetensors weights (not a shape that holds a config.json alone)."""
+    path = Path(name).expanduser()
+    return path.is_dir() and any(path.glob("*.safetensors"))
 
 
 # --------------------------------------------------------------------------- losses and generation
@@ -191,10 +244,13 @@ class SummaryInput:
     """Transcripts read from a text file, a JSONL file or stdin; `records` is None for a plain-text transcript."""
 
     transcripts: list[str]
+    """As training and eval read them: stripped and cut by characters (data/sources.clean_rows)."""
     records: list[dict[str, Any]] | None
     column: str
     skipped: list[tuple[int, str]] = field(default_factory=list)
     """(line number, reason) of the JSONL rows left out: not JSON, not an object, no usable transcript."""
+    read_from: list[str] = field(default_factory=list)
+    """Per record, the field its transcript came from: `column`, or `messages` for a chat row."""
 
     def skipped_line(self) -> str:
         """'skipped 2 of 5 rows: line 3 (...), line 4 (...)', or '' when none were."""
@@ -206,36 +262,83 @@ class SummaryInput:
         return f"skipped {len(self.skipped)} of {total} rows: {shown}{more}"
 
 
-def read_transcripts(source: str, column: str, stdin: TextIO | None = None) -> SummaryInput:
-    """A text file (one transcript), a JSONL of records with a `column` field, or `-` for stdin (either kind).
+def read_transcripts(source: str, data: DataConfig, stdin: IO | None = None) -> SummaryInput:
+    """A text file (one transcript), a JSONL of records, or `-` for stdin (either kind).
 
-    JSONL is recognised by a .jsonl suffix, or by a first non-empty line that is a JSON object. Its unusable
-    rows are skipped and counted; an input with no usable row is an error.
+    A JSONL record is read as training and eval read a row (data/sources.py): its `data.transcript_column`
+    field, or, for a chat row, the last user message of its `messages` (before the last assistant message,
+    when it has one); the transcript is cleaned by the same rule (stripped, cut by characters), so the prompt
+    is the one training built from the same row. JSONL is recognised by a .jsonl suffix, or by a first
+    non-empty line that is a JSON object. Unusable rows are skipped and counted; an input with no usable row is
+    an error.
     """
     name = "stdin" if source == "-" else repr(source)
     if source == "-":
-        text = (stdin or sys.stdin).read()
+        raw = (stdin or sys.stdin.buffer).read()
+        content = raw.encode("utf-8", "surrogatepass") if isinstance(raw, str) else raw
     else:
         path = Path(source)
         if not path.is_file():
             raise ConfigError(f"input {source!r} does not exist; give a text or JSONL file, or - for stdin")
-        text = path.read_text(encoding="utf-8")
-    lines = [(n, line) for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+        content = path.read_bytes()
+    lines = [(n, line) for n, line in enumerate(content.splitlines(), start=1) if line.strip()]
+    empty = ConfigError(
+        f"input {name} is empty; give a transcript (text) or JSONL records with a {data.transcript_column!r} field"
+    )
     if not lines:
-        raise ConfigError(f"input {name} is empty; give a transcript (text) or JSONL records with a {column!r} field")
+        raise empty
     if source.endswith(".jsonl") or isinstance(_json_object(lines[0][1]), dict):
-        return _parse_jsonl(lines, column, name)
-    return SummaryInput([text.strip()], None, column)
-
-
-def _json_object(line: str) -> Any:
+        return _parse_jsonl(lines, data, name)
     try:
-        return json.loads(line)
-    except json.JSONDecodeError:
+        text = content.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"input {name} is not UTF-8 text ({e}); save it as UTF-8") from None
+    transcript, _ = training_transcript({data.transcript_column: text}, data)
+    if transcript is None:  # Unicode whitespace alone (no-break spaces, ...)
+        raise empty
+    return SummaryInput([transcript], None, data.transcript_column)
+
+
+SUMMARY_PLACEHOLDER = "-"
+"""Stands in for the reference summary a training row needs and a row to summarize may lack."""
+
+
+def training_transcript(row: Any, data: DataConfig) -> tuple[str | None, str]:
+    """(the transcript training reads from `row`, "") or (None, why the row is unusable), by training's own
+    reading and cleaning (data/sources.clean_rows); the row's summary, if any, plays no part."""
+    cleaned = clean_rows({"input": [("", _with_summary(row, data))]}, data)
+    if cleaned.splits["input"]:
+        return cleaned.splits["input"][0].transcript, ""
+    return None, next(iter(cleaned.stats["input"].skipped))
+
+
+def _with_summary(row: Any, data: DataConfig) -> Any:
+    """`row` with a placeholder summary in place of its own (a chat row: in place of its last assistant message
+    and what follows it), so that only its transcript decides whether training could read it."""
+    if not isinstance(row, dict):
+        return row
+    if is_chat_row(row, data):
+        messages = row[MESSAGES]
+        if not isinstance(messages, list):
+            return row
+        answers = [i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"]
+        asked = messages[: answers[-1]] if answers else messages
+        return {**row, MESSAGES: [*asked, {"role": "assistant", "content": SUMMARY_PLACEHOLDER}]}
+    if data.summary_column == data.transcript_column:
+        return row
+    return {**row, data.summary_column: SUMMARY_PLACEHOLDER}
+
+
+def _json_object(line: bytes) -> Any:
+    """The JSON value of a line; None when it is not one (not UTF-8, not JSON, nested too deep, ...)."""
+    try:
+        return json.loads(line.decode("utf-8-sig"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         return None
 
 
-def _parse_jsonl(lines: list[tuple[int, str]], column: str, name: str) -> SummaryInput:
+def _parse_jsonl(lines: list[tuple[int, bytes]], data: DataConfig, name: str) -> SummaryInput:
+    column = data.transcript_column
     parsed = SummaryInput([], [], column)
     fields: set[str] = set()
     for n, line in lines:
@@ -244,30 +347,33 @@ def _parse_jsonl(lines: list[tuple[int, str]], column: str, name: str) -> Summar
             parsed.skipped.append((n, "not valid JSON" if record is None else f"a JSON {type(record).__name__}"))
             continue
         fields.update(record)
-        value = record.get(column)
-        if not isinstance(value, str) or not value.strip():
-            reason = "no field" if column not in record else "empty" if isinstance(value, str) else "not a string"
-            parsed.skipped.append((n, f"{column!r}: {reason}"))
+        transcript, reason = training_transcript(record, data)
+        if transcript is None:
+            parsed.skipped.append((n, reason))
             continue
-        parsed.transcripts.append(value)
+        parsed.transcripts.append(transcript)
         parsed.records.append(record)
+        parsed.read_from.append(MESSAGES if is_chat_row(record, data) else column)
     if not parsed.transcripts:
         fix = (
             f"name the transcript field with --column (fields seen: {', '.join(sorted(fields))})"
-            if fields and column not in fields
-            else f"give JSON objects with a non-empty string field {column!r}, one per line"
+            if fields and column not in fields and MESSAGES not in fields
+            else f"give JSON objects with a non-empty string field {column!r} (or a {MESSAGES!r} list of "
+            "role/content messages), one per line"
         )
         raise ConfigError(f"input {name} has no usable row ({parsed.skipped_line()}); {fix}")
     return parsed
 
 
 def format_summaries(summaries: list[str], source: SummaryInput) -> str:
-    """The text to print: the summary alone for a text input; for JSONL, one line per record, the transcript
-    field replaced by `generated_summary` and every other field kept."""
+    """The text to print: the summary alone for a text input; for JSONL, one line per record, the field its
+    transcript came from (the transcript column, or a chat row's `messages`) replaced by `generated_summary` and
+    every other field kept."""
     if source.records is None:
         return summaries[0]
     lines = []
-    for record, summary in zip(source.records, summaries, strict=True):
-        kept = {key: value for key, value in record.items() if key != source.column}
+    read_from = source.read_from or [source.column] * len(source.records)
+    for record, summary, field_read in zip(source.records, summaries, read_from, strict=True):
+        kept = {key: value for key, value in record.items() if key != field_read}
         lines.append(json.dumps({**kept, SUMMARY_FIELD: summary}, ensure_ascii=False))
     return "\n".join(lines)
