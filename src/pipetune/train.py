@@ -275,7 +275,8 @@ def build_data(
         "(the transcript's middle elided, the summary capped at data.max_summary_tokens); "
         f"{data.skipped_line()}; "
         f"{planned.steps_per_epoch} optimizer steps/epoch, {planned.total_steps} in all; effective batch "
-        f"{t.batch_size} x grad_accum {t.grad_accum} x dp {p.dp} = {planned.global_batch * t.grad_accum} sequences"
+        f"{t.batch_size} x grad_accum {t.grad_accum} x dp {p.dp} = {planned.global_batch * t.grad_accum} "
+        + ("packed rows" if planned.packing else "sequences")
     )
     if planned.packing:
         rows = planned.epoch_plan(0)[0]

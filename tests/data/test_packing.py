@@ -106,3 +106,36 @@ def test_packing_settings_are_validated(overrides: list[str], message: str) -> N
 def test_packed_row_shorter_than_the_template_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"data.max_length = 8 cannot hold the chat template"):
         prepare(tiny_config(tmp_path, "data.packing=true", "data.max_length=8"))
+
+
+def test_inspect_reports_rows_and_padding_with_and_without_packing(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """Short meetings in rows of 256: unpacked, one sample a row and most of it padding; packed, the rows first fit
+    fills, and their padding, computed here from the tokenized split."""
+    from pipetune.cli import run_data_inspect
+    from tests.parallel.test_packing import write_short_meetings
+
+    data = write_short_meetings(tmp_path / "meetings.jsonl", 40)
+    config = tiny_config(
+        tmp_path / "run", f'data.source="{data}"', 'data.system_prompt="Sum."', "data.max_length=256", "train.seed=5"
+    )
+    assert run_data_inspect(config) == 0
+    lines = capsys.readouterr().out.splitlines()
+    prepared = prepare(config)
+    store = SampleStore.from_samples(
+        prepared.prompts.build_many([(e.transcript, e.summary) for e in _examples(config)])
+    )
+    order = torch.randperm(len(store), generator=torch.Generator().manual_seed(5 * 1_000_003))
+    rows = len(first_fit_rows(order, store.lengths, 256, 16))
+    real = int(store.lengths.sum())
+    assert rows < len(store) / 3  # 30-64 tokens a sample: four or more a row
+    padding = next(line for line in lines if line.startswith("train") and "->" in line).split()
+    assert padding[1] == f"{100 * (1 - real / (len(store) * 256)):.1f}%"
+    assert padding[4:] == [f"{100 * (1 - real / (rows * 256)):.1f}%", str(len(store)), "->", str(rows)]
+
+
+def _examples(config: Config) -> list:
+    from pipetune.data.sources import load_dataset
+
+    return load_dataset(config.data, seed=config.train.seed).splits["train"]

@@ -4,6 +4,7 @@ over the same samples in the same steps."""
 
 from __future__ import annotations
 
+import csv
 import json
 import random
 from pathlib import Path
@@ -174,3 +175,14 @@ def test_packed_runs_match_the_unpacked_run_on_the_same_samples(tmp_path: Path) 
         torch.testing.assert_close(torch.tensor(_losses(run_dir)), torch.tensor(expected), rtol=1e-5, atol=0)
         assert_rounding_apart(_adapter(run_dir), _adapter(reference))
     assert _max_relative(_adapter(runs[1]), _adapter(runs[0])) < 1e-5
+    # The metrics count the same supervised and real tokens, in half the rows: twice the real share of them.
+    unpacked, packed_rows = _steps(reference), _steps(runs[1])
+    assert [r["supervised_tokens"] for r in packed_rows] == [r["supervised_tokens"] for r in unpacked]
+    for got, want in zip(packed_rows, unpacked, strict=True):
+        share = float(got["real_tokens_per_sec"]) / float(got["tokens_per_sec"])
+        assert share == pytest.approx(2 * float(want["real_tokens_per_sec"]) / float(want["tokens_per_sec"]), rel=1e-5)
+
+
+def _steps(run_dir: Path) -> list[dict[str, str]]:
+    with open(run_dir / "metrics.csv") as f:
+        return [row for row in csv.DictReader(f) if row["loss"]]
