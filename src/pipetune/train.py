@@ -611,11 +611,9 @@ def forward_backward(loop: Loop, batches: torch.Tensor, lengths: torch.Tensor) -
         if env.device.type == "cuda":
             input_ids = input_ids.pin_memory()
             position_ids = position_ids.pin_memory() if position_ids is not None else None
-        input_ids = input_ids.to(env.device, non_blocking=True)
-        if position_ids is None:
-            out = runners.by_length[length].step(input_ids, labels)
-        else:
-            out = runners.by_length[length].step(input_ids, labels, position_ids.to(env.device, non_blocking=True))
+        if position_ids is not None:
+            position_ids = position_ids.to(env.device, non_blocking=True)
+        out = runners.by_length[length].step(input_ids.to(env.device, non_blocking=True), labels, position_ids)
         if stashed is not None:
             restore_gradients(params, stashed)
         if out is not None:
