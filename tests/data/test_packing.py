@@ -139,3 +139,47 @@ def _examples(config: Config) -> list:
     from pipetune.data.sources import load_dataset
 
     return load_dataset(config.data, seed=config.train.seed).splits["train"]
+
+
+def test_a_resumed_packed_run_continues_with_the_same_rows() -> None:
+    """The training loop's plan (train.TrainData) with packing: every epoch repacked in its own order, as many
+    steps in each as the shortest epoch holds, and a run resumed at a checkpoint's position gets the batches the
+    uninterrupted run got from there on."""
+    from pipetune.checkpoint import Position
+    from pipetune.train import TrainData
+
+    lengths = torch.randint(20, 120, (90,), generator=torch.Generator().manual_seed(2)).tolist()
+    store = _store(lengths)
+
+    def plan() -> TrainData:
+        data = TrainData(
+            split=store,
+            real_tokens=store.lengths,
+            supervised=store.supervised,
+            padded_lengths=store.lengths,
+            buckets=[],
+            max_length=256,
+            global_batch=2,
+            grad_accum=2,
+            pad_id=0,
+            seed=11,
+            epochs=3,
+            steps_per_epoch=0,
+            total_steps=0,
+            validation=None,
+            max_samples_per_row=4,
+        )
+        data.steps_per_epoch = min(len(data.epoch_plan(e)[0]) for e in range(3)) // 2
+        data.total_steps = 3 * data.steps_per_epoch
+        return data
+
+    whole = list(plan().steps_from(Position()))
+    assert len(whole) == plan().total_steps
+    assert not torch.equal(whole[0][2], whole[plan().steps_per_epoch][2])  # epoch 2 is packed anew
+    at = plan().steps_per_epoch + 1  # a checkpoint one step into the second epoch
+    resumed = list(plan().steps_from(Position(step=at, epoch=1, batch=1)))
+    assert len(resumed) == len(whole) - at
+    for (epoch, index, batches, lengths), expected in zip(resumed, whole[at:], strict=True):
+        assert (epoch, index) == expected[:2]
+        assert torch.equal(batches, expected[2]) and torch.equal(lengths, expected[3])
+        assert batches.shape[1:] == (2, 4)
