@@ -162,19 +162,25 @@ def _run(tmp: Path, name: str, data: Path, *overrides: str) -> Path:
 def test_packed_runs_match_the_unpacked_run_on_the_same_samples(tmp_path: Path) -> None:
     """Every sample takes at most half a row, so first fit pairs consecutive samples of the epoch's order: rows of
     two samples, 4 rows a schedule step, hold the 8 samples an unpacked step of 8 rows holds. The losses of each
-    step (normalized over its supervised tokens) and the adapter must match, in one process and through a 1F1B
-    pipeline of 2 stages. The adapters differ from the unpacked one only as rounding does under Adam (attention
-    runs per sample instead of over the row: other float32 sums), and from each other not even so."""
+    step (normalized over its supervised tokens) and the adapter must match, in one process, through a 1F1B
+    pipeline of 2 stages and through an interleaved one of 4 (torch's multi-stage runtime hands the position ids
+    to each stage of a rank). The adapters differ from the unpacked one only as rounding does under Adam
+    (attention runs per sample instead of over the row: other float32 sums), and from each other not even so."""
     data = write_short_meetings(tmp_path / "meetings.jsonl", 43)  # 32 training samples after the hold-out
     reference = _run(tmp_path, "unpacked", data, "parallel.pp=1", "train.batch_size=8")
     packed = ["data.packing=true", "data.max_samples_per_row=2", "train.batch_size=4"]
-    runs = [_run(tmp_path, "single", data, "parallel.pp=1", *packed), _run(tmp_path, "pp2", data, *packed)]
+    runs = [
+        _run(tmp_path, "single", data, "parallel.pp=1", *packed),
+        _run(tmp_path, "pp2", data, *packed),
+        _run(tmp_path, "looped", data, *packed, 'parallel.schedule="interleaved_1f1b"', "parallel.stages_per_rank=2"),
+    ]
     expected = _losses(reference)
     assert len(expected) == 2
     for run_dir in runs:
         torch.testing.assert_close(torch.tensor(_losses(run_dir)), torch.tensor(expected), rtol=1e-5, atol=0)
         assert_rounding_apart(_adapter(run_dir), _adapter(reference))
-    assert _max_relative(_adapter(runs[1]), _adapter(runs[0])) < 1e-5
+    for run_dir in runs[1:]:
+        assert _max_relative(_adapter(run_dir), _adapter(runs[0])) < 1e-5
     # The metrics count the same supervised and real tokens, in half the rows: twice the real share of them.
     unpacked, packed_rows = _steps(reference), _steps(runs[1])
     assert [r["supervised_tokens"] for r in packed_rows] == [r["supervised_tokens"] for r in unpacked]
