@@ -70,6 +70,12 @@ class DataConfig:
     """Padded lengths of length buckets, ascending, ending at max_length (e.g. [2048, 4096, 8192]): each sample
     is padded to the smallest that holds it and each batch holds one bucket, one static shape per bucket.
     [] = every sample padded to max_length."""
+    packing: bool = False
+    """Pack several whole samples into each row of max_length (first fit over the epoch's shuffled order), each
+    attending only to itself, with positions restarting per sample: train.batch_size then counts rows, not samples.
+    Far less padding where samples vary in length (whole meetings); not with data.buckets."""
+    max_samples_per_row: int = 16
+    """With data.packing: at most this many samples in one row (a fixed bound, for static shapes)."""
     transcript_column: str = "dialogue"
     """Column holding the meeting transcript."""
     summary_column: str = "summary"
@@ -531,6 +537,7 @@ def _check_data(d: DataConfig) -> None:
         ("data.max_length", d.max_length),
         ("data.max_summary_tokens", d.max_summary_tokens),
         ("data.synthetic_train", d.synthetic_train),
+        ("data.max_samples_per_row", d.max_samples_per_row),
     )
     _non_negative(("data.synthetic_validation", d.synthetic_validation))
     _check(
@@ -549,6 +556,11 @@ def _check_data(d: DataConfig) -> None:
             f"data.buckets = {d.buckets} must be distinct ascending lengths ending at data.max_length = "
             f"{d.max_length}, e.g. [{d.max_length // 4}, {d.max_length // 2}, {d.max_length}]",
         )
+    _check(
+        not (d.packing and d.buckets),
+        f"data.packing = true fills rows of data.max_length, but data.buckets = {d.buckets} pads each sample to a "
+        "bucket: use one of them (data.buckets = [] with packing)",
+    )
     _check(
         0 <= d.validation_fraction < 1,
         f"data.validation_fraction = {d.validation_fraction} must be within [0, 1) (0 = no hold-out); e.g. 0.1",

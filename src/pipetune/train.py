@@ -15,7 +15,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,8 +38,10 @@ from pipetune.config import Config, save_config
 from pipetune.data.batching import SampleStore, bucket_lengths, bucketed_epoch_batches, epoch_batches, pad_fraction
 from pipetune.data.cache import tokenized_data
 from pipetune.data.sources import chat_lines
+from pipetune.data.packing import members, packed_batch, packed_epoch_batches
 from pipetune.export import PROMPT_FILE, write_prompt_settings
 from pipetune.metrics import MetricsLog, PhaseLog, host_peak_gb, peak_memory_gb, reset_peak_memory
+from pipetune.model.attention import use_document_attention
 from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory, graphs_untried
 from pipetune.model.load import DTYPES, build_meta, materialize
 from pipetune.model.lora import adapter_state, apply_lora, save_adapter, use_fast_path
@@ -186,9 +188,28 @@ class TrainData:
     steps_per_epoch: int
     total_steps: int
     validation: tuple[torch.Tensor, torch.Tensor] | None
+    max_samples_per_row: int = 0
+    """data.packing: samples per row at most (0: unpacked, one sample a row). Packed batches hold rows of sample
+    indices, [n_batches, global_batch, max_samples_per_row] with -1 where a row has fewer."""
+    _plans: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    @property
+    def packing(self) -> bool:
+        return self.max_samples_per_row > 0
+
+    def samples_in(self, batches: torch.Tensor) -> torch.Tensor:
+        """The sample indices in some of a plan's batches, flat."""
+        return members(batches) if self.packing else batches.flatten()
 
     def epoch_plan(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This epoch's batches (sample indices) and the padded length of each: the same on every (re)start."""
+        if self.packing:  # first fit takes a while on large splits: each epoch's rows are packed once
+            if epoch not in self._plans:
+                batches = packed_epoch_batches(
+                    self.real_tokens, self.global_batch, self.seed, epoch, self.max_length, self.max_samples_per_row
+                )
+                self._plans[epoch] = batches, torch.full((len(batches),), self.max_length, dtype=torch.long)
+            return self._plans[epoch]
         if self.buckets:
             return bucketed_epoch_batches(self.padded_lengths, self.global_batch, self.seed, epoch)
         batches = epoch_batches(len(self.split), self.global_batch, self.seed, epoch)
@@ -242,10 +263,12 @@ def build_data(
         steps_per_epoch=0,
         total_steps=0,
         validation=None,
+        max_samples_per_row=config.data.max_samples_per_row if config.data.packing else 0,
     )
-    planned.steps_per_epoch = check_optimizer_steps(
-        config, len(train_split), data.skipped_line(), len(planned.epoch_plan(0)[0])
-    )
+    # Packed epochs may differ by a row or two: every epoch runs as many steps as the shortest one holds.
+    epochs_planned = range(t.epochs) if planned.packing else range(1)
+    n_batches = min(len(planned.epoch_plan(epoch)[0]) for epoch in epochs_planned)
+    planned.steps_per_epoch = check_optimizer_steps(config, len(train_split), data.skipped_line(), n_batches)
     in_all = planned.steps_per_epoch * t.epochs
     planned.total_steps = in_all if t.max_steps < 0 else min(t.max_steps, in_all)
     if len(data.splits.get("validation", ())) and not SCHEDULES[p.schedule].has_eval:
@@ -259,10 +282,20 @@ def build_data(
         "(the transcript's middle elided, the summary capped at data.max_summary_tokens); "
         f"{data.skipped_line()}; "
         f"{planned.steps_per_epoch} optimizer steps/epoch, {planned.total_steps} in all; effective batch "
-        f"{t.batch_size} x grad_accum {t.grad_accum} x dp {p.dp} = {planned.global_batch * t.grad_accum} sequences"
+        f"{t.batch_size} x grad_accum {t.grad_accum} x dp {p.dp} = {planned.global_batch * t.grad_accum} "
+        + ("packed rows" if planned.packing else "sequences")
     )
     for line in chat_lines(data.summary.get("columns", {})):  # chat rows: their system messages kept or replaced
         say(f"data {line}")
+    if planned.packing:
+        rows = planned.epoch_plan(0)[0]
+        packed, n_rows = members(rows), rows[..., 0].numel()
+        pad_share = 1 - int(real_tokens[packed].sum()) / (n_rows * max_length)
+        say(
+            f"packing: epoch 1 has {len(packed)} samples in {n_rows} rows of {max_length} tokens (at most "
+            f"{planned.max_samples_per_row} a row), pad share {pad_share:.1%} (unpacked: "
+            f"{pad_fraction(real_tokens, [max_length]):.1%}); train.batch_size counts rows"
+        )
     if config.data.buckets:
         say(
             f"length buckets {config.data.buckets}: pad fraction {pad_fraction(real_tokens, config.data.buckets):.1%} "
@@ -313,6 +346,8 @@ def build_stages(
     if config.lora.fast_path:
         use_fast_path(peft_model, config.lora.shared_dropout, p.tp)
     peft_model.train()
+    if config.data.packing:  # packed rows attend within each sample: the stages pass a document mask
+        use_document_attention(peft_model)
     modules = [StageModule(peft_model, list(ranges[s]), first=s == 0, last=s == n_stages - 1) for s in my_stages]
     # Split (tp) and sharded (FSDP) on the meta device: parameters become DTensor shards, before the optimizer
     # and pipeline stages, and each rank then allocates only its shards.
@@ -519,7 +554,7 @@ def run_step(loop: Loop, batches: torch.Tensor, lengths: torch.Tensor) -> float:
     data, optimizer = loop.data, loop.state.optimizer
     loop.status.step, loop.status.phase = loop.step + 1, "pipeline send/recv"
     loop.phases.mark("step", step=loop.step + 1)
-    n_supervised = int(data.supervised[batches.flatten()].sum())
+    n_supervised = int(data.supervised[data.samples_in(batches)].sum())
     loop.runners.loss_fn.normalizer = max(n_supervised, 1)  # all-masked step: loss 0, never 0/0
     step_loss = forward_backward(loop, batches, lengths)
     settle(loop)  # the previous step: its flags are long computed while this step's work waits in the queue
@@ -534,7 +569,7 @@ def run_step(loop: Loop, batches: torch.Tensor, lengths: torch.Tensor) -> float:
     optimizer.zero_grad(set_to_none=not loop.runners.cuda_graphs)
     loop.step += 1
     loop.unsettled = (loop.step, HostCopy(flags))
-    tokens, real = data.global_batch * int(lengths.sum()), int(data.real_tokens[batches.flatten()].sum())
+    tokens, real = data.global_batch * int(lengths.sum()), int(data.real_tokens[data.samples_in(batches)].sum())
     loop.metrics.window.add(step_loss, grad_norm, tokens, real, n_supervised, skipped)
     return lr
 
@@ -577,12 +612,19 @@ def forward_backward(loop: Loop, batches: torch.Tensor, lengths: torch.Tensor) -
             timeline.start()
         # A sharded pipeline stage may drop earlier gradients on its first step (see restore_gradients).
         stashed = stash_gradients(params) if p.sharded and p.n_stages > 1 and j > 0 else None
-        input_ids, labels = loop.data.split.batch(index, length, loop.data.pad_id)
+        position_ids = None
+        if loop.data.packing:  # rows of several samples: their position ids go to every stage
+            input_ids, labels, position_ids = packed_batch(loop.data.split, index, length, loop.data.pad_id)
+        else:
+            input_ids, labels = loop.data.split.batch(index, length, loop.data.pad_id)
         # The ids are copied from pinned memory without waiting for the device; the labels stay on the host,
         # where the loss finds its supervised positions (model/loss.py) and copies them likewise.
         if env.device.type == "cuda":
             input_ids = input_ids.pin_memory()
-        out = runners.by_length[length].step(input_ids.to(env.device, non_blocking=True), labels)
+            position_ids = position_ids.pin_memory() if position_ids is not None else None
+        if position_ids is not None:
+            position_ids = position_ids.to(env.device, non_blocking=True)
+        out = runners.by_length[length].step(input_ids.to(env.device, non_blocking=True), labels, position_ids)
         if stashed is not None:
             restore_gradients(params, stashed)
         if out is not None:

@@ -6,7 +6,8 @@ Which columns (or chat messages) rows were read from; rows per split and skipped
 token lengths of transcripts and summaries under the model's tokenizer; how many samples the prompt
 builder cuts to fit `data.max_length` / `data.max_summary_tokens`, and by how much; and the share of
 every batch that is padding at the static length, beside what length buckets (max_length/4, /2, 3/4,
-1) would leave.
+1) would leave, and what packing (data.packing: whole samples packed into rows of max_length) would leave, with the
+rows it needs.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from pipetune.config import Config
 from pipetune.data.batching import bucket_boundaries, bucket_lengths, pad_fraction
 from pipetune.data.example import Example
+from pipetune.data.packing import packed_pad_fraction, packed_rows_needed
 from pipetune.data.prompt import PromptBuilder
 from pipetune.data.sources import load_dataset
 
@@ -69,6 +71,11 @@ class SplitReport:
     """The same with each sample padded to the smallest bucket that holds it."""
     bucket_samples: list[int]
     """Samples per bucket."""
+    packed_rows: int = 0
+    """Rows of max_length that packing (data.packing, at most data.max_samples_per_row a row, first fit over the
+    first epoch's order) fills with the split's samples; unpacked, each sample takes a row."""
+    packed_pad_fraction: float | None = None
+    """1 - real tokens / (packed_rows x max_length); None for an empty split."""
 
 
 @dataclass
@@ -78,6 +85,7 @@ class DataReport:
     max_length: int
     max_summary_tokens: int
     buckets: list[int]
+    max_samples_per_row: int
     rows: dict[str, Any]
     """`Dataset.summary()`: rows read, kept and skipped by reason per split."""
     splits: list[SplitReport]
@@ -99,12 +107,23 @@ def inspect_data(config: Config, prompts: PromptBuilder, n_buckets: int = 4) -> 
         max_length=config.data.max_length,
         max_summary_tokens=config.data.max_summary_tokens,
         buckets=buckets,
+        max_samples_per_row=config.data.max_samples_per_row,
         rows=dataset.summary(),
-        splits=[split_report(name, examples, prompts, buckets) for name, examples in dataset.splits.items()],
+        splits=[
+            split_report(name, examples, prompts, buckets, config.data.max_samples_per_row, config.train.seed)
+            for name, examples in dataset.splits.items()
+        ],
     )
 
 
-def split_report(name: str, examples: list[Example], builder: PromptBuilder, buckets: list[int]) -> SplitReport:
+def split_report(
+    name: str,
+    examples: list[Example],
+    builder: PromptBuilder,
+    buckets: list[int],
+    max_samples_per_row: int = 16,
+    seed: int = 0,
+) -> SplitReport:
     """Tokenize one split as training would (PromptBuilder.build) and measure it."""
     transcript_lengths = _token_counts(builder, [e.transcript for e in examples])
     summary_lengths = _token_counts(builder, [e.summary for e in examples])
@@ -128,6 +147,10 @@ def split_report(name: str, examples: list[Example], builder: PromptBuilder, buc
         pad_fraction=pad_fraction(real_tokens, [builder.max_length]) if lengths else None,
         bucket_pad_fraction=pad_fraction(real_tokens, buckets) if lengths else None,
         bucket_samples=[padded.count(b) for b in buckets],
+        packed_rows=packed_rows_needed(real_tokens, builder.max_length, max_samples_per_row, seed),
+        packed_pad_fraction=(
+            packed_pad_fraction(real_tokens, builder.max_length, max_samples_per_row, seed) if lengths else None
+        ),
     )
 
 
@@ -203,13 +226,24 @@ def format_report(report: DataReport) -> str:
 
     bucket_names = "/".join(str(b) for b in report.buckets)
     out += _table(
-        ["padding", f"static {report.max_length}", f"buckets {bucket_names}", "samples per bucket"],
+        ["padding", f"static {report.max_length}", f"buckets {bucket_names}", "samples per bucket", "packed", "rows"],
         [
-            [s.name, _percent(s.pad_fraction), _percent(s.bucket_pad_fraction), "/".join(map(str, s.bucket_samples))]
+            [
+                s.name,
+                _percent(s.pad_fraction),
+                _percent(s.bucket_pad_fraction),
+                "/".join(map(str, s.bucket_samples)),
+                _percent(s.packed_pad_fraction),
+                f"{s.samples} -> {s.packed_rows}",
+            ]
             for s in report.splits
         ],
     )
-    out.append("(pad share of all tokens; buckets: each sample padded to the smallest bucket that holds it)")
+    out.append("(pad share of all tokens; buckets: each sample padded to the smallest bucket that holds it;")
+    out.append(
+        f" packed: data.packing = true, whole samples in rows of {report.max_length}, at most "
+        f"{report.max_samples_per_row} a row; rows: unpacked -> packed)"
+    )
     return "\n".join(out)
 
 

@@ -2,7 +2,9 @@
 
 Only hidden states travel between stages. Positions are recomputed on every stage from the
 (static) sequence length; samples are right-padded and attention is causal, so real tokens
-never see pads and no mask needs to travel.
+never see pads and no mask needs to travel. Packed rows (data.packing) come with their position ids, which every
+stage is given alongside (a [batch, seq] int tensor, not a mask); each stage builds its document mask from them
+(model/attention.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass as is_subclass
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
+
+from pipetune.model.attention import document_mask
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -218,17 +222,27 @@ class StageModule(nn.Module):
     def is_last(self) -> bool:
         return self.lm_head is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [b, s] on the first stage, hidden states [b, s, h] elsewhere; logits [b, s, v] on the last
-        (normed hidden states with head_in_loss)."""
+        (normed hidden states with head_in_loss). `position_ids` [b, s]: packed rows' positions, restarting with
+        every sample; attention then stays within each sample (the model's attention must be
+        model.attention.DOCUMENT_ATTENTION)."""
         hidden = self.embed(x) if self.is_first else x
         if self.own_boundary_memory and not self.is_first:
             hidden = _GradInOwnMemory.apply(hidden)
-        batch, seq = hidden.shape[0], hidden.shape[1] * self.sequence_shards
-        position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0).expand(batch, -1)
+        attention_mask = None
+        if position_ids is None:
+            batch, seq = hidden.shape[0], hidden.shape[1] * self.sequence_shards
+            position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0).expand(batch, -1)
+        else:
+            position_ids = position_ids.to(hidden.device, non_blocking=True)
+            attention_mask = document_mask(position_ids)
         position_embeddings = self.rotary(hidden, position_ids)
         kwargs = dict(
-            attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings, use_cache=False
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            position_embeddings=position_embeddings,
+            use_cache=False,
         )
         runs = self.layers if self.runs is None else self.runs
         for index, run in enumerate(runs):  # the first checkpoint_layers runs are single layers

@@ -137,21 +137,29 @@ class PipelineRunner:
         self.schedule = schedule_class(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
         self._step_options = schedule_step_options(self.schedule.step)
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
-        return self._run(self.schedule.step, input_ids, labels, **self._step_options)
+    def step(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """`position_ids` (packed rows): given to every stage of every rank, microbatch by microbatch."""
+        return self._run(self.schedule.step, input_ids, labels, position_ids, **self._step_options)
 
     @torch.no_grad()
     def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         """Forward only (the schedule's eval): the summed loss on the last stage, None elsewhere."""
-        return self._run(self.schedule.eval, input_ids, labels)
+        return self._run(self.schedule.eval, input_ids, labels, None)
 
-    def _run(self, run, input_ids: torch.Tensor, labels: torch.Tensor, **options) -> torch.Tensor | None:
+    def _run(
+        self, run, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None, **options
+    ) -> torch.Tensor | None:
         # The rank holding stage 0 feeds the ids, the one holding the last stage the labels: with V-shaped
-        # schedules that is the same rank.
+        # schedules that is the same rank. Keyword inputs reach every stage (torch splits them into microbatches
+        # as it does the ids): packed rows' position ids, from which each stage builds its document mask.
         torch.compiler.cudagraph_mark_step_begin()  # CUDA-graphed layers (train.cuda_graphs): a new step
         losses: list[torch.Tensor] = []
         if self.is_last:
             options.update(target=labels, losses=losses)
+        if position_ids is not None:
+            options.update(position_ids=position_ids)
         run(*((input_ids,) if self.is_first else ()), **options)
         return torch.stack([loss.detach() for loss in losses]).sum() if self.is_last else None
 
@@ -166,11 +174,15 @@ class SingleRunner:
         self.n_microbatches = n_microbatches
         self.loss_fn = loss_fn
 
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def step(
+        self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         torch.compiler.cudagraph_mark_step_begin()
         total = torch.zeros((), device=input_ids.device)
-        for ids, target in zip(input_ids.chunk(self.n_microbatches), labels.chunk(self.n_microbatches), strict=True):
-            loss = self.loss_fn(self.module(ids), target)
+        chunks = zip(input_ids.chunk(self.n_microbatches), labels.chunk(self.n_microbatches), strict=True)
+        positions = [None] * self.n_microbatches if position_ids is None else position_ids.chunk(self.n_microbatches)
+        for (ids, target), pos in zip(chunks, positions, strict=True):
+            loss = self.loss_fn(self.module(ids) if pos is None else self.module(ids, position_ids=pos), target)
             loss.backward()
             total += loss.detach()
         return total

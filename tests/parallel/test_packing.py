@@ -1,0 +1,194 @@
+"""Packed rows (data.packing) compute what their samples compute alone: per-sample logits and gradients against
+transformers' own model, the block mask against the dense document mask, and whole runs against unpacked runs
+over the same samples in the same steps."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from pipetune.config import LoraConfig, ModelConfig
+from pipetune.data.batching import IGNORE
+from pipetune.model.attention import (
+    DocumentSpans,
+    document_block_mask,
+    document_ids,
+    spans_attention,
+    use_document_attention,
+)
+from pipetune.model.load import build_model
+from pipetune.model.lora import apply_lora
+from pipetune.model.shapes import resolve_model
+from pipetune.model.stage import StageModule
+from pipetune.parallel.pipeline import TokenLoss
+from tests.conftest import run_cli, tiny_config, write_config
+from tests.parallel.test_parity import _adapter, _losses, _max_relative, assert_rounding_apart
+
+WORDS = "we should ship the remote by friday agreed budget design buttons colour rubber case logo".split()
+
+
+def write_short_meetings(path: Path, n: int, seed: int = 0) -> Path:
+    """n short meetings as JSONL (transcripts of 2-12 words, summaries of 2-5): with data.system_prompt = "Sum."
+    every sample takes 30-64 tokens of the tiny tokenizer."""
+    rng = random.Random(seed)
+    rows = [
+        {
+            "dialogue": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 12))),
+            "summary": " ".join(rng.choice(WORDS) for _ in range(rng.randint(2, 5))),
+        }
+        for _ in range(n)
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def positions_of(lengths: list[int], row: int) -> torch.Tensor:
+    """[row] position ids of samples of `lengths` packed one after another, then the pads (a document of theirs)."""
+    used = sum(lengths)
+    return torch.cat([torch.arange(n) for n in [*lengths, row - used] if n > 0])
+
+
+# --------------------------------------------------------------------------- unit level: one process
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")  # the CPU's reference kernel
+def test_block_mask_is_the_document_mask() -> None:
+    """The tile tables built from position ids list exactly the tiles the dense causal document mask touches, and
+    flex attention under them (forward: torch has no flex backward on the CPU) equals causal SDPA on each sample."""
+    row, block = 300, 64  # the last tile is partial
+    position_ids = torch.stack(
+        [positions_of([100, 50, 129], row), positions_of([300], row), positions_of([1, 1, 130, 20], row)]
+    )
+    docs = document_ids(position_ids)
+    q = torch.arange(row)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (docs[b, q_idx] == docs[b, kv_idx]) & (q_idx >= kv_idx)
+
+    reference = create_block_mask(mask_mod, 3, None, row, row, device="cpu", BLOCK_SIZE=block)
+    mask = document_block_mask(position_ids, block)
+    assert torch.equal(mask.to_dense(), reference.to_dense())
+    full_tiles = torch.zeros_like(mask.to_dense())  # tiles that need no mask inside: wholly in one document, below
+    for b in range(3):
+        for i in range(mask.full_kv_num_blocks.shape[-1]):
+            full_tiles[b, 0, i, mask.full_kv_indices[b, 0, i, : mask.full_kv_num_blocks[b, 0, i]]] = 1
+    dense = (docs[:, :, None] == docs[:, None, :]) & (q[:, None] >= q[None, :])
+    n_tiles = -(-row // block)
+    extra = n_tiles * block - row
+    tiles = torch.nn.functional.pad(dense, (0, extra, 0, extra)).view(3, n_tiles, block, n_tiles, block)
+    assert torch.equal(full_tiles[:, 0].bool(), tiles.all(dim=4).all(dim=2))
+
+    torch.manual_seed(0)
+    query, key, value = torch.randn(3, 4, row, 16), torch.randn(3, 2, row, 16), torch.randn(3, 2, row, 16)
+    spans = DocumentSpans.of(position_ids)
+    assert spans.rows[2] == ((0, 1), (1, 2), (2, 132), (132, 152), (152, 300))
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), attn_mask=dense.unsqueeze(1)
+    )
+    torch.testing.assert_close(flex_attention(query, key, value, block_mask=mask, enable_gqa=True), expected)
+    torch.testing.assert_close(spans_attention(query, key, value, spans, None), expected)
+
+
+def test_packed_row_matches_each_sample_alone() -> None:
+    """A packed row through two pipeline stages (each building its mask from the position ids) gives every sample
+    the logits transformers' model gives it alone, and the row's loss the summed per-sample losses, with the same
+    adapter gradients."""
+    resolved = resolve_model(ModelConfig(name="tiny-qwen3", init="random"))
+    model, _ = build_model(resolved, torch.float32, torch.device("cpu"), seed=0)
+    peft_model = apply_lora(model, LoraConfig(dropout=0.0), "tiny-qwen3", seed=0)
+    for name, param in peft_model.named_parameters():  # lora_B starts at 0: give the adapters some effect
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.02)
+    torch.manual_seed(0)
+    lengths, row = [40, 1, 57, 17], 128
+    samples = [torch.randint(0, 1000, (n,)) for n in lengths]
+    targets = [torch.randint(0, 1000, (n,)) for n in lengths]
+    for target in targets:
+        target[: len(target) // 3] = IGNORE  # a prompt: no loss
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+
+    expected_logits, loss_fn = [], TokenLoss()
+    expected_loss = torch.zeros(())
+    for ids, target in zip(samples, targets, strict=True):
+        logits = peft_model(input_ids=ids[None]).logits  # transformers' own forward, SDPA, one sample
+        expected_logits.append(logits[0].detach())
+        expected_loss = expected_loss + loss_fn(logits, target[None])
+    expected_loss.backward()
+    expected_grads = [p.grad.clone() for p in params]
+    peft_model.zero_grad()
+
+    use_document_attention(peft_model)
+    first = StageModule(peft_model, layer_ids=[0, 1], first=True, last=False)
+    last = StageModule(peft_model, layer_ids=[2, 3], first=False, last=True)
+    pad = row - sum(lengths)
+    input_ids = torch.cat([*samples, torch.zeros(pad, dtype=torch.long)])[None]
+    labels = torch.cat([*targets, torch.full((pad,), IGNORE)])[None]
+    position_ids = positions_of(lengths, row)[None]
+    logits = last(first(input_ids, position_ids=position_ids), position_ids=position_ids)
+    loss = loss_fn(logits, labels)
+    loss.backward()
+    starts = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    for expected, start, end in zip(expected_logits, starts, starts[1:], strict=False):
+        torch.testing.assert_close(logits[0, start:end].detach(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss.detach(), expected_loss.detach(), rtol=1e-6, atol=0)
+    for param, expected in zip(params, expected_grads, strict=True):  # float32 sums in another order
+        assert float((param.grad - expected).norm() / expected.norm()) < 1e-5
+
+
+# --------------------------------------------------------------------------- whole runs: several processes
+
+
+def _run(tmp: Path, name: str, data: Path, *overrides: str) -> Path:
+    run_dir = tmp / name
+    config = tiny_config(
+        run_dir,
+        f'data.source="{data}"',
+        'data.system_prompt="Sum."',
+        "data.validation_fraction=0.25",
+        "train.max_steps=-1",
+        *overrides,
+    )
+    run_cli("train", "--config", str(write_config(config, tmp / f"{name}.toml")), "--quiet")
+    return run_dir
+
+
+@pytest.mark.slow
+def test_packed_runs_match_the_unpacked_run_on_the_same_samples(tmp_path: Path) -> None:
+    """Every sample takes at most half a row, so first fit pairs consecutive samples of the epoch's order: rows of
+    two samples, 4 rows a schedule step, hold the 8 samples an unpacked step of 8 rows holds. The losses of each
+    step (normalized over its supervised tokens) and the adapter must match, in one process, through a 1F1B
+    pipeline of 2 stages and through an interleaved one of 4 (torch's multi-stage runtime hands the position ids
+    to each stage of a rank). The adapters differ from the unpacked one only as rounding does under Adam
+    (attention runs per sample instead of over the row: other float32 sums), and from each other not even so."""
+    data = write_short_meetings(tmp_path / "meetings.jsonl", 43)  # 32 training samples after the hold-out
+    reference = _run(tmp_path, "unpacked", data, "parallel.pp=1", "train.batch_size=8")
+    packed = ["data.packing=true", "data.max_samples_per_row=2", "train.batch_size=4"]
+    runs = [
+        _run(tmp_path, "single", data, "parallel.pp=1", *packed),
+        _run(tmp_path, "pp2", data, *packed),
+        _run(tmp_path, "looped", data, *packed, 'parallel.schedule="interleaved_1f1b"', "parallel.stages_per_rank=2"),
+    ]
+    expected = _losses(reference)
+    assert len(expected) == 2
+    for run_dir in runs:
+        torch.testing.assert_close(torch.tensor(_losses(run_dir)), torch.tensor(expected), rtol=1e-5, atol=0)
+        assert_rounding_apart(_adapter(run_dir), _adapter(reference))
+    for run_dir in runs[1:]:
+        assert _max_relative(_adapter(run_dir), _adapter(runs[0])) < 1e-5
+    # The metrics count the same supervised and real tokens, in half the rows: twice the real share of them.
+    unpacked, packed_rows = _steps(reference), _steps(runs[1])
+    assert [r["supervised_tokens"] for r in packed_rows] == [r["supervised_tokens"] for r in unpacked]
+    for got, want in zip(packed_rows, unpacked, strict=True):
+        share = float(got["real_tokens_per_sec"]) / float(got["tokens_per_sec"])
+        assert share == pytest.approx(2 * float(want["real_tokens_per_sec"]) / float(want["tokens_per_sec"]), rel=1e-5)
+
+
+def _steps(run_dir: Path) -> list[dict[str, str]]:
+    with open(run_dir / "metrics.csv") as f:
+        return [row for row in csv.DictReader(f) if row["loss"]]
