@@ -56,6 +56,9 @@ RESUME_REFUSED = {
         "synthetic_train",
         "validation_fraction",
         "system_prompt",
+        "synthetic_lengths",
+        "packing",
+        "max_samples_per_row",
     ),
     "lora": ("r", "alpha", "target_modules"),
     "train": ("seed", "batch_size", "grad_accum"),
@@ -63,7 +66,8 @@ RESUME_REFUSED = {
 }
 """Keys a resumed run must keep: they shape the base model (its weights as the adapters see them: dtype and
 quantization included), the adapters, the samples (the prompt's system turn included) or the data order and
-position (seed, batch_size x dp, grad_accum). Every other key may change on resume and is applied: lr, weight
+position (seed, batch_size x dp, grad_accum; packing and the samples a packed row may hold decide which samples
+share a row). Every other key may change on resume and is applied: lr, weight
 decay and the schedule (warmup_steps, min_lr_ratio, epochs, max_steps) included. The data's content must not
 change either: COMMITTED records a digest of every data file (`data_content`)."""
 SANE_ADAPTER_MAX = 1e4

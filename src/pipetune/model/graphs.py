@@ -17,10 +17,10 @@ GPU_FLOPS = 790e12
 """bf16 matmul rate measured on an H200 (the benchmarks' peak)."""
 HOST_SECONDS_PER_LAYER_CALL = 1.85e-3
 """Host time to launch one compiled decoder layer's call without CUDA graphs, measured on 2x H200 (Qwen3-4B,
-benchmarks/NOTES.md): what replaying it as a graph saves."""
+benchmarks/journal/NOTES.md): what replaying it as a graph saves."""
 SECONDS_PER_GRAPH_RECORDING = 0.3
 """Time torch's CUDA-graph trees take to record one compiled layer call, measured on 2x H200 (Qwen3-4B): the
-step that records them took 30-48 s for 144-152 layer calls per rank (benchmarks/2026-11-29-speed-h200.md)."""
+step that records them took 30-48 s for 144-152 layer calls per rank (benchmarks/journal/2026-11-29-speed-h200.md)."""
 MAX_RECORDING_SECONDS = 120
 """The longest recording a run accepts: beyond it graphs stay off. At the 72B shape with tensor parallelism or
 microbatches of one sequence a rank would record 1,280 graphs (~6.4 minutes in its second step, measured: the

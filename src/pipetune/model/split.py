@@ -8,13 +8,13 @@ loss; the embedding lookup on the first stage is a gather, nearly free.
 
 lm_head is one large matmul that runs much nearer the GPU's peak than a decoder layer's many small
 kernels, so its time is weighted by HEAD_TIME_PER_FLOP: on an H200 (Qwen3-4B, compiled layers) the head
-takes the time of about 2 decoder layers, half its FLOP share (benchmarks/2026-11-29-perf-h200.md has the
+takes the time of about 2 decoder layers, half its FLOP share (benchmarks/journal/2026-11-29-perf-h200.md has the
 splits that show it).
 
 With train.fused_loss only the supervised rows (the summary) reach the head, at most
 max_summary_tokens + 1 of max_length: the head's FLOPs scale by that share (`fused_loss_share`), and
 their time by FUSED_HEAD_TIME_PER_FLOP, measured on 2x H200 (seq 512, summary <= 256, compiled layers
-with CUDA graphs, benchmarks/2026-11-29-speed-h200.md): per microbatch the last stage's head and loss
+with CUDA graphs, benchmarks/journal/2026-11-29-speed-h200.md): per microbatch the last stage's head and loss
 take the time of ~1.3-1.4 decoder layers: the loss is chunked, and (then) a host sync picked the supervised
 rows, so it costs more than its FLOPs. The slower stage sets the pace, so the split that balances these times is
 the fastest (the benchmark has the stage cycles of the splits around it).

@@ -37,7 +37,7 @@ class _GradInOwnMemory(torch.autograd.Function):
     NCCL's stream while the next actions' graphs replay; a copy from the caching allocator stays valid until
     NCCL is done with it. Without the copies (this one and the stage output's), a replay overwrites gradients
     that a slow transfer (fewer NCCL channels) is still sending, and training goes on with corrupted ones
-    (benchmarks/2026-11-29-speed-h200.md, third round, has the run that showed it)."""
+    (benchmarks/journal/2026-11-29-speed-h200.md, third round, has the run that showed it)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ MARGIN = 0.07
 COMPILED_ACTIVATIONS = 0.85
 """Share of a layer's eagerly measured activations that the compiled layer keeps: inductor recomputes cheap
 elementwise work in backward (the norms' float32 copies among it) rather than saving it. On 2x H200 compiled runs
-peaked 5-8% under the eager measurement's prediction, eager runs within 5% of it (benchmarks/plan-check.md)."""
+peaked 5-8% under the eager measurement's prediction, eager runs within 5% of it (benchmarks/journal/plan-check.md)."""
 OPTIMIZER_BYTES = 12
 """Per trainable parameter besides the parameter itself: its float32 gradient and two AdamW moments."""
 

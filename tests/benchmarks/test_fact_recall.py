@@ -1,4 +1,4 @@
-"""benchmarks/fact_recall.py end to end on CPU: a tiny model, one step per run, two held-out meetings."""
+"""benchmarks/tools/fact_recall.py end to end on CPU: a tiny model, one step per run, two held-out meetings."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -19,7 +19,7 @@ def test_fact_recall_benchmark_trains_both_runs_and_compares_them(tmp_path: Path
     args = ["--model", "tiny-qwen3", "--out", str(out), "--steps", "1", "--train-meetings", "4", "--meetings", "2"]
     args += ["--max-length", "256", "--cut-length", "128", "--max-new-tokens", "4", "--target", "0"]
     done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "fact_recall.py"), *args],
+        [sys.executable, str(REPO / "benchmarks" / "tools" / "fact_recall.py"), *args],
         capture_output=True,
         text=True,
         timeout=300,

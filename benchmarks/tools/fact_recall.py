@@ -5,7 +5,7 @@ converted SmolLM2 checkpoint in .whl/):
 
     pip install --no-index --find-links .whl rouge-score
     PYTHONPATH=src PIPETUNE_CACHE=/tmp/pipetune-cache HF_HUB_OFFLINE=1 \
-        python benchmarks/fact_recall.py --model .whl/smollm2-135m --out $OUT/fact-recall
+        python benchmarks/tools/fact_recall.py --model .whl/smollm2-135m --out $OUT/fact-recall
 
 Trains the shipped demo-smollm2-meetings config (whole synthetic meetings, ~6,000 tokens each, read at
 data.max_length 8192, batch 2) and its cut counterpart (data.max_length 512, batch 32: the same optimizer steps and
@@ -19,7 +19,7 @@ not at least --target times the cut one's (2x).
 
 A CPU smoke run with the tiny random model (what tests/test_fact_recall_benchmark.py runs):
 
-    PYTHONPATH=src python benchmarks/fact_recall.py --model tiny-qwen3 --out /tmp/fr --steps 1 \\
+    PYTHONPATH=src python benchmarks/tools/fact_recall.py --model tiny-qwen3 --out /tmp/fr --steps 1 \\
         --train-meetings 4 --meetings 2 --max-length 256 --cut-length 128 --max-new-tokens 4 --target 0
 """
 
