@@ -39,9 +39,9 @@ class GpuRates:
 
     The defaults are an H200's. The matmul rate was measured (profile); the attention rate is flash attention's
     published order of magnitude; the link is NVLink's. The per-mode constants (other, host, kernel, FSDP) were
-    fitted, by least squares on log tokens/s, to the 32 timed pipetune runs on 2x H200 in benchmarks/journal/results
-    (benchmarks/journal/plan-check.md has each run beside its prediction): they describe those runs, and a GPU of another
-    kind needs `pipetune plan --calibrate`."""
+    fitted, by least squares on log tokens/s, to the 32 timed pipetune runs on 2x H200 in
+    benchmarks/journal/results (benchmarks/journal/plan-check.md has each run beside its prediction): they describe
+    those runs, and a GPU of another kind needs `pipetune plan --calibrate`."""
 
     name: str = "H200, fitted to the benchmarks' runs (uncalibrated here)"
     matmul_flops: float = 775e12
