@@ -41,12 +41,11 @@ from pipetune.data.sources import chat_lines
 from pipetune.export import PROMPT_FILE, write_prompt_settings
 from pipetune.metrics import MetricsLog, PhaseLog, host_peak_gb, peak_memory_gb, reset_peak_memory
 from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory, graphs_untried
-from pipetune.model.load import DTYPES, build_meta, materialize
-from pipetune.model.lora import adapter_state, apply_lora, save_adapter, use_fast_path
-from pipetune.model.quantize import quantize_linears
+from pipetune.model.load import DTYPES
+from pipetune.model.lora import adapter_state, save_adapter
 from pipetune.model.split import StageCosts, run_split, stage_costs
 from pipetune.model.stage import StageModule
-from pipetune.parallel.fsdp import shard_stages
+from pipetune.parallel.assemble import StagePart, build_stage_modules, compile_stages, run_parallelism
 from pipetune.parallel.memory import auto_checkpointing
 from pipetune.parallel.mesh import GradientSync, Mesh, bad_ranks, build_mesh, clip_global_grad_norm
 from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, evaluate_validation
@@ -60,7 +59,7 @@ from pipetune.parallel.torch_compat import (
     restore_gradients,
     stash_gradients,
 )
-from pipetune.parallel.tp import apply_tp, sum_partial_gradients
+from pipetune.parallel.tp import sum_partial_gradients
 from pipetune.preflight import Prepared, check_optimizer_steps, preflight
 from pipetune.profile import profiled
 from pipetune.schedules import SCHEDULES, stage_ids
@@ -293,7 +292,7 @@ def build_stages(
     quiet: bool,
 ) -> Stages:
     """Build this rank's stages on the meta device, split (tp) and shard (FSDP) them there, then allocate and fill
-    only this rank's part."""
+    only this rank's part (parallel/assemble.py: the order of it all)."""
     t, p = config.train, config.parallel
     device = env.device
     n_stages = p.n_stages
@@ -301,28 +300,21 @@ def build_stages(
     my_stages = stage_ids(p.schedule, mesh.pp_rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
     phases.mark("load")
     load_started = time.perf_counter()
-    model = build_meta(
+    parts = [StagePart(list(ranges[s]), first=s == 0, last=s == n_stages - 1) for s in my_stages]
+    built = build_stage_modules(
         prepared.model,
         DTYPES[config.model.dtype],
-        layers=sorted(i for s in my_stages for i in ranges[s]),
-        first=0 in my_stages,
-        last=n_stages - 1 in my_stages,
+        config.lora,
+        parts,
+        device,
+        run_parallelism(config, mesh),
+        seed=t.seed,
+        quantize=config.model.quantize,
+        tp=p.tp,
+        name=config.model.name,
     )
-    peft_model = apply_lora(model, config.lora, config.model.name, t.seed)
-    quantize_linears(peft_model, config.model.quantize)  # placeholders, quantized as materialize fills them
-    if config.lora.fast_path:
-        use_fast_path(peft_model, config.lora.shared_dropout, p.tp)
-    peft_model.train()
-    modules = [StageModule(peft_model, list(ranges[s]), first=s == 0, last=s == n_stages - 1) for s in my_stages]
-    # Split (tp) and sharded (FSDP) on the meta device: parameters become DTensor shards, before the optimizer
-    # and pipeline stages, and each rank then allocates only its shards.
-    if mesh.tp_mesh is not None:
-        apply_tp(modules, mesh.tp_mesh, p.sequence_parallel)
-    if p.sharded:
-        shard_stages(modules, mesh.dp_mesh, pipelined=n_stages > 1)
-    load_stats = materialize(peft_model, prepared.model, device, t.seed, roots=modules)
+    peft_model, modules, load_stats = built.peft_model, built.modules, built.loaded
     for module in modules:
-        module.checkpoint_layers = len(module.layers) if t.activation_checkpointing is True else 0
         keep_rng_out_of_no_grad_forwards(module, device)
     phases.mark("ready", load_s=round(time.perf_counter() - load_started, 2), peak_gb=round(peak_memory_gb(device), 2))
     params = [param for param in peft_model.parameters() if param.requires_grad]
@@ -425,8 +417,7 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
                 f"{untried} (grouped layers have not run there yet)",
             )
             per_graph = 1
-        for module in modules:
-            module.compile_layers(cuda_graphs=cuda_graphs, per_graph=per_graph)
+        compile_stages(modules, cuda_graphs=cuda_graphs, per_graph=per_graph)
     # Whole-model replicas overlap their all-reduce with the backward; FSDP reduce-scatters during it.
     gradients = GradientSync(
         stages.params,
