@@ -62,7 +62,7 @@ from pipetune.parallel.torch_compat import (
 from pipetune.parallel.tp import sum_partial_gradients
 from pipetune.preflight import Prepared, check_optimizer_steps, preflight
 from pipetune.profile import profiled
-from pipetune.schedules import SCHEDULES, stage_ids
+from pipetune.schedules import SCHEDULES
 from pipetune.worker import named_cache_error
 
 
@@ -297,7 +297,7 @@ def build_stages(
     device = env.device
     n_stages = p.n_stages
     costs, ranges = run_split(config, prepared.model.config)
-    my_stages = stage_ids(p.schedule, mesh.pp_rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
+    my_stages = p.stage_ids(mesh.pp_rank)
     phases.mark("load")
     load_started = time.perf_counter()
     parts = [StagePart(list(ranges[s]), first=s == 0, last=s == n_stages - 1) for s in my_stages]
@@ -367,7 +367,7 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
         loss_fn = TokenLoss(head=last_stage.lm_head, chunk=t.loss_chunk)
 
     def runner() -> PipelineRunner | SingleRunner:
-        if p.n_stages == 1:
+        if not p.pipelined:
             return SingleRunner(modules[0], p.n_microbatches, loss_fn)
         return PipelineRunner(
             modules, stages.ids, p.n_stages, device, mesh.pp_group, p.schedule, p.n_microbatches, loss_fn
@@ -377,12 +377,12 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
     timelines: dict[int, StageTimeline] = {}
     for length in config.data.buckets or [max_length]:
         runners[length] = runner()
-        if t.timeline_step and p.n_stages > 1:
+        if t.timeline_step and p.pipelined:
             timelines[length] = StageTimeline(runners[length].stages, runners[length].schedule, env.rank, device)
     # Validation's forward-only steps run on pipeline stages of their own: on torch 2.11 a training step on
     # stages whose first step was forward-only (the validation before step 1) sent no input gradient ("[5] for
     # chunk 0 has gradients None", 2x H200), and torch re-infers a stage's shapes after every forward-only step.
-    validation = runner() if p.n_stages > 1 else runners[max_length]
+    validation = runner() if p.pipelined else runners[max_length]
     if t.activation_checkpointing == "auto":
         plan = auto_checkpointing(modules, stages.ids, mesh.pp_rank, config, prepared.model, device, mesh.tp_mesh)
         for module, count in zip(modules, plan.layers, strict=True):
@@ -408,8 +408,8 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
         give_gradients_own_memory(stages.params)
     if t.compile:
         per_graph = t.layers_per_graph
-        if per_graph != 1 and (p.sharded or p.tp > 1):
-            untried = f"parallel.tp = {p.tp}" if p.tp > 1 else "FSDP"
+        if per_graph != 1 and (p.sharded or p.tensor_parallel):
+            untried = f"parallel.tp = {p.tp}" if p.tensor_parallel else "FSDP"
             print0(
                 env,
                 False,
@@ -423,7 +423,7 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
         stages.params,
         None if p.sharded else mesh.dp_group,
         t.grad_accum * p.n_microbatches,
-        overlap=p.overlap_gradient_sum and p.n_stages == 1 and p.tp == 1,
+        overlap=p.overlapped_gradient_sum,
     )
     return Runners(runners, timelines, loss_fn, validation, cuda_graphs, gradients)
 
@@ -567,7 +567,7 @@ def forward_backward(loop: Loop, batches: torch.Tensor, lengths: torch.Tensor) -
         if timeline is not None:
             timeline.start()
         # A sharded pipeline stage may drop earlier gradients on its first step (see restore_gradients).
-        stashed = stash_gradients(params) if p.sharded and p.n_stages > 1 and j > 0 else None
+        stashed = stash_gradients(params) if p.sharded and p.pipelined and j > 0 else None
         input_ids, labels = loop.data.split.batch(index, length, loop.data.pad_id)
         # The ids are copied from pinned memory without waiting for the device; the labels stay on the host,
         # where the loss finds its supervised positions (model/loss.py) and copies them likewise.

@@ -63,7 +63,7 @@ def run_parallelism(config: Config, mesh: Mesh) -> Parallelism:
         tp_mesh=mesh.tp_mesh,
         sequence_parallel=p.sequence_parallel,
         fsdp_mesh=mesh.dp_mesh if p.sharded else None,
-        pipelined=p.n_stages > 1,
+        pipelined=p.pipelined,
         checkpointing=config.train.activation_checkpointing,
     )
 

@@ -31,7 +31,6 @@ from pipetune.model.shapes import ResolvedModel, one_layer_model
 from pipetune.model.stage import StageModule, local_part
 from pipetune.parallel.assemble import Parallelism, StagePart, build_stage_modules
 from pipetune.parallel.pipeline import Action, schedule_actions
-from pipetune.schedules import stage_ids
 
 GB = 1e9
 MARGIN = 0.07
@@ -88,10 +87,10 @@ def inflight_timeline(actions: Sequence[Action], stage_ids: Sequence[int]) -> li
 def rank_timeline(p: ParallelConfig, pp_rank: int) -> list[list[int]]:
     """`inflight_timeline` of pipeline rank `pp_rank` under `p`'s schedule; one microbatch at a time for pp = 1
     (the microbatches of a step run one after another, each forward followed by its backward)."""
-    if p.pp == 1:
+    if not p.pipelined:
         return [[1]]
     actions = schedule_actions(p.schedule, p.pp, p.stages_per_rank, p.n_microbatches)[pp_rank]
-    return inflight_timeline(actions, stage_ids(p.schedule, pp_rank, p.pp, p.stages_per_rank))
+    return inflight_timeline(actions, p.stage_ids(pp_rank))
 
 
 def activation_bytes(
@@ -253,7 +252,7 @@ def check_weights_fit(config: Config, model_config: PretrainedConfig, ranges: Se
         weights = (layers + root) / shards
         if weights > 0.9 * budget:
             sharded = f", sharded over parallel.dp = {p.dp}" if p.sharded else ""
-            sharded += f", split over parallel.tp = {p.tp}" if p.tp > 1 else ""
+            sharded += f", split over parallel.tp = {p.tp}" if p.tensor_parallel else ""
             stored = config.model.dtype + (f" and {quantize}" if quantize != "none" else "")
             smaller = ', or store the base quantized: model.quantize = "nf4" (~0.52 bytes a weight)'
             raise ConfigError(
@@ -280,7 +279,7 @@ def rank_weight_bytes(
     layer_bytes += sum(stored_bytes(rows, columns, config.model.quantize, element) for _, rows, columns in linears)
     weights = []
     for rank in range(p.pp):
-        stages = stage_ids(p.schedule, rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
+        stages = p.stage_ids(rank)
         root = (embedding if 0 in stages else 0) + (head if len(ranges) - 1 in stages else 0)
         weights.append((sum(len(ranges[s]) for s in stages) * layer_bytes, root * element))
     return weights
