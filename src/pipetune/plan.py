@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from pipetune.config import Config, ConfigError
+from pipetune.config import Config, ConfigError, ParallelConfig
 from pipetune.model.graphs import choose_cuda_graphs, graphs_untried
 from pipetune.model.shapes import ResolvedModel, one_layer_model, resolve_model
 from pipetune.model.split import StageCosts, run_split
@@ -255,23 +255,26 @@ def predict(
             backward[stage] = n * b + recomputed * f
     if mode == "graphs" and "graphs" not in rank_modes:
         mode = "compiled"
-    if p.pipelined:
-        order = schedule_actions(p.schedule, p.pp, p.stages_per_rank, p.n_microbatches)
-        stage_rank = p.stage_ranks()
-        stages = range(len(ranges))
-        transfer = link_seconds(hidden_bytes, rates)
-        replay = replay_schedule(
-            order, stage_rank, [forward[s] for s in stages], [backward[s] for s in stages], transfer
-        )
-    else:
-        busy = p.n_microbatches * (forward[0] + backward[0])
-        replay = Replay(busy, [busy])
+    replay = _replay_step(p, forward, backward, link_seconds(hidden_bytes, rates))
     trainable = sum(map(sum, stage_layers)) / p.pp * shape.trainable_per_layer
     step = t.grad_accum * (replay.step_seconds + gather_seconds)
     step += all_reduce_seconds(4 * trainable, p.dp, rates) + rates.step_seconds  # the adapters' gradients
     tokens_per_sec = t.batch_size * p.dp * t.grad_accum * seq / step
     bubble = replay.bubble if p.pipelined else []
     return Prediction(layout, peaks, checkpointed, stage_layers, tokens_per_sec, step, bubble, budget, mode, work)
+
+
+def _replay_step(p: ParallelConfig, forward: dict[int, float], backward: dict[int, float], transfer: float) -> Replay:
+    """One schedule step of stages taking `forward` / `backward` seconds (by stage) per microbatch: replayed in
+    the schedule's order on their ranks, `transfer` seconds between ranks; without a pipeline, microbatches in turn."""
+    if not p.pipelined:
+        busy = p.n_microbatches * (forward[0] + backward[0])
+        return Replay(busy, [busy])
+    order = schedule_actions(p.schedule, p.pp, p.stages_per_rank, p.n_microbatches)
+    stages = sorted(forward)
+    return replay_schedule(
+        order, p.stage_ranks(), [forward[s] for s in stages], [backward[s] for s in stages], transfer
+    )
 
 
 def _mode(config: Config) -> str:
