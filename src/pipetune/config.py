@@ -537,7 +537,7 @@ def _check_model(m: ModelConfig, p: ParallelConfig) -> None:
         'set model.dtype = "bfloat16", or use model.quantize = "nf4"',
     )
     _check(
-        m.quantize == "none" or p.tp == 1,
+        m.quantize == "none" or not p.tensor_parallel,
         f"model.quantize = {m.quantize!r} with parallel.tp = {p.tp}: quantized weights are not split over "
         "tensor-parallel ranks; set parallel.tp = 1 (pp, ddp or fsdp carry a quantized base) or "
         "model.quantize = 'none'",
@@ -592,7 +592,7 @@ def _check_lora(lora: LoraConfig, p: ParallelConfig) -> None:
         "set lora.fast_path = true, or lora.shared_dropout = false",
     )
     _check(
-        not lora.shared_dropout or p.tp == 1,
+        not lora.shared_dropout or not p.tensor_parallel,
         f"lora.shared_dropout = true with parallel.tp = {p.tp}: tensor parallelism splits each adapter on its own "
         "and draws its masks per adapter; set lora.shared_dropout = false, or parallel.tp = 1",
     )
@@ -816,7 +816,9 @@ def _check_strategy(p: ParallelConfig) -> None:
     """What the strategy fixes of the layout (its record in pipetune/strategies.py; tp's: _check_tensor_parallel)."""
     s = STRATEGY_SPECS[p.strategy]
     if not s.pipeline and s.sharded is False:  # ddp
-        _check(p.pp == 1, f"parallel.strategy = 'ddp' runs whole-model replicas: set parallel.pp = 1 (got {p.pp})")
+        _check(
+            not p.pipelined, f"parallel.strategy = 'ddp' runs whole-model replicas: set parallel.pp = 1 (got {p.pp})"
+        )
         _check(
             not p.dp_shard,
             "parallel.strategy = 'ddp' all-reduces whole replicas' gradients; for replicas sharded with FSDP "
@@ -824,7 +826,7 @@ def _check_strategy(p: ParallelConfig) -> None:
         )
     if not s.pipeline and s.sharded:  # fsdp
         _check(
-            p.pp == 1,
+            not p.pipelined,
             f"parallel.strategy = 'fsdp' shards whole-model replicas: set parallel.pp = 1 (got {p.pp}), "
             "or keep the pipeline with parallel.strategy = 'pp' and parallel.dp_shard = true",
         )
@@ -852,7 +854,7 @@ def _check_tensor_parallel(p: ParallelConfig, d: DataConfig) -> None:
     s = STRATEGY_SPECS[p.strategy]
     if s.tensor_parallel and not s.pipeline:  # tp
         _check(
-            p.pp == 1 and p.tp >= 2,
+            not p.pipelined and p.tensor_parallel,
             f"parallel.strategy = 'tp' splits whole-model replicas over tensor-parallel ranks: set parallel.pp = 1 "
             f"and parallel.tp >= 2 (got pp = {p.pp}, tp = {p.tp}), or keep the pipeline with parallel.strategy = 'pp' "
             "and parallel.tp",
@@ -870,8 +872,8 @@ def _check_tensor_parallel(p: ParallelConfig, d: DataConfig) -> None:
             f"length{'s' if len(uneven) > 1 else ''} {', '.join(map(str, uneven))} (data.max_length / data.buckets) "
             f"{'are' if len(uneven) > 1 else 'is'} not a multiple of {p.tp}; use multiples of {p.tp}",
         )
-    _check(
-        p.tp == 1 or s.tensor_parallel is not False or s.max_replicas == 1,  # single: _check_strategy's message
+    _check(  # "single": its own message (_check_strategy)
+        not p.tensor_parallel or s.tensor_parallel is not False or s.max_replicas == 1,
         f"parallel.tp = {p.tp} with parallel.strategy = 'ddp', which replicates whole models: for replicas split over "
         "tensor-parallel ranks use parallel.strategy = 'tp' with parallel.dp replicas, or set parallel.tp = 1",
     )

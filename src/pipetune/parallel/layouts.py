@@ -74,7 +74,7 @@ class Layout:
         if spec.pipeline:
             return dataclasses.replace(cls.of(config), strategy=strategy)
         ranks, global_batch = p.world_size, t.batch_size * p.dp
-        _, replicas, tp = spec.grid(ranks, p.tp if p.tp > 1 else p.pp if p.pp > 1 else ranks)
+        _, replicas, tp = spec.grid(ranks, p.tp if p.tensor_parallel else p.pp if p.pipelined else ranks)
         if spec.max_replicas == 1:
             n_microbatches = p.n_microbatches * p.dp
             return cls(
