@@ -24,10 +24,8 @@ import time
 import torch
 
 from pipetune.config import LoraConfig, ModelConfig
-from pipetune.model.load import build_model
-from pipetune.model.lora import apply_lora, use_fast_path
 from pipetune.model.shapes import resolve_model
-from pipetune.model.stage import StageModule
+from pipetune.parallel.assemble import StagePart, build_stage_modules, compile_stages
 
 
 def layer_ms(args: argparse.Namespace, device: torch.device, fallback_random: bool, dropout: float) -> float:
@@ -35,12 +33,13 @@ def layer_ms(args: argparse.Namespace, device: torch.device, fallback_random: bo
     torch._dynamo.reset()
     torch._inductor.config.fallback_random = fallback_random
     resolved = resolve_model(ModelConfig(name=args.model, init="random"))
-    layers = list(range(args.layers))
-    model, _ = build_model(resolved, torch.bfloat16, device, layers=layers, first=False, last=False, seed=0)
-    peft_model = apply_lora(model, LoraConfig(r=16, alpha=32, dropout=dropout), args.model, 0)
-    use_fast_path(peft_model, grouped=False)  # no dropout: the same 7 down-projections, without masks
-    stage = StageModule(peft_model)
-    stage.compile_layers()  # no CUDA graphs: a leaf input reused across steps trips their output checks
+    lora = LoraConfig(r=16, alpha=32, dropout=dropout, fast_path=True)
+    # grouped=False: without dropout too, the same 7 down-projections, without masks
+    built = build_stage_modules(
+        resolved, torch.bfloat16, lora, [StagePart(list(range(args.layers)))], device, grouped=False
+    )
+    (stage,) = built.modules
+    compile_stages([stage])  # no CUDA graphs: a leaf input reused across steps trips their output checks
     hidden = resolved.config.hidden_size
     x = torch.randn(args.batch, args.seq, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn_like(x)

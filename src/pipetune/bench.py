@@ -14,7 +14,6 @@ measured on an H200).
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import platform
@@ -30,46 +29,24 @@ from pipetune.config import RUN_STRATEGIES, Config, ConfigError, save_config
 from pipetune.files import read_metrics_rows
 from pipetune.metrics import read_phases
 from pipetune.model.split import estimate_costs
+from pipetune.parallel.layouts import Layout
 from pipetune.preflight import prepare
 from pipetune.report import plot_bench
+from pipetune.strategies import STRATEGY_SPECS
 
 
 def strategy_config(config: Config, strategy: str, steps: int, warmup: int, out_dir: Path, rows: int = 1) -> Config:
-    """The config's run as `strategy`, on as many ranks and at the same effective batch: "ddp" spreads each
-    schedule step's batch over one whole-model replica per rank (one forward per replica), "fsdp" likewise with
-    the replicas sharded; "tp" splits each replica over tp ranks (the config's tp, else its pipeline's pp ranks,
-    else all ranks), keeping its microbatch size; "single" runs it in one process, microbatch by microbatch.
+    """The config's run as `strategy`, on as many ranks and at the same effective batch (`Layout.for_strategy`).
     A metrics row every `rows` steps (each waits for the GPU; between them the host runs ahead)."""
-    variant = copy.deepcopy(config)
-    p, t = variant.parallel, variant.train
-    ranks, global_batch = p.world_size, t.batch_size * p.dp
-    if strategy in ("ddp", "fsdp", "tp"):
-        tp = (p.tp if p.tp > 1 else p.pp if p.pp > 1 else ranks) if strategy == "tp" else 1
-        replicas = ranks // tp
-        if strategy == "tp" and tp < 2:
-            raise ConfigError("--strategies tp splits replicas over ranks: the config needs parallel.pp x dp x tp >= 2")
-        if global_batch % replicas:
-            raise ConfigError(f"--strategies {strategy}: batch {global_batch} does not split over {replicas} replicas")
-        if strategy == "fsdp" and replicas < 2:
-            raise ConfigError("--strategies fsdp shards over replicas: the config needs parallel.pp x dp >= 2 ranks")
-        t.batch_size = global_batch // replicas
-        n_microbatches = 1
-        if strategy == "tp" and t.batch_size % config.microbatch_size == 0:
-            n_microbatches = t.batch_size // config.microbatch_size
-        p.pp, p.dp, p.tp, p.n_microbatches, p.schedule, p.stages_per_rank = 1, replicas, tp, n_microbatches, "1f1b", 1
-        p.dp_shard = False  # "fsdp" implies it, "ddp" refuses it
-    elif strategy == "single":
-        t.batch_size = global_batch
-        p.pp, p.dp, p.tp, p.n_microbatches, p.schedule, p.stages_per_rank = 1, 1, 1, p.n_microbatches * p.dp, "1f1b", 1
-        p.dp_shard = False
-    if strategy != "pp":
-        p.layers_per_stage, p.sequence_parallel = [], p.sequence_parallel and p.tp > 1
-    p.strategy = strategy
+    variant = Layout.for_strategy(config, strategy).apply(config)
+    p = variant.parallel
+    if not STRATEGY_SPECS[strategy].pipeline:
+        p.layers_per_stage, p.sequence_parallel = [], p.sequence_parallel and p.tensor_parallel
     variant.train.max_steps = warmup + steps
     variant.train.epochs = 10_000  # max_steps ends the run
     variant.train.log_every = rows
     variant.train.save_every = 0
-    variant.train.timeline_step = warmup + 1 if variant.parallel.pp > 1 else 0
+    variant.train.timeline_step = warmup + 1 if variant.parallel.pipelined else 0
     variant.output.dir = str(out_dir / strategy)
     return variant
 

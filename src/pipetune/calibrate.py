@@ -175,12 +175,10 @@ def time_layer(
     mesh as a run splits it (parallel/tp.py), all-reduces and DTensor dispatch included.
     `grouped`: on the fast LoRA path, the down-projections of one input as one matmul where a run would."""
     from pipetune.model.graphs import give_gradients_own_memory
-    from pipetune.model.load import DTYPES, build_meta, materialize
-    from pipetune.model.lora import apply_lora, use_fast_path
-    from pipetune.model.quantize import quantize_linears
+    from pipetune.model.load import DTYPES
     from pipetune.model.shapes import resolve_model
-    from pipetune.model.stage import StageModule, hidden_states
-    from pipetune.parallel.tp import apply_tp
+    from pipetune.model.stage import hidden_states, layer_call_kwargs
+    from pipetune.parallel.assemble import Parallelism, StagePart, build_stage_modules, compile_stages
     from pipetune.plan import tensor_parallel_share
 
     resolved = resolve_model(dataclasses.replace(config.model, init="random"))
@@ -188,31 +186,28 @@ def time_layer(
     shape_only = dataclasses.replace(resolved, config=share, weights_dir=None)
     dtype = DTYPES[config.model.dtype]
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        model = apply_lora(build_meta(shape_only, dtype, [0], first=False, last=False), config.lora, resolved.name, 0)
-        if work.nf4_weights:  # the NF4 base the run's layers dequantize in every call
-            quantize_linears(model, "nf4")
-        if config.lora.fast_path:
-            use_fast_path(model, config.lora.shared_dropout, work.tp, grouped)
-        stage = StageModule(model)
-        if tp_mesh is not None:
-            apply_tp([stage], tp_mesh)
-        materialize(model, shape_only, device)
-        model.train()
+        built = build_stage_modules(
+            shape_only,
+            dtype,
+            config.lora,
+            [StagePart([0])],
+            device,
+            Parallelism(tp_mesh),
+            quantize="nf4" if work.nf4_weights else "none",  # the NF4 base the run's layers dequantize in every call
+            tp=work.tp,
+            grouped=grouped,
+        )
+        model, (stage,) = built.peft_model, built.modules
         layer = stage.layers[0]
         if mode in ("compiled", "graphs"):
-            stage.compile_layers(cuda_graphs=mode == "graphs")  # its one layer, in place, as a run compiles it
+            compile_stages([stage], cuda_graphs=mode == "graphs")  # its one layer, in place, as a run compiles it
         # Backward adds into the gradients, as a run's microbatches do; made by a replayed graph they would live
         # in its pool, which the next call overwrites (torch refuses to read them then).
         give_gradients_own_memory([p for p in layer.parameters() if p.requires_grad])
         hidden = torch.randn(work.microbatch, work.seq, share.hidden_size, dtype=dtype, device=device)
         hidden.requires_grad_(True)
         position_ids = torch.arange(work.seq, device=device).unsqueeze(0).expand(work.microbatch, -1)
-        kwargs = dict(
-            attention_mask=None,
-            position_ids=position_ids,
-            position_embeddings=stage.rotary(hidden, position_ids),
-            use_cache=False,
-        )
+        kwargs = layer_call_kwargs(stage.rotary, hidden, position_ids)
         forwards, backwards = [], []
         for call in range(WARMUP + REPEATS):
             torch.compiler.cudagraph_mark_step_begin()  # graphs: each call a step of its own, as in a run
@@ -225,7 +220,7 @@ def time_layer(
                 forwards.append(marks[0].seconds_to(marks[1]))
                 backwards.append(marks[1].seconds_to(marks[2]))
             hidden.grad = None
-    del model, layer, stage
+    del built, model, layer, stage
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return statistics.median(forwards), statistics.median(backwards)

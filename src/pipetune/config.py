@@ -19,11 +19,12 @@ from typing import Any
 
 from pipetune.data.prompt_text import SYSTEM_PROMPT
 from pipetune.schedules import SCHEDULES
+from pipetune.strategies import STRATEGY_SPECS
 
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE = ("none", "nf4", "fp8")
-RUN_STRATEGIES = ("pp", "ddp", "fsdp", "tp", "single")
-"""What a run (and `pipetune bench --strategies`) can be."""
+RUN_STRATEGIES = tuple(STRATEGY_SPECS)
+"""What a run (and `pipetune bench --strategies`) can be (what each fixes: pipetune/strategies.py)."""
 STRATEGIES = RUN_STRATEGIES + ("auto",)
 """parallel.strategy's values: a run's, or "auto" (pipetune plan picks one before the run starts)."""
 RESUME_MODES = ("never", "auto")
@@ -244,8 +245,36 @@ class ParallelConfig:
 
     @property
     def sharded(self) -> bool:
-        """FSDP over the dp replicas: dp_shard, or the "fsdp" strategy."""
-        return self.dp_shard or self.strategy == "fsdp"
+        """FSDP over the dp replicas: dp_shard, or a strategy that always shards ("fsdp")."""
+        return self.dp_shard or (self.strategy in STRATEGY_SPECS and STRATEGY_SPECS[self.strategy].sharded is True)
+
+    @property
+    def pipelined(self) -> bool:
+        """The model runs as a pipeline of stages over pp >= 2 ranks (validation refuses several stages per rank
+        without them, so this is also n_stages > 1); pp = 1 runs whole-model replicas."""
+        return self.pp > 1
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Each stage (or replica) split over tp >= 2 ranks."""
+        return self.tp > 1
+
+    @property
+    def overlapped_gradient_sum(self) -> bool:
+        """The replicas' gradients are all-reduced during the backward (parallel/mesh.GradientSync): asked for, and
+        whole-model replicas (no pipeline, no tp; sharded ones reduce-scatter inside FSDP instead)."""
+        return self.overlap_gradient_sum and not self.pipelined and not self.tensor_parallel
+
+    def stage_ids(self, pp_rank: int) -> list[int]:
+        """The pipeline stages pipeline rank `pp_rank` holds, in order (the schedule's placement; [0] without a
+        pipeline): the one stage -> rank map of training, the memory plan and the planner."""
+        if not self.pipelined:
+            return [0]
+        return SCHEDULES[self.schedule].stage_ids(pp_rank, self.pp, self.stages_per_rank)
+
+    def stage_ranks(self) -> dict[int, int]:
+        """The pipeline rank of each stage."""
+        return {stage: rank for rank in range(self.pp) for stage in self.stage_ids(rank)}
 
 
 @dataclass
@@ -520,7 +549,7 @@ def _check_model(m: ModelConfig, p: ParallelConfig) -> None:
         'set model.dtype = "bfloat16", or use model.quantize = "nf4"',
     )
     _check(
-        m.quantize == "none" or p.tp == 1,
+        m.quantize == "none" or not p.tensor_parallel,
         f"model.quantize = {m.quantize!r} with parallel.tp = {p.tp}: quantized weights are not split over "
         "tensor-parallel ranks; set parallel.tp = 1 (pp, ddp or fsdp carry a quantized base) or "
         "model.quantize = 'none'",
@@ -585,7 +614,7 @@ def _check_lora(lora: LoraConfig, p: ParallelConfig) -> None:
         "set lora.fast_path = true, or lora.shared_dropout = false",
     )
     _check(
-        not lora.shared_dropout or p.tp == 1,
+        not lora.shared_dropout or not p.tensor_parallel,
         f"lora.shared_dropout = true with parallel.tp = {p.tp}: tensor parallelism splits each adapter on its own "
         "and draws its masks per adapter; set lora.shared_dropout = false, or parallel.tp = 1",
     )
@@ -806,24 +835,27 @@ def _check_output_dir(value: str) -> None:
 
 
 def _check_strategy(p: ParallelConfig) -> None:
-    """What each strategy fixes of the layout (tp's: _check_tensor_parallel)."""
-    if p.strategy == "ddp":
-        _check(p.pp == 1, f"parallel.strategy = 'ddp' runs whole-model replicas: set parallel.pp = 1 (got {p.pp})")
+    """What the strategy fixes of the layout (its record in pipetune/strategies.py; tp's: _check_tensor_parallel)."""
+    s = STRATEGY_SPECS[p.strategy]
+    if not s.pipeline and s.sharded is False:  # ddp
+        _check(
+            not p.pipelined, f"parallel.strategy = 'ddp' runs whole-model replicas: set parallel.pp = 1 (got {p.pp})"
+        )
         _check(
             not p.dp_shard,
             "parallel.strategy = 'ddp' all-reduces whole replicas' gradients; for replicas sharded with FSDP "
             "(parallel.dp_shard = true) use parallel.strategy = 'fsdp'",
         )
-    if p.strategy == "fsdp":
+    if not s.pipeline and s.sharded:  # fsdp
         _check(
-            p.pp == 1,
+            not p.pipelined,
             f"parallel.strategy = 'fsdp' shards whole-model replicas: set parallel.pp = 1 (got {p.pp}), "
             "or keep the pipeline with parallel.strategy = 'pp' and parallel.dp_shard = true",
         )
         _check(
-            p.dp >= 2,
-            f"parallel.strategy = 'fsdp' shards the model over dp replicas: set parallel.dp >= 2 (got {p.dp}), "
-            "or use parallel.strategy = 'single' for one process",
+            p.dp >= s.min_replicas,
+            f"parallel.strategy = 'fsdp' shards the model over dp replicas: set parallel.dp >= {s.min_replicas} "
+            f"(got {p.dp}), or use parallel.strategy = 'single' for one process",
         )
     if p.dp_shard:
         _check(
@@ -831,7 +863,7 @@ def _check_strategy(p: ParallelConfig) -> None:
             f"parallel.dp_shard = true shards each stage over its dp replicas, but parallel.dp = {p.dp}: "
             "set parallel.dp >= 2 or parallel.dp_shard = false",
         )
-    if p.strategy == "single":
+    if s.max_replicas == 1:  # single
         _check(
             p.pp == 1 and p.dp == 1 and p.tp == 1,
             f"parallel.strategy = 'single' runs one process: set parallel.pp = 1, parallel.dp = 1 and parallel.tp = 1 "
@@ -841,9 +873,10 @@ def _check_strategy(p: ParallelConfig) -> None:
 
 def _check_tensor_parallel(p: ParallelConfig, d: DataConfig) -> None:
     """The "tp" strategy's shape, and what tensor parallelism does not combine with."""
-    if p.strategy == "tp":
+    s = STRATEGY_SPECS[p.strategy]
+    if s.tensor_parallel and not s.pipeline:  # tp
         _check(
-            p.pp == 1 and p.tp >= 2,
+            not p.pipelined and p.tensor_parallel,
             f"parallel.strategy = 'tp' splits whole-model replicas over tensor-parallel ranks: set parallel.pp = 1 "
             f"and parallel.tp >= 2 (got pp = {p.pp}, tp = {p.tp}), or keep the pipeline with parallel.strategy = 'pp' "
             "and parallel.tp",
@@ -861,8 +894,8 @@ def _check_tensor_parallel(p: ParallelConfig, d: DataConfig) -> None:
             f"length{'s' if len(uneven) > 1 else ''} {', '.join(map(str, uneven))} (data.max_length / data.buckets) "
             f"{'are' if len(uneven) > 1 else 'is'} not a multiple of {p.tp}; use multiples of {p.tp}",
         )
-    _check(
-        p.tp == 1 or p.strategy != "ddp",
+    _check(  # "single": its own message (_check_strategy)
+        not p.tensor_parallel or s.tensor_parallel is not False or s.max_replicas == 1,
         f"parallel.tp = {p.tp} with parallel.strategy = 'ddp', which replicates whole models: for replicas split over "
         "tensor-parallel ranks use parallel.strategy = 'tp' with parallel.dp replicas, or set parallel.tp = 1",
     )

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from pipetune.config import Config, ConfigError
+from pipetune.config import Config, ConfigError, ParallelConfig
 from pipetune.model.graphs import choose_cuda_graphs, graphs_untried
 from pipetune.model.shapes import ResolvedModel, one_layer_model, resolve_model
 from pipetune.model.split import StageCosts, run_split
@@ -51,7 +51,6 @@ from pipetune.parallel.speed import (
     replay_schedule,
 )
 from pipetune.preflight import check_data_source, linear_layer_names
-from pipetune.schedules import stage_ids
 
 H200_MEMORY = 143_771 * 2**20
 """Bytes of an H200 as torch reports them: the budget when there is no GPU here and no --gpu-memory."""
@@ -196,20 +195,20 @@ def predict(
     microbatch, seq = variant.microbatch_size, variant.data.max_length
     layer_bytes, input_bytes = (microbatch * n for n in _layer_memory(variant, shape.resolved, seq))
     weights = rank_weight_bytes(variant, shape.config, ranges)
-    layer_weights = weights[0][0] / sum(len(ranges[s]) for s in _stages(p, 0))
-    fsdp = p.sharded and p.pp == 1  # layers gathered one at a time; in a pipeline they stay gathered all step
+    layer_weights = weights[0][0] / sum(len(ranges[s]) for s in p.stage_ids(0))
+    fsdp = p.sharded and not p.pipelined  # layers gathered one at a time; in a pipeline they stay gathered all step
     # Under tp the fused loss works on this rank's vocabulary columns; the plain one on gathered, whole logits.
     vocab = (shape.config if t.fused_loss else resolved.config).vocab_size
 
     # ------------------------------------------------------------------ memory, rank by rank
     peaks, checkpointed, stage_layers = [], [], []
     for rank in range(p.pp):
-        layers = [len(ranges[s]) for s in _stages(p, rank)]
+        layers = [len(ranges[s]) for s in p.stage_ids(rank)]
         trainable = sum(layers) * shape.trainable_per_layer / (p.dp if fsdp else 1)
         stored, root = weights[rank]
         fixed = (stored / p.dp + 2 * layer_weights if fsdp else stored) + root  # FSDP: this layer and the next
         fixed += (4 + OPTIMIZER_BYTES) * trainable  # float32 adapters, their gradients and AdamW moments
-        fixed += loss_bytes(variant, vocab) if len(ranges) - 1 in _stages(p, rank) else 0.0
+        fixed += loss_bytes(variant, vocab) if len(ranges) - 1 in p.stage_ids(rank) else 0.0
         timeline = rank_timeline(p, rank)
         if t.activation_checkpointing == "auto":
             plan = plan_checkpointing(layers, timeline, layer_bytes, input_bytes, fixed + MARGIN * budget, budget)
@@ -251,32 +250,31 @@ def predict(
         head = head_seconds(
             share_costs, *layer_seconds(dataclasses.replace(work, nf4_weights=0, nf4_linears=0), rates, rank_mode)
         )
-        for stage, n, recomputed in zip(_stages(p, rank), layers, k, strict=True):
+        for stage, n, recomputed in zip(p.stage_ids(rank), layers, k, strict=True):
             forward[stage] = n * f + (head if stage == len(ranges) - 1 else 0.0)
             backward[stage] = n * b + recomputed * f
     if mode == "graphs" and "graphs" not in rank_modes:
         mode = "compiled"
-    if p.pp > 1:
-        order = schedule_actions(p.schedule, p.pp, p.stages_per_rank, p.n_microbatches)
-        stage_rank = {s: r for r in range(p.pp) for s in _stages(p, r)}
-        stages = range(len(ranges))
-        transfer = link_seconds(hidden_bytes, rates)
-        replay = replay_schedule(
-            order, stage_rank, [forward[s] for s in stages], [backward[s] for s in stages], transfer
-        )
-    else:
-        busy = p.n_microbatches * (forward[0] + backward[0])
-        replay = Replay(busy, [busy])
+    replay = _replay_step(p, forward, backward, link_seconds(hidden_bytes, rates))
     trainable = sum(map(sum, stage_layers)) / p.pp * shape.trainable_per_layer
     step = t.grad_accum * (replay.step_seconds + gather_seconds)
     step += all_reduce_seconds(4 * trainable, p.dp, rates) + rates.step_seconds  # the adapters' gradients
     tokens_per_sec = t.batch_size * p.dp * t.grad_accum * seq / step
-    bubble = replay.bubble if p.pp > 1 else []
+    bubble = replay.bubble if p.pipelined else []
     return Prediction(layout, peaks, checkpointed, stage_layers, tokens_per_sec, step, bubble, budget, mode, work)
 
 
-def _stages(p, rank: int) -> list[int]:
-    return stage_ids(p.schedule, rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
+def _replay_step(p: ParallelConfig, forward: dict[int, float], backward: dict[int, float], transfer: float) -> Replay:
+    """One schedule step of stages taking `forward` / `backward` seconds (by stage) per microbatch: replayed in
+    the schedule's order on their ranks, `transfer` seconds between ranks; without a pipeline, microbatches in turn."""
+    if not p.pipelined:
+        busy = p.n_microbatches * (forward[0] + backward[0])
+        return Replay(busy, [busy])
+    order = schedule_actions(p.schedule, p.pp, p.stages_per_rank, p.n_microbatches)
+    stages = sorted(forward)
+    return replay_schedule(
+        order, p.stage_ranks(), [forward[s] for s in stages], [backward[s] for s in stages], transfer
+    )
 
 
 def _mode(config: Config) -> str:

@@ -70,7 +70,7 @@ def check_layout(config: Config, world_size: int) -> None:
     try:
         validate(config, world_size)
     except ConfigError:
-        n_layers = _layer_count(config) if config.parallel.n_stages > 1 else None
+        n_layers = _layer_count(config) if config.parallel.pipelined else None
         if n_layers is not None:
             check_stage_count(config, n_layers)
         raise

@@ -41,14 +41,12 @@ from pipetune.data.packing import members, packed_batch, packed_epoch_batches
 from pipetune.data.sources import chat_lines
 from pipetune.export import PROMPT_FILE, write_prompt_settings
 from pipetune.metrics import MetricsLog, PhaseLog, host_peak_gb, peak_memory_gb, reset_peak_memory
-from pipetune.model.attention import use_document_attention
 from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory, graphs_untried
-from pipetune.model.load import DTYPES, build_meta, materialize
-from pipetune.model.lora import adapter_state, apply_lora, save_adapter, use_fast_path
-from pipetune.model.quantize import quantize_linears
+from pipetune.model.load import DTYPES
+from pipetune.model.lora import adapter_state, save_adapter
 from pipetune.model.split import StageCosts, run_split, stage_costs
 from pipetune.model.stage import StageModule
-from pipetune.parallel.fsdp import shard_stages
+from pipetune.parallel.assemble import StagePart, build_stage_modules, compile_stages, run_parallelism
 from pipetune.parallel.memory import auto_checkpointing
 from pipetune.parallel.mesh import GradientSync, Mesh, bad_ranks, build_mesh, clip_global_grad_norm
 from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, evaluate_validation
@@ -62,10 +60,10 @@ from pipetune.parallel.torch_compat import (
     restore_gradients,
     stash_gradients,
 )
-from pipetune.parallel.tp import apply_tp, sum_partial_gradients
+from pipetune.parallel.tp import sum_partial_gradients
 from pipetune.preflight import Prepared, check_optimizer_steps, preflight
 from pipetune.profile import profiled
-from pipetune.schedules import SCHEDULES, stage_ids
+from pipetune.schedules import SCHEDULES
 from pipetune.worker import named_cache_error
 
 
@@ -326,38 +324,30 @@ def build_stages(
     quiet: bool,
 ) -> Stages:
     """Build this rank's stages on the meta device, split (tp) and shard (FSDP) them there, then allocate and fill
-    only this rank's part."""
+    only this rank's part (parallel/assemble.py: the order of it all)."""
     t, p = config.train, config.parallel
     device = env.device
     n_stages = p.n_stages
     costs, ranges = run_split(config, prepared.model.config)
-    my_stages = stage_ids(p.schedule, mesh.pp_rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
+    my_stages = p.stage_ids(mesh.pp_rank)
     phases.mark("load")
     load_started = time.perf_counter()
-    model = build_meta(
+    parts = [StagePart(list(ranges[s]), first=s == 0, last=s == n_stages - 1) for s in my_stages]
+    built = build_stage_modules(
         prepared.model,
         DTYPES[config.model.dtype],
-        layers=sorted(i for s in my_stages for i in ranges[s]),
-        first=0 in my_stages,
-        last=n_stages - 1 in my_stages,
+        config.lora,
+        parts,
+        device,
+        run_parallelism(config, mesh),
+        seed=t.seed,
+        quantize=config.model.quantize,
+        tp=p.tp,
+        name=config.model.name,
+        packing=config.data.packing,
     )
-    peft_model = apply_lora(model, config.lora, config.model.name, t.seed)
-    quantize_linears(peft_model, config.model.quantize)  # placeholders, quantized as materialize fills them
-    if config.lora.fast_path:
-        use_fast_path(peft_model, config.lora.shared_dropout, p.tp)
-    peft_model.train()
-    if config.data.packing:  # packed rows attend within each sample: the stages pass a document mask
-        use_document_attention(peft_model)
-    modules = [StageModule(peft_model, list(ranges[s]), first=s == 0, last=s == n_stages - 1) for s in my_stages]
-    # Split (tp) and sharded (FSDP) on the meta device: parameters become DTensor shards, before the optimizer
-    # and pipeline stages, and each rank then allocates only its shards.
-    if mesh.tp_mesh is not None:
-        apply_tp(modules, mesh.tp_mesh, p.sequence_parallel)
-    if p.sharded:
-        shard_stages(modules, mesh.dp_mesh, pipelined=n_stages > 1)
-    load_stats = materialize(peft_model, prepared.model, device, t.seed, roots=modules)
+    peft_model, modules, load_stats = built.peft_model, built.modules, built.loaded
     for module in modules:
-        module.checkpoint_layers = len(module.layers) if t.activation_checkpointing is True else 0
         keep_rng_out_of_no_grad_forwards(module, device)
     phases.mark("ready", load_s=round(time.perf_counter() - load_started, 2), peak_gb=round(peak_memory_gb(device), 2))
     params = [param for param in peft_model.parameters() if param.requires_grad]
@@ -410,7 +400,7 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
         loss_fn = TokenLoss(head=last_stage.lm_head, chunk=t.loss_chunk)
 
     def runner() -> PipelineRunner | SingleRunner:
-        if p.n_stages == 1:
+        if not p.pipelined:
             return SingleRunner(modules[0], p.n_microbatches, loss_fn)
         return PipelineRunner(
             modules, stages.ids, p.n_stages, device, mesh.pp_group, p.schedule, p.n_microbatches, loss_fn
@@ -420,12 +410,12 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
     timelines: dict[int, StageTimeline] = {}
     for length in config.data.buckets or [max_length]:
         runners[length] = runner()
-        if t.timeline_step and p.n_stages > 1:
+        if t.timeline_step and p.pipelined:
             timelines[length] = StageTimeline(runners[length].stages, runners[length].schedule, env.rank, device)
     # Validation's forward-only steps run on pipeline stages of their own: on torch 2.11 a training step on
     # stages whose first step was forward-only (the validation before step 1) sent no input gradient ("[5] for
     # chunk 0 has gradients None", 2x H200), and torch re-infers a stage's shapes after every forward-only step.
-    validation = runner() if p.n_stages > 1 else runners[max_length]
+    validation = runner() if p.pipelined else runners[max_length]
     if t.activation_checkpointing == "auto":
         plan = auto_checkpointing(modules, stages.ids, mesh.pp_rank, config, prepared.model, device, mesh.tp_mesh)
         for module, count in zip(modules, plan.layers, strict=True):
@@ -451,8 +441,8 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
         give_gradients_own_memory(stages.params)
     if t.compile:
         per_graph = t.layers_per_graph
-        if per_graph != 1 and (p.sharded or p.tp > 1):
-            untried = f"parallel.tp = {p.tp}" if p.tp > 1 else "FSDP"
+        if per_graph != 1 and (p.sharded or p.tensor_parallel):
+            untried = f"parallel.tp = {p.tp}" if p.tensor_parallel else "FSDP"
             print0(
                 env,
                 False,
@@ -460,14 +450,13 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
                 f"{untried} (grouped layers have not run there yet)",
             )
             per_graph = 1
-        for module in modules:
-            module.compile_layers(cuda_graphs=cuda_graphs, per_graph=per_graph)
+        compile_stages(modules, cuda_graphs=cuda_graphs, per_graph=per_graph)
     # Whole-model replicas overlap their all-reduce with the backward; FSDP reduce-scatters during it.
     gradients = GradientSync(
         stages.params,
         None if p.sharded else mesh.dp_group,
         t.grad_accum * p.n_microbatches,
-        overlap=p.overlap_gradient_sum and p.n_stages == 1 and p.tp == 1,
+        overlap=p.overlapped_gradient_sum,
     )
     return Runners(runners, timelines, loss_fn, validation, cuda_graphs, gradients)
 
@@ -611,7 +600,7 @@ def forward_backward(loop: Loop, batches: torch.Tensor, lengths: torch.Tensor) -
         if timeline is not None:
             timeline.start()
         # A sharded pipeline stage may drop earlier gradients on its first step (see restore_gradients).
-        stashed = stash_gradients(params) if p.sharded and p.n_stages > 1 and j > 0 else None
+        stashed = stash_gradients(params) if p.sharded and p.pipelined and j > 0 else None
         position_ids = None
         if loop.data.packing:  # rows of several samples: their position ids go to every stage
             input_ids, labels, position_ids = packed_batch(loop.data.split, index, length, loop.data.pad_id)

@@ -97,6 +97,20 @@ class LayerGroup(nn.Module):
         return hidden
 
 
+def layer_call_kwargs(
+    rotary: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor, attention_mask: object = None
+) -> dict:
+    """The keyword arguments of a decoder layer's call on `hidden` at `position_ids`: the one place they are
+    written (the stage's forward, its memory measurement and calibrate.py's timing all call layers with them).
+    `attention_mask`: None (causal), or packed rows' document mask (model/attention.py)."""
+    return dict(
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        position_embeddings=rotary(hidden, position_ids),
+        use_cache=False,
+    )
+
+
 def hidden_states(out: torch.Tensor | tuple) -> torch.Tensor:
     """What a decoder layer (or a LayerGroup) returned, as hidden states: HF layers return them alone or first
     in a tuple, depending on the transformers version."""
@@ -200,12 +214,7 @@ class StageModule(nn.Module):
             return tensor
 
         position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
-        kwargs = dict(
-            attention_mask=None,
-            position_ids=position_ids,
-            position_embeddings=self.rotary(hidden, position_ids),
-            use_cache=False,
-        )
+        kwargs = layer_call_kwargs(self.rotary, hidden, position_ids)
         devices = [device] if device.type == "cuda" else []
         kernels = CudaKernelsOnMeta() if device.type == "meta" else contextlib.nullcontext()
         with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"), kernels:
@@ -237,13 +246,7 @@ class StageModule(nn.Module):
         else:
             position_ids = position_ids.to(hidden.device, non_blocking=True)
             attention_mask = document_mask(position_ids)
-        position_embeddings = self.rotary(hidden, position_ids)
-        kwargs = dict(
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            position_embeddings=position_embeddings,
-            use_cache=False,
-        )
+        kwargs = layer_call_kwargs(self.rotary, hidden, position_ids, attention_mask)
         runs = self.layers if self.runs is None else self.runs
         for index, run in enumerate(runs):  # the first checkpoint_layers runs are single layers
             if index < self.checkpoint_layers and torch.is_grad_enabled():

@@ -21,6 +21,7 @@ from pipetune.config import (
     validate_against_model,
 )
 from pipetune.schedules import SCHEDULES
+from pipetune.strategies import STRATEGY_SPECS, strategies_of_grid
 
 STAGES_PER_RANK = (2, 3, 4)
 """Virtual stages per rank tried for the looped schedules (measured: v = 6 no faster than 3 at Qwen3-4B)."""
@@ -59,6 +60,53 @@ class Layout:
             t.grad_accum,
             t.activation_checkpointing,
             p.dp_shard,
+        )
+
+    @classmethod
+    def for_strategy(cls, config: Config, strategy: str) -> Layout:
+        """`config`'s run as `strategy`, on as many ranks and at the same effective batch (`pipetune bench`), on
+        the strategy's grid (strategies.py): "ddp" spreads each schedule step's batch over one whole-model replica
+        per rank (one forward per replica), "fsdp" likewise with the replicas sharded; "tp" splits each replica
+        over tp ranks (the config's tp, else its pipeline's pp ranks, else all ranks), keeping its microbatch
+        size; "single" runs it in one process, microbatch by microbatch; "pp" is the config's own layout."""
+        p, t = config.parallel, config.train
+        spec = STRATEGY_SPECS[strategy]
+        if spec.pipeline:
+            return dataclasses.replace(cls.of(config), strategy=strategy)
+        ranks, global_batch = p.world_size, t.batch_size * p.dp
+        _, replicas, tp = spec.grid(ranks, p.tp if p.tensor_parallel else p.pp if p.pipelined else ranks)
+        if spec.max_replicas == 1:
+            n_microbatches = p.n_microbatches * p.dp
+            return cls(
+                strategy,
+                n_microbatches=n_microbatches,
+                microbatch=global_batch // n_microbatches,
+                grad_accum=t.grad_accum,
+                checkpointing=t.activation_checkpointing,
+            )
+        if spec.tensor_parallel and tp < 2:
+            raise ConfigError("--strategies tp splits replicas over ranks: the config needs parallel.pp x dp x tp >= 2")
+        if global_batch % replicas:
+            raise ConfigError(f"--strategies {strategy}: batch {global_batch} does not split over {replicas} replicas")
+        if replicas < spec.min_replicas:
+            raise ConfigError(
+                f"--strategies {strategy} shards over replicas: the config needs parallel.pp x dp >= "
+                f"{spec.min_replicas} ranks"
+            )
+        batch, n_microbatches = global_batch // replicas, 1
+        if spec.tensor_parallel and batch % config.microbatch_size == 0:
+            n_microbatches = batch // config.microbatch_size
+        return cls(
+            strategy,
+            1,
+            replicas,
+            tp,
+            "1f1b",
+            1,
+            n_microbatches,
+            batch // n_microbatches,
+            t.grad_accum,
+            t.activation_checkpointing,
         )
 
     @property
@@ -130,14 +178,11 @@ def process_grids(gpus: int, model_config: PretrainedConfig) -> list[tuple[int, 
 def _shapes(model_config: PretrainedConfig, pp: int, tp: int, dp: int, per_replica: int) -> Iterator[Layout]:
     """Layouts of one process grid without checkpointing: strategies, schedules, microbatching."""
     if pp == 1:
-        if dp == 1:
-            strategies = ["tp"] if tp > 1 else ["single"]
-        else:
-            strategies = ["tp"] if tp > 1 else ["ddp", "fsdp"]
-        for strategy in strategies:
+        for strategy in strategies_of_grid(pp, dp, tp):
             for microbatch in _divisors(per_replica):
                 yield Layout(strategy, 1, dp, tp, microbatch=microbatch, grad_accum=per_replica // microbatch)
         return
+    (pipeline,) = strategies_of_grid(pp, dp, tp)
     for dp_shard in (False, True) if dp > 1 else (False,):
         for schedule, spec in SCHEDULES.items():
             if spec.max_stages_per_rank is not None:
@@ -153,7 +198,7 @@ def _shapes(model_config: PretrainedConfig, pp: int, tp: int, dp: int, per_repli
                         continue
                     for microbatch in _divisors(per_replica // m):
                         accumulation = per_replica // (m * microbatch)
-                        yield Layout("pp", pp, dp, tp, schedule, v, m, microbatch, accumulation, dp_shard=dp_shard)
+                        yield Layout(pipeline, pp, dp, tp, schedule, v, m, microbatch, accumulation, dp_shard=dp_shard)
 
 
 def _accepted(variant: Config, model_config: PretrainedConfig, module_names: set[str]) -> bool:

@@ -25,11 +25,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig
 
 from pipetune.config import Config, ConfigError, ParallelConfig
+from pipetune.model.load import DTYPES
 from pipetune.model.quantize import linear_shapes, stored_bytes
 from pipetune.model.shapes import ResolvedModel, one_layer_model
 from pipetune.model.stage import StageModule, local_part
+from pipetune.parallel.assemble import Parallelism, StagePart, build_stage_modules
 from pipetune.parallel.pipeline import Action, schedule_actions
-from pipetune.schedules import stage_ids
 
 GB = 1e9
 MARGIN = 0.07
@@ -86,10 +87,10 @@ def inflight_timeline(actions: Sequence[Action], stage_ids: Sequence[int]) -> li
 def rank_timeline(p: ParallelConfig, pp_rank: int) -> list[list[int]]:
     """`inflight_timeline` of pipeline rank `pp_rank` under `p`'s schedule; one microbatch at a time for pp = 1
     (the microbatches of a step run one after another, each forward followed by its backward)."""
-    if p.pp == 1:
+    if not p.pipelined:
         return [[1]]
     actions = schedule_actions(p.schedule, p.pp, p.stages_per_rank, p.n_microbatches)[pp_rank]
-    return inflight_timeline(actions, stage_ids(p.schedule, pp_rank, p.pp, p.stages_per_rank))
+    return inflight_timeline(actions, p.stage_ids(pp_rank))
 
 
 def activation_bytes(
@@ -209,33 +210,23 @@ def measure_layer_memory(
     [batch, seq], with the run's dtype, adapters and LoRA path, on a fresh random copy of one layer (this rank's
     part of it when split over `tp_mesh`; on the meta device: a shape-only copy, no memory, what a CUDA run would
     keep). Measured eagerly; a compiled layer keeps COMPILED_ACTIVATIONS of that."""
-    from pipetune.model.load import DTYPES, build_meta, materialize
-    from pipetune.model.lora import apply_lora, use_fast_path
-    from pipetune.model.quantize import quantize_linears
-
     shape_only = dataclasses.replace(resolved, weights_dir=None)  # values do not matter: no checkpoint read
     # PEFT draws its own adapter initialisation from the global generator: the run's streams stay untouched.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        model = apply_lora(
-            build_meta(shape_only, DTYPES[config.model.dtype], [0], first=False, last=False),
+        built = build_stage_modules(
+            shape_only,
+            DTYPES[config.model.dtype],
             config.lora,
-            resolved.name,
-            seed=0,
+            [StagePart([0])],
+            device,
+            Parallelism(tp_mesh, config.parallel.sequence_parallel),
+            # A quantized weight is saved as itself, never as activations: on the meta device the same count.
+            quantize=config.model.quantize if device.type != "meta" else "none",
+            tp=config.parallel.tp,
         )
-        if config.lora.fast_path:
-            use_fast_path(model, config.lora.shared_dropout, config.parallel.tp)
-        if device.type != "meta":  # a quantized weight is saved as itself, never as activations: the same count
-            quantize_linears(model, config.model.quantize)
-        stage = StageModule(model)
-        if tp_mesh is not None:
-            from pipetune.parallel.tp import apply_tp
-
-            apply_tp([stage], tp_mesh, config.parallel.sequence_parallel)
-        if device.type != "meta":
-            materialize(model, shape_only, device)
-        model.train()
+        model, (stage,) = built.peft_model, built.modules
         activations, inputs = stage.layer_memory(batch, seq)
-    del model, stage
+    del built, model, stage
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return activations * (COMPILED_ACTIVATIONS if config.train.compile else 1.0), inputs
@@ -261,7 +252,7 @@ def check_weights_fit(config: Config, model_config: PretrainedConfig, ranges: Se
         weights = (layers + root) / shards
         if weights > 0.9 * budget:
             sharded = f", sharded over parallel.dp = {p.dp}" if p.sharded else ""
-            sharded += f", split over parallel.tp = {p.tp}" if p.tp > 1 else ""
+            sharded += f", split over parallel.tp = {p.tp}" if p.tensor_parallel else ""
             stored = config.model.dtype + (f" and {quantize}" if quantize != "none" else "")
             smaller = ', or store the base quantized: model.quantize = "nf4" (~0.52 bytes a weight)'
             raise ConfigError(
@@ -288,7 +279,7 @@ def rank_weight_bytes(
     layer_bytes += sum(stored_bytes(rows, columns, config.model.quantize, element) for _, rows, columns in linears)
     weights = []
     for rank in range(p.pp):
-        stages = stage_ids(p.schedule, rank, p.pp, p.stages_per_rank) if p.pp > 1 else [0]
+        stages = p.stage_ids(rank)
         root = (embedding if 0 in stages else 0) + (head if len(ranges) - 1 in stages else 0)
         weights.append((sum(len(ranges[s]) for s in stages) * layer_bytes, root * element))
     return weights
