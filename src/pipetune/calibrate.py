@@ -207,12 +207,7 @@ def time_layer(
         hidden = torch.randn(work.microbatch, work.seq, share.hidden_size, dtype=dtype, device=device)
         hidden.requires_grad_(True)
         position_ids = torch.arange(work.seq, device=device).unsqueeze(0).expand(work.microbatch, -1)
-        kwargs = dict(
-            attention_mask=None,
-            position_ids=position_ids,
-            position_embeddings=stage.rotary(hidden, position_ids),
-            use_cache=False,
-        )
+        kwargs = stage.family.layer_inputs(stage.rotary, hidden, position_ids)[stage.family.layer_kind(layer)]
         forwards, backwards = [], []
         for call in range(WARMUP + REPEATS):
             torch.compiler.cudagraph_mark_step_begin()  # graphs: each call a step of its own, as in a run

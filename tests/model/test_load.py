@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 import pipetune.model.load as load_module
 from pipetune.config import Config, ConfigError, ModelConfig, apply_override
@@ -110,8 +110,20 @@ def test_a_stage_reads_no_tensor_of_another_stage(tmp_path: Path, monkeypatch: p
             num_key_value_heads=2,
             sliding_window=None,
         ),
+        # Scaled embeddings, a local and a global rotary embedding, sliding-window masks (4 of 16 positions).
+        Gemma3TextConfig(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention"],
+        ),
     ],
-    ids=["qwen2", "llama", "mistral"],
+    ids=["qwen2", "llama", "mistral", "gemma3"],
 )
 def test_other_families_split_into_stages_that_match_the_full_model(config) -> None:
     resolved = ResolvedModel(config.model_type, config, None)

@@ -18,6 +18,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass as is_sub
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from pipetune.model.families import LayerInputs, family_of
+
 
 def decoder_of(model: nn.Module) -> nn.Module:
     """The inner decoder (`model.model`) of a causal LM, also when wrapped by PEFT."""
@@ -83,13 +85,15 @@ class LayerGroup(nn.Module):
     """Consecutive decoder layers called as one module: compiled, one graph (and one CUDA graph replay) for
     all of them (train.layers_per_graph)."""
 
-    def __init__(self, layers: list[nn.Module]) -> None:
+    def __init__(self, layers: list[nn.Module], kinds: list[str]) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.kinds = kinds
+        """Each layer's kind: the key of its arguments in the inputs (`Family.layer_kind`)."""
 
-    def forward(self, hidden: torch.Tensor, **kwargs) -> torch.Tensor:
-        for layer in self.layers:
-            hidden = hidden_states(layer(hidden, **kwargs))
+    def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+        for layer, kind in zip(self.layers, self.kinds, strict=True):
+            hidden = hidden_states(layer(hidden, **inputs[kind]))
         return hidden
 
 
@@ -130,6 +134,8 @@ class StageModule(nn.Module):
         self.norm = decoder.norm if last else None
         self.lm_head = base.lm_head if last else None
         self.rotary = decoder.rotary_emb
+        self.family = family_of(base.config)
+        """What the decoder computes outside its layers (their call's arguments), model/families.py."""
         self.runs: list[nn.Module] | None = None
         """What forward calls in order on the hidden states when not the layers one by one: set by
         `compile_layers`, with groups of them (a plain list: not registered, so parameters keep their names)."""
@@ -159,7 +165,7 @@ class StageModule(nn.Module):
         runs: list[nn.Module] = layers[:alone]
         for start in range(alone, len(layers), size):
             group = layers[start : start + size]
-            runs.append(group[0] if size == 1 else LayerGroup(group))
+            runs.append(group[0] if size == 1 else LayerGroup(group, [self.family.layer_kind(x) for x in group]))
         for run in runs:
             run.compile(mode=mode)
         self.runs = runs
@@ -196,12 +202,7 @@ class StageModule(nn.Module):
             return tensor
 
         position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
-        kwargs = dict(
-            attention_mask=None,
-            position_ids=position_ids,
-            position_embeddings=self.rotary(hidden, position_ids),
-            use_cache=False,
-        )
+        kwargs = self.family.layer_inputs(self.rotary, hidden, position_ids)[self.family.layer_kind(layer)]
         devices = [device] if device.type == "cuda" else []
         kernels = CudaKernelsOnMeta() if device.type == "meta" else contextlib.nullcontext()
         with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"), kernels:
@@ -226,12 +227,10 @@ class StageModule(nn.Module):
             hidden = _GradInOwnMemory.apply(hidden)
         batch, seq = hidden.shape[0], hidden.shape[1] * self.sequence_shards
         position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0).expand(batch, -1)
-        position_embeddings = self.rotary(hidden, position_ids)
-        kwargs = dict(
-            attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings, use_cache=False
-        )
+        inputs = self.family.layer_inputs(self.rotary, hidden, position_ids)
         runs = self.layers if self.runs is None else self.runs
         for index, run in enumerate(runs):  # the first checkpoint_layers runs are single layers
+            kwargs = dict(inputs=inputs) if isinstance(run, LayerGroup) else inputs[self.family.layer_kind(run)]
             if index < self.checkpoint_layers and torch.is_grad_enabled():
                 # Non-reentrant, with the RNG state restored for the recomputation: same dropout masks, same math.
                 out = checkpoint(run, hidden, use_reentrant=False, **kwargs)
