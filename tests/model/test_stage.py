@@ -92,3 +92,21 @@ def test_compiled_layers_run_in_groups_of_layers_per_graph(
     assert [name for name, _ in stage.named_parameters()] == names
     with torch.compiler.set_stance("force_eager"):
         torch.testing.assert_close(stage(ids), expected, rtol=0, atol=0)
+
+
+def test_a_sliding_window_layer_on_meta_saves_no_attention_scores() -> None:
+    """On the meta device (`pipetune plan`) a sliding-window layer's masked attention runs as CUDA runs it,
+    memory-efficient attention: it saves the mask as a [seq, seq] bias, not [heads, seq, seq] scores."""
+    from pipetune.model.load import build_meta
+
+    resolved = resolve_model(ModelConfig(name="tiny-gemma3", init="random"))
+    seq, saved = 1024, {}
+    for layer in (0, 1):  # sliding-window, full attention
+        model = build_meta(resolved, torch.float32, [layer], first=False, last=False)
+        stage = StageModule(apply_lora(model, LoraConfig(dropout=0.0), "tiny-gemma3", seed=0)).train()
+        assert stage.family.layer_kind(stage.layers[0]) == resolved.config.layer_types[layer]
+        saved[layer] = stage.layer_memory(1, seq)[0]
+    # The sliding layer's extra: a float32 [seq, seq] bias and its key / value heads repeated for the mask
+    # (transformers' sdpa path); the attention probabilities alone would be heads x [seq, seq].
+    heads = resolved.config.num_attention_heads
+    assert 0 < saved[0] - saved[1] < heads * seq * seq * 4

@@ -58,20 +58,23 @@ class CudaKernelsOnMeta(TorchFunctionMode):
 
     Meta tensors take the reference paths: attention as explicit matmuls and softmax (saving [heads, seq, seq]
     scores: 34 GB per layer at 16k tokens), dropout as a multiplication by a mask in the input's dtype. CUDA runs
-    flash attention (saving q, k, v, the output and one log-sum-exp per row; grouped key-value heads unrepeated)
-    and its fused dropout (a one-byte mask)."""
+    flash attention (saving q, k, v, the output and one log-sum-exp per row; grouped key-value heads unrepeated),
+    or with a boolean mask (a sliding window, model/families.py) memory-efficient attention, which also saves the
+    mask as an additive bias (as sdpa converts it), and its fused dropout (a one-byte mask)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and kwargs.get("attn_mask") is None and len(args) == 3:
+        mask = kwargs.get("attn_mask")
+        if func is F.scaled_dot_product_attention and len(args) == 3 and (mask is None or mask.dtype == torch.bool):
             query, key, value = args
-            out = torch.ops.aten._scaled_dot_product_flash_attention(
-                query,
-                key,
-                value,
-                kwargs.get("dropout_p", 0.0),
-                kwargs.get("is_causal", False),
-                scale=kwargs.get("scale"),
+            dropout, causal, scale = kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False), kwargs.get("scale")
+            if mask is None:
+                flash = torch.ops.aten._scaled_dot_product_flash_attention
+                return flash(query, key, value, dropout, causal, scale=scale)[0]
+            bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, float("-inf"))
+            bias = bias.expand(*query.shape[:-1], key.shape[-2])
+            out = torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, bias, True, dropout, causal, scale=scale
             )
             return out[0]
         if func is F.dropout and kwargs.get("training", args[2] if len(args) > 2 else True):
