@@ -168,7 +168,14 @@ def test_balanced_split_gives_the_last_stage_of_qwen3_4b_fewer_layers() -> None:
 
 @pytest.mark.parametrize(
     "name, billions",
-    [("qwen3-4b", 4.02), ("qwen3-32b", 32.8), ("qwen2.5-72b", 72.7), ("llama-3.1-8b", 8.03), ("llama-3.1-70b", 70.6)],
+    [
+        ("qwen3-4b", 4.02),
+        ("qwen3-32b", 32.8),
+        ("qwen2.5-72b", 72.7),
+        ("llama-3.1-8b", 8.03),
+        ("llama-3.1-70b", 70.6),
+        ("gemma-3-1b", 1.00),
+    ],
 )
 def test_builtin_shapes_have_their_published_sizes(name: str, billions: float) -> None:
     config = builtin_config(name)

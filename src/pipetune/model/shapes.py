@@ -1,6 +1,6 @@
 """Model configs: built-in shapes (no hub needed) and resolution of hub ids and local directories.
 
-Built-in shapes carry the published configs of Qwen3, Qwen2.5 and Llama 3.1 models, so random-weight
+Built-in shapes carry the published configs of Qwen3, Qwen2.5, Llama 3.1 and Gemma 3 models, so random-weight
 runs of real sizes need no network; "tiny-qwen3" is the few-million-parameter model of the demo and the
 tests, "tiny-gemma3" its Gemma 3 counterpart. A local directory holding only a config.json is a shape too:
 with model.init = "random" the model is built from it, with the built-in demo tokenizer unless the directory
@@ -176,6 +176,24 @@ BUILTIN_SHAPES: dict[str, dict] = {
         intermediate_size=28672,
         num_hidden_layers=80,
         num_attention_heads=64,
+    ),
+    "gemma-3-1b": dict(  # google/gemma-3-1b-it: 5 sliding-window layers (512 positions) to 1 of full attention
+        model_type="gemma3_text",
+        vocab_size=262144,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=2,
+        eos_token_id=[1, 106],
+        pad_token_id=0,
     ),
 }
 """Published configs by name; `builtin_config` builds the family's config class from one."""
