@@ -207,7 +207,7 @@ def time_layer(
         hidden = torch.randn(work.microbatch, work.seq, share.hidden_size, dtype=dtype, device=device)
         hidden.requires_grad_(True)
         position_ids = torch.arange(work.seq, device=device).unsqueeze(0).expand(work.microbatch, -1)
-        kwargs = layer_call_kwargs(stage.rotary, hidden, position_ids)
+        kwargs = layer_call_kwargs(stage.family, stage.rotary, hidden, position_ids)[stage.family.layer_kind(layer)]
         forwards, backwards = [], []
         for call in range(WARMUP + REPEATS):
             torch.compiler.cudagraph_mark_step_begin()  # graphs: each call a step of its own, as in a run

@@ -139,6 +139,40 @@ def _tiny_gguf(
     rng = np.random.default_rng(0)
     for name, shape in (tensors | (shapes or {})).items():
         writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+
+
+def _tiny_gemma3_gguf(path: Path, state: dict[str, torch.Tensor], config) -> Path:
+    """A GGUF file of a Gemma 3 model, as llama.cpp's converter writes one: its tensor names, norms stored as
+    1 + weight (Gemma's norms scale by 1 + weight), and a sentencepiece vocabulary of vocab_size tokens."""
+    import gguf as gguf_package
+
+    names = gguf_package.get_tensor_name_map(gguf_package.MODEL_ARCH.GEMMA3, config.num_hidden_layers)
+    writer = gguf_package.GGUFWriter(str(path), "gemma3")
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_rope_freq_base(config.rope_parameters["full_attention"]["rope_theta"])
+    special = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    tokens = special + [f"<0x{byte:02X}>" for byte in range(256)]
+    tokens += [f"\u2581w{index}" for index in range(config.vocab_size - len(tokens))]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * len(special) + [-float(i) for i in range(len(tokens) - len(special))])
+    writer.add_token_types([3] * len(special) + [6] * 256 + [1] * (len(tokens) - len(special) - 256))
+    for key, token in (("pad", 0), ("eos", 1), ("bos", 2), ("unk", 3)):
+        getattr(writer, f"add_{key}_token_id")(token)
+    for name, tensor in state.items():
+        if name == "lm_head.weight":  # tied: the file has the embedding only
+            continue
+        value = tensor + 1 if name.endswith("norm.weight") else tensor
+        writer.add_tensor(names.get_name(name.removesuffix(".weight")) + ".weight", value.numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -295,3 +329,28 @@ def test_a_damaged_conversion_is_converted_again(
     assert note.endswith("; converting again")
     assert gguf.conversion_damage(first) is None
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # the damaged copy is gone
+
+
+def test_a_gemma3_gguf_file_reads_back_with_the_weights_it_was_written_from(tmp_path: Path) -> None:
+    """tiny-gemma3's weights written as a gemma3 GGUF file come back through the GGUF intake (conversion, then
+    per-stage loading) unchanged."""
+    source = resolve_model(ModelConfig(name="tiny-gemma3", init="random"))
+    model, _ = build_model(source, torch.float32, torch.device("cpu"), seed=3)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # norms away from their initial zeros, so that the stored 1 + weight is tested
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    state = model.state_dict()
+    path = _tiny_gemma3_gguf(tmp_path / "tiny-gemma3.gguf", state, source.config)
+
+    resolved = resolve_model(ModelConfig(name=str(path)))
+    config = resolved.config
+    assert config.model_type == "gemma3_text" and config.tie_word_embeddings
+    for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "head_dim", "sliding_window", "vocab_size"):
+        assert getattr(config, key) == getattr(source.config, key), key
+    for first, last, layers in ((True, False, range(0, 2)), (False, True, range(2, 4))):
+        stage, stats = build_model(resolved, torch.float32, torch.device("cpu"), layers=layers, first=first, last=last)
+        assert stats.tensors > 0
+        for name, tensor in stage.state_dict().items():
+            torch.testing.assert_close(tensor, state[name], rtol=0, atol=1e-7, msg=name)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 import pipetune.model.load as load_module
 from pipetune.config import Config, ConfigError, ModelConfig, apply_override
@@ -124,8 +124,20 @@ def test_a_stage_reads_no_tensor_of_another_stage(tmp_path: Path, monkeypatch: p
             num_key_value_heads=2,
             sliding_window=None,
         ),
+        # Scaled embeddings, a local and a global rotary embedding, sliding-window masks (4 of 16 positions).
+        Gemma3TextConfig(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            sliding_window=4,
+            layer_types=["sliding_attention", "full_attention", "full_attention", "sliding_attention"],
+        ),
     ],
-    ids=["qwen2", "llama", "mistral"],
+    ids=["qwen2", "llama", "mistral", "gemma3"],
 )
 def test_other_families_split_into_stages_that_match_the_full_model(config) -> None:
     resolved = ResolvedModel(config.model_type, config, None)
@@ -170,7 +182,14 @@ def test_balanced_split_gives_the_last_stage_of_qwen3_4b_fewer_layers() -> None:
 
 @pytest.mark.parametrize(
     "name, billions",
-    [("qwen3-4b", 4.02), ("qwen3-32b", 32.8), ("qwen2.5-72b", 72.7), ("llama-3.1-8b", 8.03), ("llama-3.1-70b", 70.6)],
+    [
+        ("qwen3-4b", 4.02),
+        ("qwen3-32b", 32.8),
+        ("qwen2.5-72b", 72.7),
+        ("llama-3.1-8b", 8.03),
+        ("llama-3.1-70b", 70.6),
+        ("gemma-3-1b", 1.00),
+    ],
 )
 def test_builtin_shapes_have_their_published_sizes(name: str, billions: float) -> None:
     config = builtin_config(name)

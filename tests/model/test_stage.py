@@ -51,11 +51,12 @@ def test_own_boundary_memory_copies_what_is_sent_and_changes_no_value() -> None:
     torch.testing.assert_close(results[1][1], results[0][1], rtol=0, atol=0)
 
 
-def test_layer_memory_counts_activations_not_weights() -> None:
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-gemma3"])  # gemma3's first layer: a sliding-window mask
+def test_layer_memory_counts_activations_not_weights(name: str) -> None:
     """What a layer keeps for backward grows with the tokens; the weights its matmuls save are not counted."""
-    resolved = resolve_model(ModelConfig(name="tiny-qwen3", init="random"))
+    resolved = resolve_model(ModelConfig(name=name, init="random"))
     model, _ = build_model(resolved, torch.float32, torch.device("cpu"), layers=range(1), first=False, last=False)
-    stage = StageModule(apply_lora(model, LoraConfig(dropout=0.1), "tiny-qwen3", seed=0)).train()
+    stage = StageModule(apply_lora(model, LoraConfig(dropout=0.1), name, seed=0)).train()
     state = torch.get_rng_state()
     short, short_input = stage.layer_memory(1, 64)
     long, long_input = stage.layer_memory(2, 64)
@@ -65,15 +66,25 @@ def test_layer_memory_counts_activations_not_weights() -> None:
     assert long == pytest.approx(2 * short, rel=0.02), (short, long, weights)
 
 
-@pytest.mark.parametrize("per_graph, checkpointed, sizes", [(3, 0, [3, 1]), (0, 1, [1, 3]), (1, 0, [1, 1, 1, 1])])
-def test_compiled_layers_run_in_groups_of_layers_per_graph(per_graph: int, checkpointed: int, sizes: list) -> None:
+@pytest.mark.parametrize(
+    "model_name, per_graph, checkpointed, sizes",
+    [
+        ("tiny-qwen3", 3, 0, [3, 1]),
+        ("tiny-qwen3", 0, 1, [1, 3]),
+        ("tiny-qwen3", 1, 0, [1, 1, 1, 1]),
+        ("tiny-gemma3", 3, 0, [3, 1]),  # groups of sliding-window and full-attention layers, each with its inputs
+    ],
+)
+def test_compiled_layers_run_in_groups_of_layers_per_graph(
+    model_name: str, per_graph: int, checkpointed: int, sizes: list
+) -> None:
     """train.layers_per_graph: consecutive layers called as one compiled module (0: all of the stage's), the
     checkpointed ones one each; the stage computes the same, and its parameters keep their names."""
-    resolved = resolve_model(ModelConfig(name="tiny-qwen3", init="random"))
+    resolved = resolve_model(ModelConfig(name=model_name, init="random"))
     model, _ = build_model(resolved, torch.float32, torch.device("cpu"), layers=range(4), seed=0)
-    stage = StageModule(apply_lora(model, LoraConfig(dropout=0.0), "tiny-qwen3", seed=0)).train()
+    stage = StageModule(apply_lora(model, LoraConfig(dropout=0.0), model_name, seed=0)).train()
     names = [name for name, _ in stage.named_parameters()]
-    ids = torch.randint(0, 1000, (2, 16))
+    ids = torch.randint(0, 1000, (2, 40))  # beyond tiny-gemma3's 16-position window
     expected = stage(ids)
     stage.checkpoint_layers = checkpointed
     stage.compile_layers(per_graph=per_graph)
@@ -81,3 +92,21 @@ def test_compiled_layers_run_in_groups_of_layers_per_graph(per_graph: int, check
     assert [name for name, _ in stage.named_parameters()] == names
     with torch.compiler.set_stance("force_eager"):
         torch.testing.assert_close(stage(ids), expected, rtol=0, atol=0)
+
+
+def test_a_sliding_window_layer_on_meta_saves_no_attention_scores() -> None:
+    """On the meta device (`pipetune plan`) a sliding-window layer's masked attention runs as CUDA runs it,
+    memory-efficient attention: it saves the mask as a [seq, seq] bias, not [heads, seq, seq] scores."""
+    from pipetune.model.load import build_meta
+
+    resolved = resolve_model(ModelConfig(name="tiny-gemma3", init="random"))
+    seq, saved = 1024, {}
+    for layer in (0, 1):  # sliding-window, full attention
+        model = build_meta(resolved, torch.float32, [layer], first=False, last=False)
+        stage = StageModule(apply_lora(model, LoraConfig(dropout=0.0), "tiny-gemma3", seed=0)).train()
+        assert stage.family.layer_kind(stage.layers[0]) == resolved.config.layer_types[layer]
+        saved[layer] = stage.layer_memory(1, seq)[0]
+    # The sliding layer's extra: a float32 [seq, seq] bias and its key / value heads repeated for the mask
+    # (transformers' sdpa path); the attention probabilities alone would be heads x [seq, seq].
+    heads = resolved.config.num_attention_heads
+    assert 0 < saved[0] - saved[1] < heads * seq * seq * 4

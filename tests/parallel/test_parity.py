@@ -48,3 +48,12 @@ def test_schedules_match_single_process(reference: Path, tmp_path: Path, schedul
     config = tiny_config(run_dir, f'parallel.schedule="{schedule}"', f"parallel.stages_per_rank={stages_per_rank}")
     run_cli("train", "--config", str(write_config(config, tmp_path / f"{schedule}.toml")), "--quiet")
     assert_same_training(run_dir, reference, steps=3)
+
+
+def test_gemma3_pipeline_matches_single_process(tmp_path: Path) -> None:
+    """tiny-gemma3 over 2 stages: what its decoder computes outside its layers (scaled embeddings, a local and a
+    global rotary embedding, sliding-window masks over 16 of 128 positions) each stage computes again."""
+    gemma = 'model.name="tiny-gemma3"'
+    reference = _train(tmp_path, "single", gemma, "parallel.pp=1")
+    run_dir = _train(tmp_path, "pp2", gemma)
+    assert_same_training(run_dir, reference, steps=3)

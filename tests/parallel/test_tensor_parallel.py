@@ -189,3 +189,48 @@ def test_a_fused_optimizer_steps_over_split_and_whole_adapters(tmp_path: Path) -
         assert split.full_tensor().lt(1).all() and whole.lt(1).all()  # both took a step against their gradient
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-gemma3"])
+def test_each_family_splits_its_projections_by_their_roles(tmp_path: Path, name: str) -> None:
+    """The plan of a decoder layer splits the family's column-wise projections (and their lora_B) by output
+    columns, its row-wise ones (and their lora_A) by input columns; sequence parallelism runs the norms that feed
+    attention and MLP on the split. Applied over a one-rank mesh, the stage computes what it computed whole."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    from pipetune.config import LoraConfig, ModelConfig
+    from pipetune.model.load import build_model
+    from pipetune.model.lora import apply_lora
+    from pipetune.model.shapes import resolve_model
+    from pipetune.model.stage import StageModule
+    from pipetune.parallel.tp import apply_tp, layer_plan
+
+    resolved = resolve_model(ModelConfig(name=name, init="random"))
+    model, _ = build_model(resolved, torch.float32, torch.device("cpu"), layers=range(4), seed=0)
+    stage = StageModule(apply_lora(model, LoraConfig(dropout=0.0), name, seed=0))
+    family = stage.family
+    plan = layer_plan(stage.layers[0], family, None, sequence_parallel=True)
+    for projection in family.column_wise:
+        part = "self_attn" if projection.endswith(("q_proj", "k_proj", "v_proj")) else "mlp"
+        assert isinstance(plan[f"{part}.{projection}.base_layer"], ColwiseParallel)
+        assert isinstance(plan[f"{part}.{projection}.lora_B.default"], ColwiseParallel)
+    for projection in family.row_wise:
+        part = "self_attn" if projection == "o_proj" else "mlp"
+        assert isinstance(plan[f"{part}.{projection}.base_layer"], RowwiseParallel)
+        assert isinstance(plan[f"{part}.{projection}.lora_A.default"], RowwiseParallel)
+    assert sorted(k for k, v in plan.items() if isinstance(v, SequenceParallel) and "lora" not in k) == sorted(
+        family.block_norms
+    )
+
+    ids = torch.randint(0, 2000, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = stage(ids)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        apply_tp([stage], init_device_mesh("cpu", (1,)), sequence_parallel=True)
+        with torch.no_grad():
+            torch.testing.assert_close(stage(ids), expected, rtol=1e-6, atol=1e-6)
+    finally:
+        dist.destroy_process_group()

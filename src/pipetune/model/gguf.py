@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 
 from pipetune.config import ConfigError
 from pipetune.files import default_cache_dir, file_digest, files_damage, record_files, write_atomic, write_atomic_dir
+from pipetune.model.families import family_of, gguf_architectures, gguf_family_names
 
 CONVERSION_VERSION = 2
 """Part of the cache directory name; bump it whenever the conversion below changes its output."""
@@ -58,8 +59,8 @@ PACKAGED_MODELS = {
 }
 """model.name -> where the GGUF file is: SmolLM2-135M-Instruct (Llama architecture, Apache-2.0), Q4_1."""
 
-GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-"""llama.cpp's `general.architecture` of the families pipetune builds stages for (Mistral files say "llama")."""
+GGUF_ARCHITECTURES = gguf_architectures()
+"""llama.cpp's `general.architecture` of the families pipetune builds stages for (model/families.py)."""
 
 
 def _llama_cpp_digits_then_gpt2():
@@ -186,12 +187,8 @@ def convert(gguf: Path, out: Path, config: Any) -> None:
     tokenizer = converted_tokenizer(gguf, config.max_position_embeddings)
     model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, config=config, dtype=torch.float32)
     # save_pretrained refuses a model read from GGUF; the tensors and a cleaned config are all a checkpoint is.
-    tied = bool(getattr(model.config, "tie_word_embeddings", False))
-    tensors = {
-        key: value.detach().contiguous()
-        for key, value in model.state_dict().items()
-        if not (tied and key == "lm_head.weight")
-    }
+    tied = dict(family_of(model.config).tied) if getattr(model.config, "tie_word_embeddings", False) else {}
+    tensors = {key: value.detach().contiguous() for key, value in model.state_dict().items() if key not in tied}
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     (out / "model.safetensors").chmod(0o644)  # safetensors writes it owner-only; the cache may be shared
     clean = model.config
@@ -241,7 +238,7 @@ def check_gguf(path: Path) -> Any:
     if architecture not in GGUF_ARCHITECTURES:
         raise ConfigError(
             f"model.name = {str(path)!r} is a GGUF file of architecture {architecture!r}; pipetune reads GGUF "
-            f"files of the {', '.join(GGUF_ARCHITECTURES)} architectures (Llama, Mistral, Qwen2, Qwen3 models)"
+            f"files of the {', '.join(GGUF_ARCHITECTURES)} architectures ({gguf_family_names()} models)"
         )
     if architecture not in package.MODEL_ARCH_NAMES.values():
         raise ConfigError(

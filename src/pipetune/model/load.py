@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from pipetune.config import ConfigError
+from pipetune.model.families import family_of
 from pipetune.model.shapes import ResolvedModel
 from pipetune.model.stage import local_part
 
@@ -74,6 +75,7 @@ def build_meta(
     model.name_or_path = resolved.name
     if layers is not None:
         _prune(model, layers, first, last)
+        family_of(config).prune(model, first, last)
         # A stage owns its lm_head outright (a frozen copy of the embedding when the checkpoint ties them).
         model.config.tie_word_embeddings = False
         if model.lm_head is not None and first:
@@ -113,12 +115,14 @@ def materialize(
     for name, value in vars(fresh).items():  # tensors kept as plain attributes (original_inv_freq)
         if isinstance(value, torch.Tensor) and name not in fresh._buffers:
             setattr(rotary, name, value)
+    family = family_of(resolved.config)
+    family.restore_buffers(base)
 
     from pipetune.model.lora import initial_adapter_value
     from pipetune.model.quantize import weight_writers
 
     tie = bool(getattr(resolved.config, "tie_word_embeddings", False)) and base.lm_head is not None
-    tied = {"lm_head.weight": "model.embed_tokens.weight"} if tie else {}
+    tied = dict(family.tied) if tie else {}
     weights: dict[str, list[torch.Tensor]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         if _is_adapter(name):
@@ -127,7 +131,7 @@ def materialize(
         weights.setdefault(base_name(name), []).append(param)
     quantized = weight_writers(model)  # model.quantize: these are quantized as they are written
     if resolved.weights_dir is None:
-        _random_init(weights, resolved.config.initializer_range, seed, tied, quantized)
+        _random_init(weights, resolved.config.initializer_range, seed, tied, quantized, family.norm_init)
         stats = LoadStats()
     else:
         stats = _load_safetensors(weights, resolved.weights_dir, tied, quantized)
@@ -182,14 +186,10 @@ def fill(
 
 
 def _prune(model: PreTrainedModel, layers: Sequence[int], first: bool, last: bool) -> None:
-    """Drop what this stage does not run; the kept layers keep their full-model indices as names."""
+    """Keep only this stage's decoder layers, under their full-model indices as names (the family drops the
+    embedding or head a stage does not run)."""
     decoder = model.model
     decoder.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in layers})
-    if not first:
-        decoder.embed_tokens = None
-    if not last:
-        decoder.norm = None
-        model.lm_head = None
 
 
 def _param_seed(seed: int, name: str) -> int:
@@ -197,9 +197,15 @@ def _param_seed(seed: int, name: str) -> int:
 
 
 def _random_init(
-    weights: dict[str, list[torch.Tensor]], std: float, seed: int, tied: dict[str, str], quantized: Writers
+    weights: dict[str, list[torch.Tensor]],
+    std: float,
+    seed: int,
+    tied: dict[str, str],
+    quantized: Writers,
+    norm_init: float = 1.0,
 ) -> None:
-    """Normal(0, std) matrices, unit norm weights and zero biases, each drawn from a generator seeded by its name."""
+    """Normal(0, std) matrices, norm weights of `norm_init` (the family's identity) and zero biases, each drawn
+    from a generator seeded by its name."""
 
     def normal(shape: torch.Size, device: torch.device, source: str) -> torch.Tensor:
         generator = torch.Generator(device=device).manual_seed(_param_seed(seed, source))
@@ -209,7 +215,7 @@ def _random_init(
         source = tied.get(name, name)
         for param in params:
             if source.endswith("norm.weight"):
-                fill(param, lambda shape, device: torch.ones(shape, device=device))
+                fill(param, lambda shape, device: torch.full(shape, norm_init, device=device))
             elif source.endswith(".bias"):
                 fill(param, lambda shape, device: torch.zeros(shape, device=device))
             else:

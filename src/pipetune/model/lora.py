@@ -16,6 +16,7 @@ from torch.distributed.tensor import DTensor
 
 from pipetune.config import LoraConfig
 from pipetune.files import write_atomic
+from pipetune.model.families import family_of
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -93,11 +94,6 @@ def save_adapter(state: dict[str, torch.Tensor], lora: LoraConfig, base_name: st
     return out_dir
 
 
-SHARED_INPUTS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-"""Projections of a decoder layer that read one input: the attention's q/k/v (its normed hidden states), the
-MLP's gate/up (its own)."""
-
-
 def use_fast_path(peft_model: peft.PeftModel, shared_dropout: bool = False, tp: int = 1, grouped: bool = True) -> int:
     """Switch every LoRA linear of the model to the fast path (`_fast_lora_forward`); returns how many were switched.
 
@@ -107,8 +103,8 @@ def use_fast_path(peft_model: peft.PeftModel, shared_dropout: bool = False, tp: 
     scaling to the rank-r intermediate. Gradients still flow into the float32 adapter weights. The
     adapter linears stay modules, so hooks on them (tensor parallelism's plans) run as before.
 
-    The LoRA linears of one module that read one input (SHARED_INPUTS) compute their down-projections as one
-    matmul (`SharedInput`) where that is PEFT's math, without LoRA dropout, or where
+    The LoRA linears of one module that read one input (the family's `shared_inputs`) compute their
+    down-projections as one matmul (`SharedInput`) where that is PEFT's math, without LoRA dropout, or where
     `shared_dropout` (lora.shared_dropout) draws one mask for all of them. That matmul bypasses their lora_A
     modules, so it is off under tensor parallelism (`tp`: parallel.tp > 1), whose plans hook them, and where
     `grouped` is false (benchmarks).
@@ -122,8 +118,9 @@ def use_fast_path(peft_model: peft.PeftModel, shared_dropout: bool = False, tp: 
             for adapter in (*module.lora_A.values(), *module.lora_B.values()):
                 adapter.forward = types.MethodType(_linear_in_input_dtype, adapter)
             switched += 1
+    shared_inputs = family_of(peft_model.get_base_model().config).shared_inputs
     for module in peft_model.modules() if grouped and tp == 1 else ():
-        for names in SHARED_INPUTS:
+        for names in shared_inputs:
             members = [getattr(module, name, None) for name in names]
             members = [m for m in members if isinstance(m, LoraLinear) and _groupable(m, shared_dropout)]
             if len(members) < 2:

@@ -1,9 +1,10 @@
 """Model configs: built-in shapes (no hub needed) and resolution of hub ids and local directories.
 
-Built-in shapes carry the published configs of Qwen3, Qwen2.5 and Llama 3.1 models, so random-weight
+Built-in shapes carry the published configs of Qwen3, Qwen2.5, Llama 3.1 and Gemma 3 models, so random-weight
 runs of real sizes need no network; "tiny-qwen3" is the few-million-parameter model of the demo and the
-tests. A local directory holding only a config.json is a shape too: with model.init = "random" the model
-is built from it, with the built-in demo tokenizer unless the directory has a tokenizer of its own.
+tests, "tiny-gemma3" its Gemma 3 counterpart. A local directory holding only a config.json is a shape too:
+with model.init = "random" the model is built from it, with the built-in demo tokenizer unless the directory
+has a tokenizer of its own.
 """
 
 from __future__ import annotations
@@ -14,10 +15,8 @@ from pathlib import Path
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from pipetune.config import ConfigError, ModelConfig
+from pipetune.model.families import SUPPORTED_MODEL_TYPES, family_of
 from pipetune.model.gguf import converted_checkpoint, gguf_source
-
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
-"""Decoder-only families with the model.embed_tokens / layers / norm / rotary_emb + lm_head layout."""
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 """Any of these in a model directory means it brings its own tokenizer."""
@@ -75,6 +74,26 @@ BUILTIN_SHAPES: dict[str, dict] = {
         # Wider than HF's 0.02: behind the frozen final RMSNorm, 0.02 caps the logits near +-5, too flat
         # for a random base to express a learned distribution through its adapters alone.
         initializer_range=0.1,
+        bos_token_id=None,
+        eos_token_id=2,
+        pad_token_id=0,
+    ),
+    "tiny-gemma3": dict(  # tiny-qwen3's size in Gemma 3's layout: sliding-window and full attention alternate
+        model_type="gemma3_text",
+        vocab_size=2048,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        initializer_range=0.1,  # as tiny-qwen3's
         bos_token_id=None,
         eos_token_id=2,
         pad_token_id=0,
@@ -158,6 +177,24 @@ BUILTIN_SHAPES: dict[str, dict] = {
         num_hidden_layers=80,
         num_attention_heads=64,
     ),
+    "gemma-3-1b": dict(  # google/gemma-3-1b-it: 5 sliding-window layers (512 positions) to 1 of full attention
+        model_type="gemma3_text",
+        vocab_size=262144,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=512,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=2,
+        eos_token_id=[1, 106],
+        pad_token_id=0,
+    ),
 }
 """Published configs by name; `builtin_config` builds the family's config class from one."""
 
@@ -235,11 +272,7 @@ def one_layer_model(config: PretrainedConfig) -> PreTrainedModel:
 
 
 def _check_family(config: PretrainedConfig, name: str) -> PretrainedConfig:
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(
-            f"model.name = {name!r} has model_type {config.model_type!r}; pipetune builds pipeline stages for "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)} decoder-only models"
-        )
+    family_of(config, f"model.name = {name!r}")
     config.use_cache = False
     return config
 

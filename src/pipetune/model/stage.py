@@ -20,7 +20,9 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass as is_sub
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from pipetune.config import ConfigError
 from pipetune.model.attention import document_mask
+from pipetune.model.families import Family, LayerInputs, family_of
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -60,20 +62,23 @@ class CudaKernelsOnMeta(TorchFunctionMode):
 
     Meta tensors take the reference paths: attention as explicit matmuls and softmax (saving [heads, seq, seq]
     scores: 34 GB per layer at 16k tokens), dropout as a multiplication by a mask in the input's dtype. CUDA runs
-    flash attention (saving q, k, v, the output and one log-sum-exp per row; grouped key-value heads unrepeated)
-    and its fused dropout (a one-byte mask)."""
+    flash attention (saving q, k, v, the output and one log-sum-exp per row; grouped key-value heads unrepeated),
+    or with a boolean mask (a sliding window, model/families.py) memory-efficient attention, which also saves the
+    mask as an additive bias (as sdpa converts it), and its fused dropout (a one-byte mask)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and kwargs.get("attn_mask") is None and len(args) == 3:
+        mask = kwargs.get("attn_mask")
+        if func is F.scaled_dot_product_attention and len(args) == 3 and (mask is None or mask.dtype == torch.bool):
             query, key, value = args
-            out = torch.ops.aten._scaled_dot_product_flash_attention(
-                query,
-                key,
-                value,
-                kwargs.get("dropout_p", 0.0),
-                kwargs.get("is_causal", False),
-                scale=kwargs.get("scale"),
+            dropout, causal, scale = kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False), kwargs.get("scale")
+            if mask is None:
+                flash = torch.ops.aten._scaled_dot_product_flash_attention
+                return flash(query, key, value, dropout, causal, scale=scale)[0]
+            bias = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(~mask, float("-inf"))
+            bias = bias.expand(*query.shape[:-1], key.shape[-2])
+            out = torch.ops.aten._scaled_dot_product_efficient_attention(
+                query, key, value, bias, True, dropout, causal, scale=scale
             )
             return out[0]
         if func is F.dropout and kwargs.get("training", args[2] if len(args) > 2 else True):
@@ -87,28 +92,35 @@ class LayerGroup(nn.Module):
     """Consecutive decoder layers called as one module: compiled, one graph (and one CUDA graph replay) for
     all of them (train.layers_per_graph)."""
 
-    def __init__(self, layers: list[nn.Module]) -> None:
+    def __init__(self, layers: list[nn.Module], kinds: list[str]) -> None:
         super().__init__()
         self.layers = nn.ModuleList(layers)
+        self.kinds = kinds
+        """Each layer's kind: the key of its arguments in the inputs (`Family.layer_kind`)."""
 
-    def forward(self, hidden: torch.Tensor, **kwargs) -> torch.Tensor:
-        for layer in self.layers:
-            hidden = hidden_states(layer(hidden, **kwargs))
+    def forward(self, hidden: torch.Tensor, inputs: LayerInputs) -> torch.Tensor:
+        for layer, kind in zip(self.layers, self.kinds, strict=True):
+            hidden = hidden_states(layer(hidden, **inputs[kind]))
         return hidden
 
 
 def layer_call_kwargs(
-    rotary: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor, attention_mask: object = None
-) -> dict:
-    """The keyword arguments of a decoder layer's call on `hidden` at `position_ids`: the one place they are
-    written (the stage's forward, its memory measurement and calibrate.py's timing all call layers with them).
-    `attention_mask`: None (causal), or packed rows' document mask (model/attention.py)."""
-    return dict(
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        position_embeddings=rotary(hidden, position_ids),
-        use_cache=False,
-    )
+    family: Family, rotary: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor, document: object = None
+) -> LayerInputs:
+    """The keyword arguments of the decoder layers' calls on `hidden` at `position_ids`, by layer kind: the one
+    place they are made (the stage's forward, its memory measurement and calibrate.py's timing all call layers
+    with them). The family says what its decoder computes outside its layers (model/families.py); `document`:
+    packed rows' document mask (model/attention.py), which replaces the causal one."""
+    inputs = family.layer_inputs(rotary, hidden, position_ids)
+    if document is not None:
+        for kind, kwargs in inputs.items():
+            if kwargs["attention_mask"] is not None:  # a sliding window: a mask of its own to combine with
+                raise ConfigError(
+                    f"data.packing = true: {kind} layers ({', '.join(family.model_types)}) have a mask of their "
+                    "own, which packed rows' document mask does not combine with yet; set data.packing = false"
+                )
+            kwargs["attention_mask"] = document
+    return inputs
 
 
 def hidden_states(out: torch.Tensor | tuple) -> torch.Tensor:
@@ -148,6 +160,8 @@ class StageModule(nn.Module):
         self.norm = decoder.norm if last else None
         self.lm_head = base.lm_head if last else None
         self.rotary = decoder.rotary_emb
+        self.family = family_of(base.config)
+        """What the decoder computes outside its layers (their call's arguments), model/families.py."""
         self.runs: list[nn.Module] | None = None
         """What forward calls in order on the hidden states when not the layers one by one: set by
         `compile_layers`, with groups of them (a plain list: not registered, so parameters keep their names)."""
@@ -177,7 +191,7 @@ class StageModule(nn.Module):
         runs: list[nn.Module] = layers[:alone]
         for start in range(alone, len(layers), size):
             group = layers[start : start + size]
-            runs.append(group[0] if size == 1 else LayerGroup(group))
+            runs.append(group[0] if size == 1 else LayerGroup(group, [self.family.layer_kind(x) for x in group]))
         for run in runs:
             run.compile(mode=mode)
         self.runs = runs
@@ -214,7 +228,7 @@ class StageModule(nn.Module):
             return tensor
 
         position_ids = torch.arange(seq, device=device).unsqueeze(0).expand(batch, -1)
-        kwargs = layer_call_kwargs(self.rotary, hidden, position_ids)
+        kwargs = layer_call_kwargs(self.family, self.rotary, hidden, position_ids)[self.family.layer_kind(layer)]
         devices = [device] if device.type == "cuda" else []
         kernels = CudaKernelsOnMeta() if device.type == "meta" else contextlib.nullcontext()
         with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"), kernels:
@@ -239,16 +253,17 @@ class StageModule(nn.Module):
         hidden = self.embed(x) if self.is_first else x
         if self.own_boundary_memory and not self.is_first:
             hidden = _GradInOwnMemory.apply(hidden)
-        attention_mask = None
+        document = None
         if position_ids is None:
             batch, seq = hidden.shape[0], hidden.shape[1] * self.sequence_shards
             position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0).expand(batch, -1)
         else:
             position_ids = position_ids.to(hidden.device, non_blocking=True)
-            attention_mask = document_mask(position_ids)
-        kwargs = layer_call_kwargs(self.rotary, hidden, position_ids, attention_mask)
+            document = document_mask(position_ids)
+        inputs = layer_call_kwargs(self.family, self.rotary, hidden, position_ids, document)
         runs = self.layers if self.runs is None else self.runs
         for index, run in enumerate(runs):  # the first checkpoint_layers runs are single layers
+            kwargs = dict(inputs=inputs) if isinstance(run, LayerGroup) else inputs[self.family.layer_kind(run)]
             if index < self.checkpoint_layers and torch.is_grad_enabled():
                 # Non-reentrant, with the RNG state restored for the recomputation: same dropout masks, same math.
                 out = checkpoint(run, hidden, use_reentrant=False, **kwargs)

@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig
 
 from pipetune.config import Config, ConfigError, ParallelConfig
+from pipetune.model.families import family_of
 from pipetune.model.load import DTYPES
 from pipetune.model.quantize import linear_shapes, stored_bytes
 from pipetune.model.shapes import ResolvedModel, one_layer_model
@@ -287,16 +288,13 @@ def rank_weight_bytes(
 
 def parameter_counts(model_config: PretrainedConfig) -> tuple[int, int, int]:
     """Parameters of one decoder layer, of the token embedding, and of the final norm + lm_head, counted on a
-    meta-device model of one layer (exact for every family)."""
+    meta-device model of one layer, of the modules the family keeps on the first / last stage (exact)."""
     known = _PARAMETER_COUNTS.get(id(model_config))
     if known is not None and known[0] is model_config:  # a plan asks once per layout
         return known[1]
-    model = one_layer_model(model_config)
-    layer = sum(param.numel() for param in model.model.layers[0].parameters())
-    embedding = model.model.embed_tokens.weight.numel()
-    head = model.lm_head.weight.numel() + sum(param.numel() for param in model.model.norm.parameters())
-    _PARAMETER_COUNTS[id(model_config)] = (model_config, (layer, embedding, head))
-    return layer, embedding, head
+    counts = family_of(model_config).layer_counts(one_layer_model(model_config))
+    _PARAMETER_COUNTS[id(model_config)] = (model_config, counts)
+    return counts
 
 
 _PARAMETER_COUNTS: dict[int, tuple[PretrainedConfig, tuple[int, int, int]]] = {}

@@ -46,12 +46,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from pipetune.model.families import Family
 from pipetune.model.stage import StageModule
-
-COLUMN_WISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-"""Linear layers split by output columns: their input is replicated, their output this rank's heads / columns."""
-ROW_WISE = ("o_proj", "down_proj")
-"""Linear layers split by input columns: their input is this rank's part, their output summed over the ranks."""
 
 
 def apply_tp(modules: list[StageModule], tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> None:
@@ -60,7 +56,7 @@ def apply_tp(modules: list[StageModule], tp_mesh: DeviceMesh, sequence_parallel:
     for module in modules:
         trainable = {name for name, param in module.named_parameters() if param.requires_grad}
         for layer in module.layers:
-            parallelize_module(layer, tp_mesh, layer_plan(layer, tp_mesh, sequence_parallel))
+            parallelize_module(layer, tp_mesh, layer_plan(layer, module.family, tp_mesh, sequence_parallel))
         if module.embed is not None:
             parallelize_module(
                 module.embed, tp_mesh, _local(RowwiseParallel(input_layouts=Replicate(), output_layouts=between))
@@ -81,13 +77,16 @@ def apply_tp(modules: list[StageModule], tp_mesh: DeviceMesh, sequence_parallel:
             param.requires_grad_(name in trainable)
 
 
-def layer_plan(layer: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
-    """The plan of one decoder layer (PEFT-wrapped or not); row-wise adapters get a `SplitInputDropout`."""
+def layer_plan(
+    layer: nn.Module, family: Family, tp_mesh: DeviceMesh, sequence_parallel: bool = False
+) -> dict[str, ParallelStyle]:
+    """The plan of one decoder layer (PEFT-wrapped or not) of `family`, whose column- and row-wise linears it
+    names; row-wise adapters get a `SplitInputDropout`."""
     plan: dict[str, ParallelStyle] = {}
     if sequence_parallel:
         split, whole = (Shard(1),), (Replicate(),)
-        plan["input_layernorm"] = _local(SequenceParallel())
-        plan["post_attention_layernorm"] = _local(SequenceParallel())
+        for norm in family.block_norms:  # those feeding attention and MLP; a norm of their outputs runs on the split
+            plan[norm] = _local(SequenceParallel())
         # HF's decoder layers pass the attention its input by keyword, the MLP by position.
         plan["self_attn"] = PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": split[0]},
@@ -98,9 +97,9 @@ def layer_plan(layer: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = 
     row_output = Shard(1) if sequence_parallel else Replicate()
     for name, part in layer.named_modules():
         short = name.rsplit(".", 1)[-1]
-        if short not in COLUMN_WISE + ROW_WISE:
+        if short not in family.projections:
             continue
-        column = short in COLUMN_WISE
+        column = short in family.column_wise
         base = ColwiseParallel() if column else RowwiseParallel(output_layouts=row_output)
         if not isinstance(part, LoraLinear):
             plan[name] = _local(base)
