@@ -43,6 +43,7 @@ from pipetune.metrics import MetricsLog, PhaseLog, host_peak_gb, peak_memory_gb,
 from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory, graphs_untried
 from pipetune.model.load import DTYPES, build_meta, materialize
 from pipetune.model.lora import adapter_state, apply_lora, save_adapter, use_fast_path
+from pipetune.model.offload import apply_long_rows, set_layer_modes
 from pipetune.model.quantize import quantize_linears
 from pipetune.model.split import StageCosts, run_split, stage_costs
 from pipetune.model.stage import StageModule
@@ -322,7 +323,7 @@ def build_stages(
         shard_stages(modules, mesh.dp_mesh, pipelined=n_stages > 1)
     load_stats = materialize(peft_model, prepared.model, device, t.seed, roots=modules)
     for module in modules:
-        module.checkpoint_layers = len(module.layers) if t.activation_checkpointing is True else 0
+        apply_long_rows(module, t, config.data.max_length, p.tp)  # checkpointing, offloading, chunked MLPs
         keep_rng_out_of_no_grad_forwards(module, device)
     phases.mark("ready", load_s=round(time.perf_counter() - load_started, 2), peak_gb=round(peak_memory_gb(device), 2))
     params = [param for param in peft_model.parameters() if param.requires_grad]
@@ -393,8 +394,8 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
     validation = runner() if p.n_stages > 1 else runners[max_length]
     if t.activation_checkpointing == "auto":
         plan = auto_checkpointing(modules, stages.ids, mesh.pp_rank, config, prepared.model, device, mesh.tp_mesh)
-        for module, count in zip(modules, plan.layers, strict=True):
-            module.checkpoint_layers = count
+        for module, count, offloaded in zip(modules, plan.layers, plan.offloaded_layers(), strict=True):
+            set_layer_modes(module, count, offloaded)
         print(f"rank {env.rank}: {plan.describe(stages.ids, [len(m.layers) for m in modules])}", flush=True)
     cuda_graphs = t.compile and t.cuda_graphs and device.type == "cuda"
     if cuda_graphs:

@@ -18,6 +18,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass as is_sub
 from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
+from pipetune.model.offload import ActivationOffload, offloading
+
 
 def decoder_of(model: nn.Module) -> nn.Module:
     """The inner decoder (`model.model`) of a causal LM, also when wrapped by PEFT."""
@@ -136,6 +138,8 @@ class StageModule(nn.Module):
         self.checkpoint_layers = 0
         """How many of the stage's layers (the first ones) recompute their forward in backward instead of keeping
         their activations (train.activation_checkpointing: all, none, or as many as memory needs)."""
+        self.offload: ActivationOffload | None = None
+        """Moves the inputs of the first `offload.layers` checkpointed layers to host memory (model/offload.py)."""
         self.head_in_loss = False
         """The last stage returns normed hidden states; the loss applies lm_head (train.fused_loss)."""
         self.own_boundary_memory = False
@@ -234,7 +238,8 @@ class StageModule(nn.Module):
         for index, run in enumerate(runs):  # the first checkpoint_layers runs are single layers
             if index < self.checkpoint_layers and torch.is_grad_enabled():
                 # Non-reentrant, with the RNG state restored for the recomputation: same dropout masks, same math.
-                out = checkpoint(run, hidden, use_reentrant=False, **kwargs)
+                with offloading(self.offload, index):
+                    out = checkpoint(run, hidden, use_reentrant=False, **kwargs)
             else:
                 out = run(hidden, **kwargs)
             hidden = hidden_states(out)
