@@ -438,13 +438,13 @@ def format_plan(plan: Plan, top: int | None = 15) -> str:
             f"{rank:>4}  {prediction.layout.describe():<{width}}  {prediction.layout.batching():<18} "
             f"{prediction.checkpointing():<16} {peaks:<18} {prediction.tokens_per_sec:>9,.0f}  {bubble:<9} {fits}"
         )
+    lines += longest_row_lines(plan, rows, width)
     n_fit = sum(p.fits for p in plan.predictions)
     lines.append(
         f"{len(plan.predictions)} layouts, {n_fit} fit"
         + ("" if top is None or len(rows) == len(plan.predictions) else f"; {len(rows)} shown (--all: every one)")
     )
     lines.append(pick_line(plan) if plan.pick else no_fit_message(plan))
-    lines += longest_row_lines(plan, rows, width)
     return "\n".join(lines)
 
 

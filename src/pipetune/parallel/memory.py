@@ -452,7 +452,7 @@ def _long(config: Config) -> Config:
 def longest_rows(
     stage_layers: Sequence[int], timeline: Sequence[Sequence[int]], row: RowCosts, budget: float, host: float
 ) -> dict[str, int]:
-    """The longest row (tokens, a multiple of 1024) each of LAYER_MODES fits in `budget` bytes: every layer kept,
+    """The longest row (tokens) each of LAYER_MODES fits in `budget` bytes: every layer kept,
     every layer recomputed, or every layer recomputed with its input in host memory as far as `host` bytes hold
     them (the rest stay on the GPU, as "auto" plans)."""
     layers_held = max(sum(held * n for held, n in zip(moment, stage_layers, strict=True)) for moment in timeline)
@@ -465,7 +465,7 @@ def longest_rows(
         # All on the host, or the host full and the rest on the GPU: the first bound that binds.
         "offload": min(free / offloaded, (free + host) / (recompute + OFFLOAD_STAGING * row.input)),
     }
-    return {mode: int(n) // 1024 * 1024 for mode, n in tokens.items()}
+    return {mode: int(n) for mode, n in tokens.items()}
 
 
 def check_row_fits(config: Config, resolved: ResolvedModel, ranges: Sequence[range]) -> None:
