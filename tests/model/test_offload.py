@@ -13,10 +13,13 @@ from pipetune.model.offload import ActivationOffload
 from pipetune.model.shapes import resolve_model
 from pipetune.model.stage import StageModule
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+"""On a GPU machine the same tests run the CUDA path: pinned host copies on a side stream, events, prefetch."""
+
 
 def _stage(dropout: float = 0.0) -> StageModule:
     resolved = resolve_model(ModelConfig(name="tiny-qwen3", init="random"))
-    model, _ = build_model(resolved, torch.float32, torch.device("cpu"), layers=range(4), seed=0)
+    model, _ = build_model(resolved, torch.float32, DEVICE, layers=range(4), seed=0)
     return StageModule(apply_lora(model, LoraConfig(dropout=dropout), "tiny-qwen3", seed=0)).train()
 
 
@@ -31,8 +34,8 @@ def _loss_and_grads(stage: StageModule, tokens: torch.Tensor) -> tuple[torch.Ten
 
 def test_offload_hooks_move_the_checkpointed_input_and_keep_the_gradients() -> None:
     """A small module under the hooks: its saved input goes to the host copy, gradients are unchanged."""
-    layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8))
-    x = torch.randn(4, 8)
+    layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8)).to(DEVICE)
+    x = torch.randn(4, 8, device=DEVICE)
     plain_in = x.clone().requires_grad_(True)
     torch.utils.checkpoint.checkpoint(layer, plain_in, use_reentrant=False).sum().backward()
     plain = [p.grad.clone() for p in layer.parameters()]
@@ -55,7 +58,7 @@ def test_offload_hooks_move_the_checkpointed_input_and_keep_the_gradients() -> N
 def test_offloaded_stage_equals_the_checkpointed_and_the_plain_one(dropout: float) -> None:
     """Every layer checkpointed with its input on the host: loss and adapter gradients as the plain stage's
     (dropout too: the checkpoint restores the RNG for the recomputation)."""
-    stage, tokens = _stage(dropout), torch.randint(0, 1000, (2, 32))
+    stage, tokens = _stage(dropout), torch.randint(0, 1000, (2, 32), device=DEVICE)
     plain_loss, plain = _loss_and_grads(stage, tokens)
     stage.checkpoint_layers = len(stage.layers)
     stage.offload = ActivationOffload(layers=len(stage.layers))
@@ -68,7 +71,7 @@ def test_offloaded_stage_equals_the_checkpointed_and_the_plain_one(dropout: floa
 
 def test_chunked_mlp_equals_the_whole_one_and_keeps_only_its_input() -> None:
     """MLPs in chunks of 8 of 32 positions: the same loss and gradients; a layer keeps less for backward."""
-    stage, tokens = _stage(), torch.randint(0, 1000, (2, 32))
+    stage, tokens = _stage(), torch.randint(0, 1000, (2, 32), device=DEVICE)
     plain_loss, plain = _loss_and_grads(stage, tokens)
     whole, _ = stage.layer_memory(2, 32)
     chunk_mlps(list(stage.layers), 8)
