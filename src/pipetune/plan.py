@@ -211,7 +211,7 @@ def predict(
     vocab = (shape.config if t.fused_loss else resolved.config).vocab_size
 
     # ------------------------------------------------------------------ memory, rank by rank
-    peaks, checkpointed, stage_layers, longest = [], [], [], []
+    peaks, checkpointed, stage_layers, longest = [], [], [], []  # longest: the longest row of each rank's modes
     for rank in range(p.pp):
         layers = [len(ranges[s]) for s in _stages(p, rank)]
         trainable = sum(layers) * shape.trainable_per_layer / (p.dp if fsdp else 1)
@@ -221,17 +221,9 @@ def predict(
         timeline = rank_timeline(p, rank)
         last = len(ranges) - 1 in _stages(p, rank)
         row = row_costs(variant, shape.config, _layer_memory(variant, shape.resolved, ROW_PROBE), fixed, last, vocab)
-        longest.append(longest_rows(layers, timeline, row, (1 - MARGIN) * budget, host_budget(layout.gpus)))
+        longest.append(longest_rows(layers, timeline, row, (1 - MARGIN) * budget, host_budget(p.world_size)))
         fixed += loss_bytes(variant, vocab) if last else 0.0
-        offloaded = list(layers) if t.activation_checkpointing == "offload" else None
-        if t.activation_checkpointing == "auto":
-            host, hides = host_budget(layout.gpus), offload_hides(input_bytes, costs.layer / 2 * microbatch * seq)
-            plan = plan_checkpointing(
-                layers, timeline, layer_bytes, input_bytes, fixed + MARGIN * budget, budget, host, hides
-            )
-            k, offloaded = plan.layers, plan.offloaded
-        else:
-            k = list(layers) if t.activation_checkpointing else [0] * len(layers)
+        k, offloaded = _layer_modes(variant, layers, timeline, (layer_bytes, input_bytes), fixed, budget, costs)
         peaks.append(fixed + activation_peak(layers, k, timeline, layer_bytes, input_bytes, offloaded)[0])
         checkpointed.append(k)
         stage_layers.append(layers)
@@ -290,6 +282,29 @@ def predict(
     bubble = replay.bubble if p.pp > 1 else []
     rows = {mode: min(ranks[mode] for ranks in longest) for mode in LAYER_MODES}
     return Prediction(layout, peaks, checkpointed, stage_layers, tokens_per_sec, step, bubble, budget, rows, mode, work)
+
+
+def _layer_modes(
+    config: Config,
+    layers: list[int],
+    timeline: list[list[int]],
+    memory: tuple[float, float],
+    fixed: float,
+    budget: float,
+    costs: StageCosts,
+) -> tuple[list[int], list[int] | None]:
+    """Recomputed and offloaded layers per stage of one rank, as the run would choose them (`auto_checkpointing`);
+    `memory`: one layer's activation and input bytes for the microbatch."""
+    t, (layer_bytes, input_bytes) = config.train, memory
+    if t.activation_checkpointing == "auto":
+        host = host_budget(config.parallel.world_size)
+        tokens = config.microbatch_size * config.data.max_length
+        hides = offload_hides(input_bytes, costs.layer / 2 * tokens)  # a LoRA layer's forward: half its count
+        margin = fixed + MARGIN * budget
+        plan = plan_checkpointing(layers, timeline, layer_bytes, input_bytes, margin, budget, host, hides)
+        return plan.layers, plan.offloaded
+    k = list(layers) if t.activation_checkpointing else [0] * len(layers)
+    return k, list(layers) if t.activation_checkpointing == "offload" else None
 
 
 def _stages(p, rank: int) -> list[int]:
