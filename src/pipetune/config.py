@@ -162,11 +162,18 @@ class TrainConfig:
     labels are made, so the loss never waits for the GPU (validation's, on the device, sync once a batch)."""
     loss_chunk: int = 2048
     """Rows (tokens) per chunk of train.fused_loss: peak extra memory ~ loss_chunk x vocab x 12 bytes."""
-    activation_checkpointing: bool | str = field(default=False, metadata={"also": ("auto",)})
+    activation_checkpointing: bool | str = field(default=False, metadata={"also": ("auto", "offload")})
     """Keep only a decoder layer's input during forward and recompute the layer in backward: less activation
-    memory (long contexts) for about one more forward of the layer. true: every layer; "auto": on each stage only
-    as many layers as its memory needs (measured per layer, with the microbatches the schedule keeps in flight
+    memory (long contexts) for about one more forward of the layer. true: every layer; "offload": every layer, its
+    input kept in pinned host memory (copied on a side stream, back one layer ahead of backward: no layer input
+    stays on the GPU; docs/long-context.md); "auto": per layer keep, recompute or recompute-and-offload, only as
+    much as each stage's memory needs (measured per layer, with the microbatches the schedule keeps in flight
     on that stage: the first stages of 1F1B hold more), planned for the GPU's memory or train.memory_gb."""
+    mlp_chunk: int | str = field(default=0, metadata={"also": ("auto",)})
+    """Tokens per chunk of each decoder layer's MLP: its [tokens, 3 x intermediate_size] gate/up/activation
+    workspace is computed (and recomputed in backward) a chunk of the sequence at a time, so it stops growing
+    with the row. 0: off; "auto": 8192 when data.max_length >= 32768 (one more MLP forward per layer: under 10%
+    of a layer's time at those lengths, where attention dominates), else off."""
     memory_gb: float = 0.0
     """Memory per rank that activation_checkpointing = "auto" plans for, in GB; 0: the GPU's total memory
     (on a CPU, 0 plans no checkpointing)."""
@@ -639,14 +646,20 @@ def _check_train(t: TrainConfig) -> None:
     if t.cuda_graphs:
         _check(t.compile, "train.cuda_graphs = true replays compiled layers: set train.compile = true as well")
         _check(
-            t.activation_checkpointing is not True,
-            "train.cuda_graphs = true does not combine with train.activation_checkpointing = true (a recomputed "
+            t.activation_checkpointing not in (True, "offload"),
+            "train.cuda_graphs = true does not combine with train.activation_checkpointing = "
+            f"{_toml_value(t.activation_checkpointing)} (a recomputed "
             "layer would replay its graph inside another's backward); set one of them to false, or checkpointing "
             'to "auto" (ranks that checkpoint then run without graphs)',
         )
     _check(
-        t.activation_checkpointing in (True, False, "auto"),
-        f'train.activation_checkpointing = {t.activation_checkpointing!r} is unknown; use true, false or "auto"',
+        t.activation_checkpointing in (True, False, "auto", "offload"),
+        f"train.activation_checkpointing = {t.activation_checkpointing!r} is unknown; "
+        'use true, false, "offload" or "auto"',
+    )
+    _check(
+        t.mlp_chunk == "auto" or (isinstance(t.mlp_chunk, int) and t.mlp_chunk >= 0),
+        f'train.mlp_chunk = {t.mlp_chunk!r} must be "auto" or a number of tokens >= 0 (0: off; e.g. 8192)',
     )
     _check(
         t.max_steps == -1 or t.max_steps >= 1,
@@ -918,3 +931,15 @@ def _non_negative(*named: tuple[str, int]) -> None:
 
 def _check_set(name: str, value: str) -> None:
     _check(bool(value.strip()), f"{name} is empty; set it (see the defaults in src/pipetune/config.py)")
+
+
+MLP_CHUNK_AUTO = (32768, 8192)
+"""train.mlp_chunk = "auto": rows of at least this many tokens run their MLPs in chunks of this many."""
+
+
+def mlp_chunk_tokens(t: TrainConfig, max_length: int) -> int:
+    """Tokens per MLP chunk that train.mlp_chunk asks for at rows of `max_length` (0: not chunked)."""
+    if t.mlp_chunk == "auto":
+        threshold, chunk = MLP_CHUNK_AUTO
+        return chunk if max_length >= threshold else 0
+    return int(t.mlp_chunk)

@@ -22,22 +22,28 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from pipetune.config import Config, ConfigError, ParallelConfig
+from pipetune.config import Config, ConfigError, ParallelConfig, mlp_chunk_tokens
 from pipetune.model.graphs import choose_cuda_graphs, graphs_untried
 from pipetune.model.shapes import ResolvedModel, one_layer_model, resolve_model
 from pipetune.model.split import StageCosts, run_split
 from pipetune.parallel.layouts import Layout, candidate_layouts
 from pipetune.parallel.memory import (
     GB,
+    LAYER_MODES,
     MARGIN,
     OPTIMIZER_BYTES,
+    ROW_PROBE,
     activation_peak,
+    host_budget,
+    longest_rows,
     loss_bytes,
     measure_layer_memory,
     memory_budget,
+    offload_hides,
     plan_checkpointing,
     rank_timeline,
     rank_weight_bytes,
+    row_costs,
 )
 from pipetune.parallel.pipeline import schedule_actions
 from pipetune.parallel.speed import (
@@ -70,6 +76,9 @@ class Prediction:
     """One optimizer step."""
     bubble: list[float]
     budget: float
+    longest: dict[str, int] = field(default_factory=dict)
+    """The longest row (tokens a sequence, at this microbatch) with every layer kept, recomputed or offloaded
+    (parallel/memory.py's LAYER_MODES): the fewest over the pipeline ranks."""
     mode: str = "compiled"
     """How the layers run (parallel/speed.py's MODES): "graphs" where CUDA graphs pay off."""
     work: LayerWork | None = None
@@ -201,21 +210,20 @@ def predict(
     vocab = (shape.config if t.fused_loss else resolved.config).vocab_size
 
     # ------------------------------------------------------------------ memory, rank by rank
-    peaks, checkpointed, stage_layers = [], [], []
+    peaks, checkpointed, stage_layers, longest = [], [], [], []  # longest: the longest row of each rank's modes
     for rank in range(p.pp):
         layers = [len(ranges[s]) for s in p.stage_ids(rank)]
         trainable = sum(layers) * shape.trainable_per_layer / (p.dp if fsdp else 1)
         stored, root = weights[rank]
         fixed = (stored / p.dp + 2 * layer_weights if fsdp else stored) + root  # FSDP: this layer and the next
         fixed += (4 + OPTIMIZER_BYTES) * trainable  # float32 adapters, their gradients and AdamW moments
-        fixed += loss_bytes(variant, vocab) if len(ranges) - 1 in p.stage_ids(rank) else 0.0
         timeline = rank_timeline(p, rank)
-        if t.activation_checkpointing == "auto":
-            plan = plan_checkpointing(layers, timeline, layer_bytes, input_bytes, fixed + MARGIN * budget, budget)
-            k = plan.layers
-        else:
-            k = list(layers) if t.activation_checkpointing else [0] * len(layers)
-        peaks.append(fixed + activation_peak(layers, k, timeline, layer_bytes, input_bytes)[0])
+        last = len(ranges) - 1 in p.stage_ids(rank)
+        row = row_costs(variant, shape.config, _layer_memory(variant, shape.resolved, ROW_PROBE), fixed, last, vocab)
+        longest.append(longest_rows(layers, timeline, row, (1 - MARGIN) * budget, host_budget(p.world_size)))
+        fixed += loss_bytes(variant, vocab) if last else 0.0
+        k, offloaded = _layer_modes(variant, layers, timeline, (layer_bytes, input_bytes), fixed, budget, costs)
+        peaks.append(fixed + activation_peak(layers, k, timeline, layer_bytes, input_bytes, offloaded)[0])
         checkpointed.append(k)
         stage_layers.append(layers)
 
@@ -261,7 +269,31 @@ def predict(
     step += all_reduce_seconds(4 * trainable, p.dp, rates) + rates.step_seconds  # the adapters' gradients
     tokens_per_sec = t.batch_size * p.dp * t.grad_accum * seq / step
     bubble = replay.bubble if p.pipelined else []
-    return Prediction(layout, peaks, checkpointed, stage_layers, tokens_per_sec, step, bubble, budget, mode, work)
+    rows = {mode: min(ranks[mode] for ranks in longest) for mode in LAYER_MODES}
+    return Prediction(layout, peaks, checkpointed, stage_layers, tokens_per_sec, step, bubble, budget, rows, mode, work)
+
+
+def _layer_modes(
+    config: Config,
+    layers: list[int],
+    timeline: list[list[int]],
+    memory: tuple[float, float],
+    fixed: float,
+    budget: float,
+    costs: StageCosts,
+) -> tuple[list[int], list[int] | None]:
+    """Recomputed and offloaded layers per stage of one rank, as the run would choose them (`auto_checkpointing`);
+    `memory`: one layer's activation and input bytes for the microbatch."""
+    t, (layer_bytes, input_bytes) = config.train, memory
+    if t.activation_checkpointing == "auto":
+        host = host_budget(config.parallel.world_size)
+        tokens = config.microbatch_size * config.data.max_length
+        hides = offload_hides(input_bytes, costs.layer / 2 * tokens)  # a LoRA layer's forward: half its count
+        margin = fixed + MARGIN * budget
+        plan = plan_checkpointing(layers, timeline, layer_bytes, input_bytes, margin, budget, host, hides)
+        return plan.layers, plan.offloaded
+    k = list(layers) if t.activation_checkpointing else [0] * len(layers)
+    return k, list(layers) if t.activation_checkpointing == "offload" else None
 
 
 def _replay_step(p: ParallelConfig, forward: dict[int, float], backward: dict[int, float], transfer: float) -> Replay:
@@ -339,6 +371,7 @@ def _layer_memory(config: Config, resolved: ResolvedModel, seq: int) -> tuple[in
     """(activation bytes, input bytes) of one layer for one sequence: they grow with the microbatch in proportion."""
     key = (
         id(resolved.config),
+        mlp_chunk_tokens(config.train, seq) if config.parallel.tp == 1 else 0,
         config.model.dtype,
         config.lora.r,
         tuple(config.lora.target_modules),
@@ -348,7 +381,8 @@ def _layer_memory(config: Config, resolved: ResolvedModel, seq: int) -> tuple[in
         seq,
     )
     if key not in _LAYER_MEMORY or _LAYER_MEMORY[key][0] is not resolved.config:
-        measured = measure_layer_memory(config, resolved, torch.device("meta"), 1, seq)
+        long = dataclasses.replace(config, data=dataclasses.replace(config.data, max_length=seq))
+        measured = measure_layer_memory(long, resolved, torch.device("meta"), 1, seq)  # chunked MLPs as at seq
         _LAYER_MEMORY[key] = (resolved.config, measured)
     return _LAYER_MEMORY[key][1]
 
@@ -417,6 +451,7 @@ def format_plan(plan: Plan, top: int | None = 15) -> str:
             f"{rank:>4}  {prediction.layout.describe():<{width}}  {prediction.layout.batching():<18} "
             f"{prediction.checkpointing():<16} {peaks:<18} {prediction.tokens_per_sec:>9,.0f}  {bubble:<9} {fits}"
         )
+    lines += longest_row_lines(plan, rows, width)
     n_fit = sum(p.fits for p in plan.predictions)
     lines.append(
         f"{len(plan.predictions)} layouts, {n_fit} fit"
@@ -424,6 +459,20 @@ def format_plan(plan: Plan, top: int | None = 15) -> str:
     )
     lines.append(pick_line(plan) if plan.pick else no_fit_message(plan))
     return "\n".join(lines)
+
+
+def longest_row_lines(plan: Plan, rows: Sequence[Prediction], width: int) -> list[str]:
+    """The longest row each shown layout trains, from the memory model: every layer kept, recomputed, or recomputed
+    with its input in host memory (train.activation_checkpointing = true / "offload")."""
+    lines = [
+        f"longest row per layout (tokens a sequence at its microbatch; {MARGIN:.0%} margin; offload: within half "
+        "the host's memory): " + " / ".join(LAYER_MODES)
+    ]
+    for prediction in rows:
+        rank = plan.predictions.index(prediction) + 1
+        tokens = " / ".join(f"{prediction.longest.get(mode, 0):,}" for mode in LAYER_MODES)
+        lines.append(f"{rank:>4}  {prediction.layout.describe():<{width}}  {tokens}")
+    return lines
 
 
 def pick_line(plan: Plan) -> str:

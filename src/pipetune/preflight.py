@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from torch import nn
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from pipetune.config import Config, ConfigError, DataConfig, check_stage_count, validate, validate_against_model
 from pipetune.data.prompt import PromptBuilder
@@ -46,10 +47,28 @@ def preflight(config: Config, world_size: int) -> Prepared:
     check_loggers(config.output.loggers)
     prepared = prepare(config)
     from pipetune.model.split import run_split
-    from pipetune.parallel.memory import check_weights_fit
+    from pipetune.parallel.memory import check_row_fits, check_weights_fit
 
-    check_weights_fit(config, prepared.model.config, run_split(config, prepared.model.config)[1])
+    ranges = run_split(config, prepared.model.config)[1]
+    check_weights_fit(config, prepared.model.config, ranges)
+    check_row_fits(config, prepared.model, ranges)  # after the weights: a row needs them to fit first
     return prepared
+
+
+def check_positions(config: Config, model_config: PretrainedConfig) -> str | None:
+    """A warning when data.max_length goes past the positions the model was trained for (max_position_embeddings)
+    and its config scales no rope: attention past them has never been trained, and quality falls off."""
+    trained = getattr(model_config, "max_position_embeddings", None)
+    scaling = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None)
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if trained is None or config.data.max_length <= trained or rope_type not in (None, "default"):
+        return None
+    return (
+        f"data.max_length = {config.data.max_length} is beyond the {trained} positions {config.model.name!r} was "
+        "trained for (max_position_embeddings) and its config scales no rope; train on shorter rows, or use a "
+        'model whose config.json sets rope_scaling (e.g. {"rope_type": "yarn", "factor": '
+        f'{config.data.max_length / trained:.0f}, "original_max_position_embeddings": {trained}}})'
+    )
 
 
 def check_data_source(data: DataConfig) -> None:
@@ -100,6 +119,9 @@ def prepare(config: Config) -> Prepared:
     heads = shape.num_attention_heads
     kv_heads = getattr(shape, "num_key_value_heads", None) or heads
     validate_against_model(config, shape.num_hidden_layers, linear_layer_names(resolved), heads, kv_heads)
+    warning = check_positions(config, shape)
+    if warning:
+        print(f"pipetune: warning: {warning}", file=sys.stderr, flush=True)
     check_quantize(config, resolved.config)  # before any weight is read
     tokenizer = load_tokenizer(config, resolved)
     if len(tokenizer) > resolved.config.vocab_size:

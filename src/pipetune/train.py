@@ -44,6 +44,7 @@ from pipetune.metrics import MetricsLog, PhaseLog, host_peak_gb, peak_memory_gb,
 from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory, graphs_untried
 from pipetune.model.load import DTYPES
 from pipetune.model.lora import adapter_state, save_adapter
+from pipetune.model.offload import apply_long_rows, set_layer_modes
 from pipetune.model.split import StageCosts, run_split, stage_costs
 from pipetune.model.stage import StageModule
 from pipetune.parallel.assemble import StagePart, build_stage_modules, compile_stages, run_parallelism
@@ -348,6 +349,7 @@ def build_stages(
     )
     peft_model, modules, load_stats = built.peft_model, built.modules, built.loaded
     for module in modules:
+        apply_long_rows(module, t, config.data.max_length, p.tp)  # checkpointing, offloading, chunked MLPs
         keep_rng_out_of_no_grad_forwards(module, device)
     phases.mark("ready", load_s=round(time.perf_counter() - load_started, 2), peak_gb=round(peak_memory_gb(device), 2))
     params = [param for param in peft_model.parameters() if param.requires_grad]
@@ -418,8 +420,8 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
     validation = runner() if p.pipelined else runners[max_length]
     if t.activation_checkpointing == "auto":
         plan = auto_checkpointing(modules, stages.ids, mesh.pp_rank, config, prepared.model, device, mesh.tp_mesh)
-        for module, count in zip(modules, plan.layers, strict=True):
-            module.checkpoint_layers = count
+        for module, count, offloaded in zip(modules, plan.layers, plan.offloaded_layers(), strict=True):
+            set_layer_modes(module, count, offloaded)
         print(f"rank {env.rank}: {plan.describe(stages.ids, [len(m.layers) for m in modules])}", flush=True)
     cuda_graphs = t.compile and t.cuda_graphs and device.type == "cuda"
     if cuda_graphs:

@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 from pipetune.config import ConfigError
 from pipetune.model.attention import document_mask
 from pipetune.model.families import Family, LayerInputs, family_of
+from pipetune.model.offload import ActivationOffload, offloading
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -168,6 +169,8 @@ class StageModule(nn.Module):
         self.checkpoint_layers = 0
         """How many of the stage's layers (the first ones) recompute their forward in backward instead of keeping
         their activations (train.activation_checkpointing: all, none, or as many as memory needs)."""
+        self.offload: ActivationOffload | None = None
+        """Moves the inputs of the first `offload.layers` checkpointed layers to host memory (model/offload.py)."""
         self.head_in_loss = False
         """The last stage returns normed hidden states; the loss applies lm_head (train.fused_loss)."""
         self.own_boundary_memory = False
@@ -266,7 +269,8 @@ class StageModule(nn.Module):
             kwargs = dict(inputs=inputs) if isinstance(run, LayerGroup) else inputs[self.family.layer_kind(run)]
             if index < self.checkpoint_layers and torch.is_grad_enabled():
                 # Non-reentrant, with the RNG state restored for the recomputation: same dropout masks, same math.
-                out = checkpoint(run, hidden, use_reentrant=False, **kwargs)
+                with offloading(self.offload, index):
+                    out = checkpoint(run, hidden, use_reentrant=False, **kwargs)
             else:
                 out = run(hidden, **kwargs)
             hidden = hidden_states(out)

@@ -9,14 +9,20 @@ fits the budget:
     peak = fixed + max over the schedule of sum_s inflight_s x (k_s x input + (L_s - k_s) x layer) + layer
 
 (`fixed`: weights, adapters with their gradients and AdamW moments, the loss's workspace and a margin; the
-last `layer`: the activations of the one layer being recomputed in backward). The microbatches in flight come
-from the schedule's own actions (`schedule_actions`); a layer's activations are measured on a throwaway copy,
-on the run's device or, for `pipetune plan`, on the meta device, which needs no memory.
+last `layer`: the activations of the one layer being recomputed in backward). An offloaded layer (checkpointed,
+its input in pinned host memory: model/offload.py) holds nothing on the GPU between its forward and backward;
+while any is, two inputs are staged (the one in use, the one fetched ahead), and the host holds
+sum_s inflight_s x o_s x input. Offloading costs host bandwidth, not compute: "auto" offloads a checkpointed
+layer before recomputing another when copying its input takes less time than the layer's forward (then the
+copy hides behind it), else only once every layer is recomputed (docs/long-context.md). The microbatches in
+flight come from the schedule's own actions (`schedule_actions`); a layer's activations are measured on a
+throwaway copy, on the run's device or, for `pipetune plan`, on the meta device, which needs no memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,11 +30,13 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig
 
-from pipetune.config import Config, ConfigError, ParallelConfig
+from pipetune.config import Config, ConfigError, ParallelConfig, mlp_chunk_tokens
+from pipetune.model.chunked import chunk_mlps
 from pipetune.model.families import family_of
 from pipetune.model.load import DTYPES
 from pipetune.model.quantize import linear_shapes, stored_bytes
 from pipetune.model.shapes import ResolvedModel, one_layer_model
+from pipetune.model.split import estimate_costs
 from pipetune.model.stage import StageModule, local_part
 from pipetune.parallel.assemble import Parallelism, StagePart, build_stage_modules
 from pipetune.parallel.pipeline import Action, schedule_actions
@@ -42,6 +50,15 @@ elementwise work in backward (the norms' float32 copies among it) rather than sa
 peaked 5-8% under the eager measurement's prediction, eager runs within 5% of it (benchmarks/journal/plan-check.md)."""
 OPTIMIZER_BYTES = 12
 """Per trainable parameter besides the parameter itself: its float32 gradient and two AdamW moments."""
+OFFLOAD_STAGING = 2
+"""Layer inputs on the GPU at once while offloading: the one backward uses, the one fetched ahead."""
+HOST_BANDWIDTH = 20e9
+"""Bytes per second of a pinned copy in one direction, as planned for (PCIe gen5 x16 measures ~50, shared by the
+node's GPUs)."""
+LAYER_FLOPS_PER_SECOND = 400e12
+"""A decoder layer's forward on an H200 in bf16 (~40% of its dense peak): what an offload's copy hides behind."""
+HOST_SHARE = 0.5
+"""Share of the host's memory a rank's offloaded inputs may take, split over the node's GPUs."""
 
 
 @dataclass
@@ -51,22 +68,30 @@ class CheckpointPlan:
     peak_bytes: float
     """Predicted peak memory of the rank with that many checkpointed."""
     budget_bytes: float
+    offloaded: list[int] | None = None
+    """Of the checkpointed layers, how many (the first ones) keep their input in host memory, per stage."""
+    host_bytes: float = 0.0
+    """Predicted peak of the offloaded inputs in host memory."""
 
     @property
     def fits(self) -> bool:
         return self.peak_bytes <= self.budget_bytes
 
+    def offloaded_layers(self) -> list[int]:
+        return list(self.offloaded) if self.offloaded is not None else [0] * len(self.layers)
+
     def describe(self, stage_ids: Sequence[int], stage_layers: Sequence[int]) -> str:
         parts = [
-            f"stage {stage}: {k} of {n} layers"
-            for stage, k, n in zip(stage_ids, self.layers, stage_layers, strict=True)
+            f"stage {stage}: {k} of {n} layers" + (f" ({o} offloaded)" if o else "")
+            for stage, k, o, n in zip(stage_ids, self.layers, self.offloaded_layers(), stage_layers, strict=True)
         ]
         if self.budget_bytes == float("inf"):
             budget = "no memory limit to plan for (a CPU: set train.memory_gb)"
         else:
             budget = f"predicted peak {self.peak_bytes / GB:.3g} of {self.budget_bytes / GB:.3g} GB"
         fits = "" if self.fits else " (does not fit even so: lower the microbatch or data.max_length)"
-        return f"activation checkpointing (auto): {', '.join(parts)}; {budget}{fits}"
+        host = f", {self.host_bytes / GB:.3g} GB in host memory" if self.host_bytes else ""
+        return f"activation checkpointing (auto): {', '.join(parts)}; {budget}{host}{fits}"
 
 
 def inflight_timeline(actions: Sequence[Action], stage_ids: Sequence[int]) -> list[list[int]]:
@@ -100,11 +125,14 @@ def activation_bytes(
     moment: Sequence[int],
     layer_bytes: float,
     input_bytes: float,
+    offloaded: Sequence[int] | None = None,
 ) -> float:
-    """Activations a rank holds at one moment: a checkpointed layer keeps its input, the others everything."""
+    """Activations a rank holds at one moment: a checkpointed layer keeps its input (an offloaded one nothing:
+    the host holds it), the others everything."""
+    offloaded = offloaded or [0] * len(stage_layers)
     return sum(
-        held * (k * input_bytes + (n - k) * layer_bytes)
-        for held, k, n in zip(moment, checkpointed, stage_layers, strict=True)
+        held * ((k - o) * input_bytes + (n - k) * layer_bytes)
+        for held, k, o, n in zip(moment, checkpointed, offloaded, stage_layers, strict=True)
     )
 
 
@@ -114,12 +142,23 @@ def activation_peak(
     timeline: Sequence[Sequence[int]],
     layer_bytes: float,
     input_bytes: float,
+    offloaded: Sequence[int] | None = None,
 ) -> tuple[float, Sequence[int]]:
     """The peak of `activation_bytes` over the schedule (plus one layer's activations while a checkpointed layer
-    is recomputed in backward), and the moment it happens."""
-    moment = max(timeline, key=lambda m: activation_bytes(stage_layers, checkpointed, m, layer_bytes, input_bytes))
+    is recomputed in backward, and the staged inputs while any is offloaded), and the moment it happens."""
+
+    def held(m: Sequence[int]) -> float:
+        return activation_bytes(stage_layers, checkpointed, m, layer_bytes, input_bytes, offloaded)
+
+    moment = max(timeline, key=held)
     recompute = layer_bytes if any(checkpointed) else 0.0
-    return activation_bytes(stage_layers, checkpointed, moment, layer_bytes, input_bytes) + recompute, moment
+    staging = OFFLOAD_STAGING * input_bytes if offloaded and any(offloaded) else 0.0
+    return held(moment) + recompute + staging, moment
+
+
+def host_bytes(timeline: Sequence[Sequence[int]], offloaded: Sequence[int], input_bytes: float) -> float:
+    """The peak of the offloaded inputs in host memory over the schedule."""
+    return max(sum(held * o for held, o in zip(moment, offloaded, strict=True)) for moment in timeline) * input_bytes
 
 
 def plan_checkpointing(
@@ -129,23 +168,54 @@ def plan_checkpointing(
     input_bytes: float,
     fixed_bytes: float,
     budget_bytes: float,
+    host_budget: float = 0.0,
+    offload_first: bool = False,
 ) -> CheckpointPlan:
-    """The fewest checkpointed layers per stage whose predicted peak fits `budget_bytes` (all, if none does)."""
-    checkpointed = [0] * len(stage_layers)
+    """The fewest checkpointed (then offloaded) layers per stage whose predicted peak fits `budget_bytes` (all, if
+    none does). Layers are offloaded while their inputs fit `host_budget` (0: never); `offload_first`: offload a
+    checkpointed layer before recomputing another (its copy hides behind the layer's compute)."""
+    checkpointed, offloaded = [0] * len(stage_layers), [0] * len(stage_layers)
 
     def peak() -> tuple[float, Sequence[int]]:
-        activations, moment = activation_peak(stage_layers, checkpointed, timeline, layer_bytes, input_bytes)
+        activations, moment = activation_peak(stage_layers, checkpointed, timeline, layer_bytes, input_bytes, offloaded)
         return fixed_bytes + activations, moment
+
+    def can_offload(i: int) -> bool:
+        more = [o + (j == i) for j, o in enumerate(offloaded)]
+        return offloaded[i] < checkpointed[i] and host_bytes(timeline, more, input_bytes) <= host_budget
 
     total, moment = peak()
     while total > budget_bytes:
-        candidates = [i for i, (k, n) in enumerate(zip(checkpointed, stage_layers, strict=True)) if k < n]
-        if not candidates:
+        to_offload = [i for i in range(len(stage_layers)) if can_offload(i)]
+        to_checkpoint = [i for i, (k, n) in enumerate(zip(checkpointed, stage_layers, strict=True)) if k < n]
+        # The stage that holds the most microbatches at the peak saves the most per layer.
+        if to_offload and (offload_first or not to_checkpoint):
+            offloaded[max(to_offload, key=lambda i: (moment[i], -i))] += 1
+        elif to_checkpoint:
+            checkpointed[max(to_checkpoint, key=lambda i: (moment[i], -i))] += 1
+        else:
             break
-        # The stage that holds the most microbatches at the peak saves the most per checkpointed layer.
-        checkpointed[max(candidates, key=lambda i: (moment[i], -i))] += 1
         total, moment = peak()
-    return CheckpointPlan(checkpointed, total, budget_bytes)
+    host = host_bytes(timeline, offloaded, input_bytes)
+    return CheckpointPlan(checkpointed, total, budget_bytes, offloaded if any(offloaded) else None, host)
+
+
+def offload_hides(input_bytes: float, layer_flops: float) -> bool:
+    """Whether copying a layer's input to the host takes less time than the layer's forward (`layer_flops` for
+    the microbatch), so that the copy overlaps it."""
+    return input_bytes / HOST_BANDWIDTH <= layer_flops / LAYER_FLOPS_PER_SECOND
+
+
+def host_budget(gpus: int | None = None) -> float:
+    """Host memory a rank may fill with offloaded inputs: HOST_SHARE of this machine's, split over its GPUs
+    (`gpus`, else the ones here)."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+    if gpus is None:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    return HOST_SHARE * physical / max(1, gpus)
 
 
 def auto_checkpointing(
@@ -171,9 +241,22 @@ def auto_checkpointing(
     if last is not None:
         fixed += loss_bytes(config, last.lm_head.weight.shape[0])
     fixed += MARGIN * budget if budget != float("inf") else 0.0
+    fixed += mlp_workspace_bytes(config, resolved.config, microbatch * seq)
     timeline = rank_timeline(config.parallel, pp_rank)
     stage_layers = [len(module.layers) for module in modules]
-    return plan_checkpointing(stage_layers, timeline, layer_bytes, input_bytes, fixed, budget)
+    # estimate_costs counts a LoRA layer's forward and input gradient (4 x weights a token): half is the forward.
+    hides = offload_hides(input_bytes, estimate_costs(resolved.config, seq).layer / 2 * microbatch * seq)
+    host = host_budget() if device.type == "cuda" else 0.0  # a CPU has no host memory apart to move to
+    return plan_checkpointing(stage_layers, timeline, layer_bytes, input_bytes, fixed, budget, host, hides)
+
+
+def mlp_workspace_bytes(config: Config, model_config: PretrainedConfig, tokens: int) -> float:
+    """What a layer's MLP briefly needs on top of what it keeps: [tokens, 3 x intermediate_size] (gate, up and
+    their product), for a chunk of train.mlp_chunk tokens when chunked; split over parallel.tp."""
+    chunk = mlp_chunk_tokens(config.train, config.data.max_length) if config.parallel.tp == 1 else 0
+    element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
+    rows = min(tokens, chunk) if chunk else tokens
+    return 3 * model_config.intermediate_size * rows * element / config.parallel.tp
 
 
 def memory_budget(config: Config, device: torch.device | None = None) -> float:
@@ -226,6 +309,8 @@ def measure_layer_memory(
             tp=config.parallel.tp,
         )
         model, (stage,) = built.peft_model, built.modules
+        if config.parallel.tp == 1:  # as the run's layers: model/offload.py's apply_long_rows
+            chunk_mlps(list(stage.layers), mlp_chunk_tokens(config.train, config.data.max_length))
         activations, inputs = stage.layer_memory(batch, seq)
     del built, model, stage
     if device.type == "cuda":
@@ -298,3 +383,121 @@ def parameter_counts(model_config: PretrainedConfig) -> tuple[int, int, int]:
 
 
 _PARAMETER_COUNTS: dict[int, tuple[PretrainedConfig, tuple[int, int, int]]] = {}
+
+
+# --------------------------------------------------------------------------- the longest row a layout trains
+
+LAYER_MODES = ("keep", "recompute", "offload")
+"""What every decoder layer does with its activations in `longest_rows`."""
+ROW_PROBE = 65536
+"""The row length a layer's activations per token are measured at (on the meta device: free); with
+flash attention everything a layer keeps grows in proportion to the tokens."""
+
+
+@dataclass(frozen=True)
+class RowCosts:
+    """A rank's memory for rows of L tokens: `fixed` + L x (what its layers keep + `transient`), per token."""
+
+    layer: float
+    """Bytes a kept layer holds a token (the microbatch's sequences together)."""
+    input: float
+    """Bytes of a layer's input a token: all a recomputed layer keeps."""
+    transient: float
+    """Bytes a token while a layer runs, beside what it keeps: an unchunked MLP's workspace, the plain loss's logits."""
+    fixed: float
+    """Bytes whatever the length: weights, adapters and optimizer, the fused loss's chunk, a chunked MLP's chunk."""
+
+
+def row_costs(
+    config: Config, model_config: PretrainedConfig, measured: tuple[float, float], fixed: float, last: bool, vocab: int
+) -> RowCosts:
+    """`RowCosts` of `config`'s microbatch from one layer's (activation, input) bytes `measured` for one sequence of
+    ROW_PROBE tokens (`long_row_memory`), with train.mlp_chunk as it applies to rows that long; `fixed`: the rank's
+    weights, adapters and optimizer; `last`: the rank holds the loss."""
+    long = _long(config)
+    microbatch = config.microbatch_size
+    chunked = mlp_chunk_tokens(config.train, ROW_PROBE) > 0 and config.parallel.tp == 1
+    workspace = mlp_workspace_bytes(long, model_config, microbatch * ROW_PROBE)
+    transient = 0.0 if chunked else workspace / ROW_PROBE
+    fixed += workspace if chunked else 0.0
+    if last and config.train.fused_loss:
+        fixed += loss_bytes(config, vocab)
+    elif last:
+        transient += microbatch * vocab * 10
+    layer, inputs = measured
+    return RowCosts(microbatch * layer / ROW_PROBE, microbatch * inputs / ROW_PROBE, transient, fixed)
+
+
+def long_row_memory(config: Config, resolved: ResolvedModel) -> tuple[float, float]:
+    """One layer's (activation, input) bytes for one sequence of ROW_PROBE tokens, on the meta device."""
+    return measure_layer_memory(_long(config), resolved, torch.device("meta"), 1, ROW_PROBE)
+
+
+def _long(config: Config) -> Config:
+    """`config` with rows of ROW_PROBE tokens (what train.mlp_chunk = "auto" decides by)."""
+    return dataclasses.replace(config, data=dataclasses.replace(config.data, max_length=ROW_PROBE))
+
+
+def longest_rows(
+    stage_layers: Sequence[int], timeline: Sequence[Sequence[int]], row: RowCosts, budget: float, host: float
+) -> dict[str, int]:
+    """The longest row (tokens) each of LAYER_MODES fits in `budget` bytes: every layer kept,
+    every layer recomputed, or every layer recomputed with its input in host memory as far as `host` bytes hold
+    them (the rest stay on the GPU, as "auto" plans)."""
+    layers_held = max(sum(held * n for held, n in zip(moment, stage_layers, strict=True)) for moment in timeline)
+    free = max(0.0, budget - row.fixed)
+    recompute = layers_held * row.input + row.layer + row.transient
+    offloaded = OFFLOAD_STAGING * row.input + row.layer + row.transient
+    tokens = {
+        "keep": free / (layers_held * row.layer + row.transient),
+        "recompute": free / recompute,
+        # All on the host, or the host full and the rest on the GPU: the first bound that binds.
+        "offload": min(free / offloaded, (free + host) / (recompute + OFFLOAD_STAGING * row.input)),
+    }
+    return {mode: int(n) for mode, n in tokens.items()}
+
+
+def check_row_fits(config: Config, resolved: ResolvedModel, ranges: Sequence[range]) -> None:
+    """Refuse, before any process starts, data.max_length beyond what the busiest pipeline rank could train with
+    every layer recomputed and its input in host memory: the message names the longest that would fit."""
+    budget = memory_budget(config)
+    if budget == float("inf"):
+        return
+    p, d = config.parallel, config.data
+    budget *= 1 - MARGIN
+    host = host_budget()
+    weights = rank_weight_bytes(config, resolved.config, ranges)
+    trainable = _trainable_per_layer(config, resolved)
+    shards = (p.dp if p.sharded else 1) * p.tp
+    measured = long_row_memory(config, resolved)
+    for rank, (layer_weights, root) in enumerate(weights):
+        stages = p.stage_ids(rank)
+        stage_layers = [len(ranges[s]) for s in stages]
+        fixed = (layer_weights + root) / shards + (4 + OPTIMIZER_BYTES) * trainable * sum(stage_layers) / shards
+        row = row_costs(config, resolved.config, measured, fixed, len(ranges) - 1 in stages, resolved.config.vocab_size)
+        timeline = rank_timeline(p, rank)
+        longest = longest_rows(stage_layers, timeline, row, budget, host)["offload"]
+        if d.max_length > longest:
+            unlimited = longest_rows(stage_layers, timeline, row, budget, float("inf"))["offload"]
+            host_note = f", {host / GB:.0f} GB of host memory for the inputs" if unlimited > longest else ""
+            raise ConfigError(
+                f"data.max_length = {d.max_length} does not fit pipeline rank {rank}'s {budget / GB:.0f} GB "
+                f"(train.memory_gb, else the GPU's, less {MARGIN:.0%}){host_note} even with every layer recomputed "
+                'and its input in host memory (train.activation_checkpointing = "offload"): the longest row that '
+                f"would is {longest} tokens with {config.microbatch_size} sequence(s) a microbatch; lower "
+                "data.max_length or the microbatch (train.batch_size / parallel.n_microbatches), or spread the "
+                "layers over more GPUs (parallel.pp)"
+            )
+
+
+def _trainable_per_layer(config: Config, resolved: ResolvedModel) -> int:
+    """LoRA parameters of one decoder layer: r x (in + out) of each targeted linear layer."""
+    from torch import nn
+
+    layer = one_layer_model(resolved.config).model.layers[0]
+    targets = set(config.lora.target_modules)
+    return sum(
+        config.lora.r * (module.in_features + module.out_features)
+        for name, module in layer.named_modules()
+        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets
+    )

@@ -1,0 +1,172 @@
+"""Long rows: the memory model of offloaded checkpoints and chunked MLPs, the longest row a layout trains, the
+checks that refuse or warn about a row before any GPU work, and a training run that offloads and chunks."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pipetune.config import ConfigError, apply_override, mlp_chunk_tokens
+from pipetune.model.shapes import resolve_model
+from pipetune.model.split import run_split
+from pipetune.parallel.memory import (
+    LAYER_MODES,
+    OFFLOAD_STAGING,
+    RowCosts,
+    activation_peak,
+    check_row_fits,
+    host_bytes,
+    long_row_memory,
+    longest_rows,
+    plan_checkpointing,
+    row_costs,
+)
+from pipetune.plan import format_plan, make_plan
+from pipetune.preflight import check_positions, prepare
+from tests.conftest import tiny_config
+from tests.parity import adapter, assert_same_training, losses, max_relative
+
+
+def test_offloaded_layers_hold_nothing_on_the_gpu_but_the_staged_inputs() -> None:
+    layers, timeline = [4], [[2]]  # one stage of 4 layers, 2 microbatches in flight
+    recomputed = activation_peak(layers, [4], timeline, 10.0, 1.0)[0]
+    offloaded = activation_peak(layers, [4], timeline, 10.0, 1.0, offloaded=[4])[0]
+    assert recomputed == 2 * 4 * 1.0 + 10.0  # every input, and the layer being recomputed
+    assert offloaded == 10.0 + OFFLOAD_STAGING * 1.0  # no input: the host holds them
+    assert host_bytes(timeline, [4], 1.0) == 2 * 4 * 1.0
+
+
+def test_auto_offloads_within_the_host_budget_and_only_when_it_must_or_it_is_free() -> None:
+    # 12 layers of 1 GB (0.1 GB inputs), 4 microbatches in flight, 10 GB fixed: recomputing alone fits 40 GB.
+    args = ([12], [[4]], 1e9, 0.1e9, 10e9)
+    plain = plan_checkpointing(*args, 40e9)
+    assert plan_checkpointing(*args, 40e9, host_budget=1e12).offloaded is None  # fits without: nothing moved
+    # 16 GB: even all 12 recomputed (4 x 12 x 0.1 + 1 + 10 = 15.8) is close; 12.5 GB needs the host.
+    tight = plan_checkpointing(*args, 12.5e9, host_budget=1e12)
+    assert tight.fits and tight.layers == [12] and tight.offloaded and tight.offloaded[0] > 0
+    assert tight.host_bytes == 4 * tight.offloaded[0] * 0.1e9
+    assert not plan_checkpointing(*args, 12.5e9).fits  # no host budget: no offload, no fit
+    small_host = plan_checkpointing(*args, 12.5e9, host_budget=0.8e9)  # two layers' inputs, 4 microbatches each
+    assert small_host.offloaded == [2] and small_host.host_bytes <= 0.8e9 and not small_host.fits
+    # Offloading first (its copy hides behind compute) recomputes no more layers than recomputing first.
+    first = plan_checkpointing(*args, 40e9, host_budget=1e12, offload_first=True)
+    assert first.fits and first.layers[0] <= plain.layers[0] and first.offloaded
+    assert "offloaded" in first.describe([0], [12]) and "host memory" in first.describe([0], [12])
+
+
+def test_longest_rows_are_the_lengths_the_memory_model_just_fits() -> None:
+    """Each mode's longest row fits the budget by activation_peak's own count, and one more token does not."""
+    row = RowCosts(layer=300e3, input=8e3, transient=2e3, fixed=20e9)
+    layers, timeline, budget = [3, 3], [[2, 1], [1, 1]], 140e9
+    longest = longest_rows(layers, timeline, row, budget, host=float("inf"))
+    assert longest["keep"] < longest["recompute"] < longest["offload"]
+    modes = {"keep": ([0, 0], None), "recompute": ([3, 3], None), "offload": ([3, 3], [3, 3])}
+
+    def peak(mode: str, tokens: int) -> float:
+        k, o = modes[mode]
+        held = activation_peak(layers, k, timeline, row.layer * tokens, row.input * tokens, o)[0]
+        return row.fixed + held + row.transient * tokens
+
+    for mode in LAYER_MODES:
+        assert peak(mode, longest[mode]) <= budget < peak(mode, longest[mode] + 1), mode
+    # A host that holds fewer inputs leaves more of them on the GPU: between recompute and offload.
+    capped = longest_rows(layers, timeline, row, budget, host=10e9)["offload"]
+    assert longest["recompute"] < capped < longest["offload"]
+
+
+def test_chunked_mlps_lengthen_the_longest_row() -> None:
+    config = tiny_config(Path("/tmp/unused"), "parallel.pp=1", "parallel.n_microbatches=1", "train.fused_loss=true")
+    resolved = resolve_model(config.model)
+    rows = {}
+    for chunk in (0, 1024):
+        config.train.mlp_chunk = chunk
+        measured = long_row_memory(config, resolved)
+        row = row_costs(config, resolved.config, measured, 1e9, True, resolved.config.vocab_size)
+        rows[chunk] = longest_rows([4], [[1]], row, 2e9, host=0.0)
+    assert rows[1024]["keep"] > rows[0]["keep"] and rows[1024]["recompute"] > rows[0]["recompute"]
+
+
+def test_mlp_chunk_auto_turns_on_at_long_rows_and_bad_values_are_refused(tmp_path: Path) -> None:
+    config = tiny_config(tmp_path, 'train.mlp_chunk="auto"')
+    assert mlp_chunk_tokens(config.train, 1024) == 0 and mlp_chunk_tokens(config.train, 131072) > 0
+    apply_override(config, "train.mlp_chunk=512")
+    assert mlp_chunk_tokens(config.train, 1024) == 512
+    from pipetune.config import validate
+
+    config.train.mlp_chunk = -1
+    with pytest.raises(ConfigError, match=r'train.mlp_chunk = -1 must be "auto" or a number of tokens >= 0'):
+        validate(config, 2)
+    offload = tiny_config(tmp_path, 'train.activation_checkpointing="offload"')
+    validate(offload, 2)
+    apply_override(offload, "train.compile=true")
+    apply_override(offload, "train.cuda_graphs=true")
+    with pytest.raises(ConfigError, match=r'does not combine with train.activation_checkpointing = "offload"'):
+        validate(offload, 2)
+
+
+def test_a_row_that_fits_no_layer_mode_is_refused_with_the_longest_that_would(tmp_path: Path) -> None:
+    config = tiny_config(tmp_path, "parallel.pp=1", "parallel.n_microbatches=1", "train.memory_gb=2")
+    resolved = resolve_model(config.model)
+    ranges = run_split(config, resolved.config)[1]
+    config.data.max_length = 1 << 24
+    with pytest.raises(ConfigError, match=r"data.max_length = 16777216 does not fit .* would is (\d+) tokens") as e:
+        check_row_fits(config, resolved, ranges)
+    longest = int(str(e.value).split("would is ")[1].split(" ")[0])
+    assert 0 < longest < 1 << 24
+    fitting = dataclasses.replace(config, data=dataclasses.replace(config.data, max_length=longest))
+    check_row_fits(fitting, resolved, ranges)
+
+
+def test_rows_past_the_trained_positions_warn_and_name_rope_scaling(tmp_path: Path, capsys) -> None:
+    config = tiny_config(tmp_path, "data.max_length=8192")  # tiny-qwen3 was built for 4096 positions
+    resolved = resolve_model(config.model)
+    assert check_positions(tiny_config(tmp_path), resolved.config) is None
+    prepare(config)
+    err = capsys.readouterr().err
+    assert "pipetune: warning: data.max_length = 8192 is beyond the 4096 positions" in err and "rope_scaling" in err
+    scaled = SimpleNamespace(max_position_embeddings=4096, rope_parameters={"rope_type": "yarn", "factor": 2.0})
+    assert check_positions(config, scaled) is None
+
+
+def test_plan_prints_the_longest_row_of_each_layout(tmp_path: Path) -> None:
+    config = tiny_config(tmp_path, "train.fused_loss=true")
+    plan = make_plan(config, 2, budget=4e9)
+    text = format_plan(plan)
+    assert "longest row per layout" in text
+    for prediction in plan.predictions:
+        keep, recompute, offload = (prediction.longest[mode] for mode in LAYER_MODES)
+        assert 0 < keep <= recompute <= offload
+    pick = plan.predictions[0]
+    lines = text.splitlines()
+    rows = lines[next(i for i, line in enumerate(lines) if line.startswith("longest row")) + 1 :]
+    line = next(line for line in rows if line.startswith("   1  "))  # the pick, ranked first
+    assert pick.layout.describe() in line and line.endswith(" / ".join(f"{pick.longest[m]:,}" for m in LAYER_MODES))
+
+
+def _train(tmp_path: Path, name: str, *overrides: str) -> Path:
+    from tests.conftest import run_cli, write_config
+
+    config = tiny_config(tmp_path / name, "parallel.pp=1", *overrides)
+    run_cli("train", "--config", str(write_config(config, tmp_path / f"{name}.toml")), "--quiet")
+    return tmp_path / name
+
+
+@pytest.mark.slow
+def test_offloaded_training_is_the_plain_run(reference: Path, tmp_path: Path) -> None:
+    """tiny_config in one process with every layer's input offloaded: the same math, step for step."""
+    offloaded = _train(tmp_path, "offload", 'train.activation_checkpointing="offload"')
+    torch.testing.assert_close(torch.tensor(losses(offloaded)), torch.tensor(losses(reference)), rtol=1e-6, atol=0)
+    assert max_relative(adapter(offloaded), adapter(reference)) < 1e-6
+
+
+@pytest.mark.slow
+def test_chunked_mlp_training_matches_the_plain_run(reference: Path, tmp_path: Path) -> None:
+    """Offloaded and MLPs in chunks of 32 of 128 tokens: the losses to 1e-6; the adapter to rounding, as a
+    parallel run's (tests/parity.py): the chunks sum each weight gradient over the tokens in another order."""
+    chunked = _train(tmp_path, "chunked", 'train.activation_checkpointing="offload"', "train.mlp_chunk=32")
+    torch.testing.assert_close(torch.tensor(losses(chunked)), torch.tensor(losses(reference)), rtol=1e-6, atol=0)
+    assert_same_training(chunked, reference)
