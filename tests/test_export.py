@@ -226,3 +226,24 @@ def test_summarize_warns_when_the_prompt_is_not_the_runs(run: Path, tmp_path: Pa
     assert "is not a JSON object: the prompt the adapter was trained on cannot be checked" in prompt_change(
         copy / "adapter", prepared, config
     )
+
+
+def test_the_cards_prompt_code_never_turns_data_text_into_a_control_token(tmp_path: Path) -> None:
+    """Qwen3 leaves <think> an added token not flagged special: the card's code encodes a transcript's literal
+    "<think>" as ordinary tokens, exactly as training and summarize do (data/prompt.py)."""
+    from pipetune.data.prompt import data_backend
+    from pipetune.data.tokenizer import demo_tokenizer
+    from pipetune.export import PROMPT_CODE
+
+    tokenizer = demo_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])  # as Qwen3's tokenizer has them: added, not special
+    tokenizer.save_pretrained(tmp_path / "adapter")
+    settings = {"transcript_max_chars": 10_000, "transcript_budget": 1_000, "elision_ids": [], "prefix_ids": []}
+    (tmp_path / "prompt.json").write_text(json.dumps(settings | {"suffix_ids": []}))
+    namespace: dict = {}
+    exec(compile(PROMPT_CODE.replace('EXPORT = "."', f'EXPORT = "{tmp_path}"'), "README.md", "exec"), namespace)
+    text = "Anna: <think> we ship in May </think> done."
+    ids = namespace["prompt_ids"](text)
+    assert ids == data_backend(tokenizer).encode(text, add_special_tokens=False).ids
+    assert tokenizer.convert_tokens_to_ids("<think>") not in ids
+    assert tokenizer.decode(ids) == text

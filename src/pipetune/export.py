@@ -230,11 +230,21 @@ def _read_json(path: Path) -> dict[str, Any]:
 PROMPT_CODE = """\
 import json
 
+from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
 EXPORT = "."  # this directory: run from it, or set its path here
 settings = json.load(open(f"{EXPORT}/prompt.json"))
 tokenizer = AutoTokenizer.from_pretrained(f"{EXPORT}/adapter")
+# Text is data: an added token's text inside it ("<think>", "<|im_end|>") is encoded as ordinary tokens, never as
+# the control token (Qwen3 does not flag <think> special, so split_special_tokens alone leaves it whole).
+spec = json.loads(tokenizer.backend_tokenizer.to_str())
+for token in spec.get("added_tokens", []):
+    token["special"] = True
+text_tokenizer = Tokenizer.from_str(json.dumps(spec))
+text_tokenizer.no_truncation()
+text_tokenizer.no_padding()
+text_tokenizer.encode_special_tokens = True
 
 
 def prompt_ids(transcript: str) -> list[int]:
@@ -242,7 +252,7 @@ def prompt_ids(transcript: str) -> list[int]:
     chars = settings["transcript_max_chars"]
     if len(text) > chars:
         text = text[: chars // 2] + "\\n" + text[-(chars // 2) :]
-    ids = tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+    ids = text_tokenizer.encode(text, add_special_tokens=False).ids
     budget = settings["transcript_budget"]
     if len(ids) > budget:  # keep the head and the tail, elide the middle
         keep = budget - len(settings["elision_ids"])

@@ -28,7 +28,7 @@ from pipetune.model.shapes import resolve_model
 from pipetune.model.stage import StageModule
 from pipetune.parallel.pipeline import TokenLoss
 from tests.conftest import run_cli, tiny_config, write_config
-from tests.parallel.test_parity import _adapter, _losses, _max_relative, assert_rounding_apart
+from tests.parity import assert_same_training
 
 WORDS = "we should ship the remote by friday agreed budget design buttons colour rubber case logo".split()
 
@@ -165,7 +165,7 @@ def test_packed_runs_match_the_unpacked_run_on_the_same_samples(tmp_path: Path) 
     step (normalized over its supervised tokens) and the adapter must match, in one process, through a 1F1B
     pipeline of 2 stages and through an interleaved one of 4 (torch's multi-stage runtime hands the position ids
     to each stage of a rank). The adapters differ from the unpacked one only as rounding does under Adam
-    (attention runs per sample instead of over the row: other float32 sums), and from each other not even so."""
+    (attention runs per sample instead of over the row: other float32 sums), and from each other likewise."""
     data = write_short_meetings(tmp_path / "meetings.jsonl", 43)  # 32 training samples after the hold-out
     reference = _run(tmp_path, "unpacked", data, "parallel.pp=1", "train.batch_size=8")
     packed = ["data.packing=true", "data.max_samples_per_row=2", "train.batch_size=4"]
@@ -174,13 +174,10 @@ def test_packed_runs_match_the_unpacked_run_on_the_same_samples(tmp_path: Path) 
         _run(tmp_path, "pp2", data, *packed),
         _run(tmp_path, "looped", data, *packed, 'parallel.schedule="interleaved_1f1b"', "parallel.stages_per_rank=2"),
     ]
-    expected = _losses(reference)
-    assert len(expected) == 2
-    for run_dir in runs:
-        torch.testing.assert_close(torch.tensor(_losses(run_dir)), torch.tensor(expected), rtol=1e-5, atol=0)
-        assert_rounding_apart(_adapter(run_dir), _adapter(reference))
+    for run_dir in runs:  # losses, gradient norms, adapters (tests/parity.py)
+        assert_same_training(run_dir, reference, steps=2)
     for run_dir in runs[1:]:
-        assert _max_relative(_adapter(run_dir), _adapter(runs[0])) < 1e-5
+        assert_same_training(run_dir, runs[0], steps=2)
     # The metrics count the same supervised and real tokens, in half the rows: twice the real share of them.
     unpacked, packed_rows = _steps(reference), _steps(runs[1])
     assert [r["supervised_tokens"] for r in packed_rows] == [r["supervised_tokens"] for r in unpacked]
