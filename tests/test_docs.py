@@ -37,6 +37,7 @@ def test_link_check_sees_links_and_misses(tmp_path):
 
 
 def test_the_summarize_command_a_run_suggests_names_the_shipped_sample_meeting(tmp_path):
+    from pipetune.config import DataConfig
     from pipetune.generate import read_transcripts
     from pipetune.run_log import finish_run
 
@@ -46,7 +47,7 @@ def test_the_summarize_command_a_run_suggests_names_the_shipped_sample_meeting(t
     shipped = resources.files("pipetune") / "examples" / "meeting.txt"
     assert sample == Path(str(shipped)) and sample.is_file()
     # one transcript, read as `pipetune summarize` reads a text file
-    assert len(read_transcripts(str(sample), "dialogue").transcripts) == 1
+    assert len(read_transcripts(str(sample), DataConfig()).transcripts) == 1
     # in a built wheel too: pyproject's package data covers it, and the checkout's examples/ holds the same file
     package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert any(fnmatch.fnmatch("examples/meeting.txt", pattern) for pattern in package_data["pipetune"])

@@ -139,6 +139,11 @@ def _tiny_gguf(
     rng = np.random.default_rng(0)
     for name, shape in (tensors | (shapes or {})).items():
         writer.add_tensor(name, rng.standard_normal(shape).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 def _tiny_gemma3_gguf(path: Path, state: dict[str, torch.Tensor], config) -> Path:

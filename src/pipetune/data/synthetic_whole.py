@@ -401,7 +401,7 @@ def render_whole_meeting(plan: WholeMeetingPlan) -> Meeting:
     rng = random.Random(plan.render_seed)
     date_form = rng.randrange(2)  # the summary writes dates as "14 March" or as "March 14"
     transcript = _render_transcript(plan, rng)
-    return Meeting(transcript, _render_summary(plan, rng, date_form), whole_meeting_facts(plan))
+    return Meeting(transcript, _render_summary(plan, rng, date_form), facts=whole_meeting_facts(plan))
 
 
 def generate_whole_meetings(n: int, seed: int = 0) -> list[Meeting]:
