@@ -337,7 +337,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.set, "pipetune bench")
     default = "pp,single"
     if config.parallel.strategy == "auto":
-        from pipetune.plan import available_gpus, resolve_auto
+        from pipetune.planner.plan import available_gpus, resolve_auto
 
         config = resolve_auto(config, available_gpus(config))
         default = config.parallel.strategy
@@ -354,7 +354,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.gpu_memory is not None and not 0 < args.gpu_memory < math.inf:
         raise ConfigError(f"--gpu-memory {args.gpu_memory} must be a positive, finite number (GB per GPU, e.g. 141)")
     from pipetune.parallel.memory import GB
-    from pipetune.plan import available_gpus, format_plan, make_plan, no_gpu_line
+    from pipetune.planner.plan import available_gpus, format_plan, make_plan, no_gpu_line
 
     config = load_config(args.config, args.set, "pipetune plan")
     gpus = args.gpus if args.gpus is not None else available_gpus(config)
@@ -363,7 +363,7 @@ def run_plan(args: argparse.Namespace) -> int:
     budget = args.gpu_memory * GB if args.gpu_memory is not None else None
     rates = None
     if args.calibrate:
-        from pipetune.calibrate import calibrate
+        from pipetune.planner.calibrate import calibrate
 
         rates = calibrate(config, gpus, budget)
     plan = make_plan(config, gpus, budget, rates)
