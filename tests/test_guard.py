@@ -27,7 +27,7 @@ from pipetune.checkpoint import (
     verify_files,
 )
 from pipetune.metrics import MetricsWindow
-from pipetune.parallel.mesh import bad_ranks, clip_global_grad_norm
+from pipetune.parallel.gradients import bad_ranks, clip_global_grad_norm
 from pipetune.parallel.process_group import DistEnv
 from pipetune.train import lr_factor, too_many_skipped
 from tests.conftest import run_cli, tiny_config, write_config

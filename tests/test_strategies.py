@@ -8,9 +8,9 @@ import pytest
 
 from pipetune.bench import strategy_config
 from pipetune.config import RUN_STRATEGIES, ConfigError, ParallelConfig, validate
-from pipetune.parallel.layouts import Layout
 from pipetune.parallel.memory import rank_timeline
 from pipetune.parallel.pipeline import schedule_actions
+from pipetune.planner.layouts import Layout
 from pipetune.schedules import SCHEDULES
 from pipetune.strategies import STRATEGY_SPECS, strategies_of_grid
 from tests.conftest import tiny_config

@@ -29,11 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
-from pipetune.calibrate import time_layer  # noqa: E402
 from pipetune.config import Config, load_config  # noqa: E402
 from pipetune.model.shapes import resolve_model  # noqa: E402
 from pipetune.model.split import estimate_costs  # noqa: E402
-from pipetune.parallel.speed import LayerWork  # noqa: E402
+from pipetune.planner.calibrate import time_layer  # noqa: E402
+from pipetune.planner.speed import LayerWork  # noqa: E402
 
 PEAK = 790e12
 

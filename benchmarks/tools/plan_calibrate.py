@@ -37,11 +37,11 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "tools"))
 
 import plan_check  # noqa: E402
 
-from pipetune.calibrate import can_time, time_shape, time_transfer, timed_alone, with_timings  # noqa: E402
 from pipetune.config import load_config  # noqa: E402
-from pipetune.parallel.layouts import Layout  # noqa: E402
-from pipetune.parallel.speed import GpuRates, layer_seconds  # noqa: E402
-from pipetune.plan import H200_MEMORY, format_plan, make_plan  # noqa: E402
+from pipetune.planner.calibrate import can_time, time_shape, time_transfer, timed_alone, with_timings  # noqa: E402
+from pipetune.planner.layouts import Layout  # noqa: E402
+from pipetune.planner.plan import H200_MEMORY, format_plan, make_plan  # noqa: E402
+from pipetune.planner.speed import GpuRates, layer_seconds  # noqa: E402
 
 TARGETS = {
     "qwen3-4b-512": (plan_check.B4, []),

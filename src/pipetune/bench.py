@@ -29,7 +29,7 @@ from pipetune.config import RUN_STRATEGIES, Config, ConfigError, save_config
 from pipetune.files import read_metrics_rows
 from pipetune.metrics import read_phases
 from pipetune.model.split import estimate_costs
-from pipetune.parallel.layouts import Layout
+from pipetune.planner.layouts import Layout
 from pipetune.preflight import prepare
 from pipetune.report import plot_bench
 from pipetune.strategies import STRATEGY_SPECS

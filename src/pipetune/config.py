@@ -230,7 +230,7 @@ class ParallelConfig:
     """Decoder layers of each stage; [] = split evenly."""
     overlap_gradient_sum: bool = True
     """Whole-model replicas (pp = 1, no tp, not sharded): all-reduce the LoRA gradients in buckets while the
-    step's last backward runs, each as soon as its parameters are done (parallel/mesh.py). false: one all-reduce
+    step's last backward runs, each as soon as its parameters are done (parallel/gradients.py). false: one all-reduce
     after the backward."""
     timeout_s: float = 600.0
     """Seconds a rank waits for a peer in a collective or pipeline send/recv before the run fails."""
@@ -268,7 +268,7 @@ class ParallelConfig:
 
     @property
     def overlapped_gradient_sum(self) -> bool:
-        """The replicas' gradients are all-reduced during the backward (parallel/mesh.GradientSync): asked for, and
+        """The replicas' gradients are all-reduced during the backward (parallel/gradients.GradientSync): asked for, and
         whole-model replicas (no pipeline, no tp; sharded ones reduce-scatter inside FSDP instead)."""
         return self.overlap_gradient_sum and not self.pipelined and not self.tensor_parallel
 

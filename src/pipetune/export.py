@@ -280,23 +280,46 @@ def model_card(
 
     `external_base` is the hub id or local directory of a base the export references; None: it wrote base/ (a
     random-init base, or `gguf`'s weights de-quantized). Paths inside the export are relative to it."""
-    lora = config.lora
-    dtype = f"torch.{config.model.dtype}"
     if external_base is not None:
         base_code, base_cli = f'"{external_base}"', external_base
-        base_fact = f"- base: `{external_base}`"
     else:
         base_code, base_cli = 'f"{EXPORT}/base"', "./base"
-        if gguf is not None:
-            base_fact = (
-                f"- base: `{config.model.name}`, the GGUF file `{gguf.name}`, de-quantized and saved in `base/` "
-                f"(config.json, safetensors weights in {config.model.dtype}, tokenizer): the weights pipetune trained "
-                'on, loaded by plain `AutoModelForCausalLM.from_pretrained("base")`. transformers\' own GGUF reader '
-                f'(`from_pretrained(DIR, gguf_file="{gguf.name}")`) gives the same weights but may split text into '
-                "other tokens: build prompts with the tokenizer in `adapter/` (or `base/`), as below"
-            )
-        else:
-            base_fact = f"- base: `{config.model.name}`, a built-in shape with random weights, saved in `base/`"
+    files = [
+        "`adapter/` (the PEFT adapter, and the tokenizer with its chat template)",
+        "`prompt.json` (the prompt)",
+        "`config.toml` (the run's settings)",
+    ]
+    if external_base is None:
+        files.append("`base/` (the base model)")
+    if merged:
+        files.append("`merged/` (the base with the adapter merged in)")
+    facts = _card_facts(config, settings, external_base, gguf, run)
+    return f"""# Meeting summarizer: a LoRA adapter fine-tuned with pipetune
+
+{chr(10).join(facts)}
+
+Files: {", ".join(files)}. Paths below are relative to this directory.
+
+{_card_prompt(settings)}{_card_loading(config, base_code, base_cli, merged, rank)}"""
+
+
+def _card_facts(
+    config: Config, settings: dict[str, Any], external_base: str | None, gguf: Path | None, run: dict[str, Any]
+) -> list[str]:
+    """The card's opening list: the base, the data, LoRA, dtype and seed, quantization, the run's losses."""
+    lora = config.lora
+    if external_base is not None:
+        base_fact = f"- base: `{external_base}`"
+    elif gguf is not None:
+        base_fact = (
+            f"- base: `{config.model.name}`, the GGUF file `{gguf.name}`, de-quantized and saved in `base/` "
+            f"(config.json, safetensors weights in {config.model.dtype}, tokenizer): the weights pipetune trained "
+            'on, loaded by plain `AutoModelForCausalLM.from_pretrained("base")`. transformers\' own GGUF reader '
+            f'(`from_pretrained(DIR, gguf_file="{gguf.name}")`) gives the same weights but may split text into '
+            "other tokens: build prompts with the tokenizer in `adapter/` (or `base/`), as below"
+        )
+    else:
+        base_fact = f"- base: `{config.model.name}`, a built-in shape with random weights, saved in `base/`"
     facts = [
         base_fact,
         f"- data: `{config.data.source}`, {settings['max_length']} tokens per sample, summaries capped at "
@@ -316,29 +339,12 @@ def model_card(
             if run.get(key) is not None
         )
         facts.append(f"- {run.get('steps', '?')} optimizer steps in {run.get('wall_time_s', '?')} s; {losses}")
-    files = [
-        "`adapter/` (the PEFT adapter, and the tokenizer with its chat template)",
-        "`prompt.json` (the prompt)",
-        "`config.toml` (the run's settings)",
-    ]
-    if external_base is None:
-        files.append("`base/` (the base model)")
-    if merged:
-        files.append("`merged/` (the base with the adapter merged in)")
-    merged_note = (
-        f"\nThe merged model in `merged/` needs no PEFT: "
-        f'`AutoModelForCausalLM.from_pretrained(f"{{EXPORT}}/merged", dtype={dtype})` in place of the two lines '
-        f"that load `base` and `model`, same prompt.\n"
-        if merged
-        else ""
-    )
-    return f"""# Meeting summarizer: a LoRA adapter fine-tuned with pipetune
+    return facts
 
-{chr(10).join(facts)}
 
-Files: {", ".join(files)}. Paths below are relative to this directory.
-
-## The prompt
+def _card_prompt(settings: dict[str, Any]) -> str:
+    """The card's prompt section: the template's prefix and suffix, the cleaning and cut, and PROMPT_CODE."""
+    return f"""## The prompt
 
 The model was trained on the tokenizer's chat template rendered around three turns: the system prompt, the
 transcript (user) and the summary (assistant). A prompt for a new transcript is the template's tokens up to
@@ -370,7 +376,20 @@ token, the one `pipetune summarize` builds from the same text file or JSONL row,
 ```python
 {PROMPT_CODE}```
 
-## transformers + PEFT
+"""
+
+
+def _card_loading(config: Config, base_code: str, base_cli: str, merged: bool, rank: int) -> str:
+    """The card's sections on loading the export: transformers + PEFT (or the merged model), pipetune, vLLM."""
+    dtype = f"torch.{config.model.dtype}"
+    merged_note = (
+        f"\nThe merged model in `merged/` needs no PEFT: "
+        f'`AutoModelForCausalLM.from_pretrained(f"{{EXPORT}}/merged", dtype={dtype})` in place of the two lines '
+        f"that load `base` and `model`, same prompt.\n"
+        if merged
+        else ""
+    )
+    return f"""## transformers + PEFT
 
 After the code above:
 

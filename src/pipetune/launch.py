@@ -55,7 +55,7 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts {max_restarts} must be >= 0")
     if config.parallel.strategy == "auto":
-        from pipetune.plan import available_gpus, resolve_auto
+        from pipetune.planner.plan import available_gpus, resolve_auto
 
         config = resolve_auto(config, available_gpus(config, nproc))
         nproc = None  # the pick's own process count

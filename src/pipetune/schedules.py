@@ -2,7 +2,7 @@
 
 Config validation reads each schedule's stages-per-rank and microbatch rules from it, parallel/pipeline.py its
 torch class and stage placement, the trainer whether it has a forward-only mode (validation loss) and the ideal
-bubble, and the planner (parallel/layouts.py) which stages per rank to try.
+bubble, and the planner (planner/layouts.py) which stages per rank to try.
 """
 
 from __future__ import annotations

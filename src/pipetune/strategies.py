@@ -1,7 +1,7 @@
 """What each parallel.strategy fixes of a run's layout, in one torch-free table.
 
 Config validation reads what each strategy requires of pp, dp, tp and sharding from it, `pipetune bench` the
-process grid it runs a strategy on (`Strategy.grid`), and the planner (parallel/layouts.py) which strategies
+process grid it runs a strategy on (`Strategy.grid`), and the planner (planner/layouts.py) which strategies
 run a process grid (`strategies_of_grid`).
 """
 

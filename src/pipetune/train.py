@@ -48,8 +48,9 @@ from pipetune.model.offload import apply_long_rows, set_layer_modes
 from pipetune.model.split import StageCosts, run_split, stage_costs
 from pipetune.model.stage import StageModule
 from pipetune.parallel.assemble import StagePart, build_stage_modules, compile_stages, run_parallelism
+from pipetune.parallel.gradients import GradientSync, bad_ranks, clip_global_grad_norm
 from pipetune.parallel.memory import auto_checkpointing
-from pipetune.parallel.mesh import GradientSync, Mesh, bad_ranks, build_mesh, clip_global_grad_norm
+from pipetune.parallel.mesh import Mesh, build_mesh
 from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, evaluate_validation
 from pipetune.parallel.process_group import (
     DistEnv,

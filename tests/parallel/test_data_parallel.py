@@ -47,7 +47,7 @@ def test_the_gradient_all_reduce_starts_during_the_last_backward(tmp_path: Path)
     the gradients (one rank: the sum is the gradient itself); a parameter accumulated once too often is an error."""
     import torch.distributed as dist
 
-    from pipetune.parallel.mesh import MIN_BUCKETS, GradientSync
+    from pipetune.parallel.gradients import MIN_BUCKETS, GradientSync
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     try:

@@ -25,7 +25,7 @@ from pipetune.parallel.memory import (
     plan_checkpointing,
     row_costs,
 )
-from pipetune.plan import format_plan, make_plan
+from pipetune.planner.plan import format_plan, make_plan
 from pipetune.preflight import check_positions, prepare
 from tests.conftest import tiny_config
 from tests.parity import adapter, assert_same_training, losses, max_relative

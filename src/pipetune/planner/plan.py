@@ -6,7 +6,7 @@ fastest layout that fits is the pick, which `parallel.strategy = "auto"` runs.
 Memory is parallel/memory.py's model, the one `activation_checkpointing = "auto"` plans with: each rank's frozen
 weights, its adapters with their gradients and AdamW moments, the loss workspace, and one layer's activations
 (measured on the meta device, as CUDA keeps them) times the microbatches the schedule holds in flight; a layout
-fits when it leaves that model's margin free. Speed is parallel/speed.py's replay of the schedule. Both need the
+fits when it leaves that model's margin free. Speed is planner/speed.py's replay of the schedule. Both need the
 model config only, so a plan takes seconds on a CPU; `--calibrate` times a layer and a transfer on the GPUs.
 """
 
@@ -26,7 +26,6 @@ from pipetune.config import Config, ConfigError, ParallelConfig, mlp_chunk_token
 from pipetune.model.graphs import choose_cuda_graphs, graphs_untried
 from pipetune.model.shapes import ResolvedModel, one_layer_model, resolve_model
 from pipetune.model.split import StageCosts, run_split
-from pipetune.parallel.layouts import Layout, candidate_layouts
 from pipetune.parallel.memory import (
     GB,
     LAYER_MODES,
@@ -46,7 +45,8 @@ from pipetune.parallel.memory import (
     row_costs,
 )
 from pipetune.parallel.pipeline import schedule_actions
-from pipetune.parallel.speed import (
+from pipetune.planner.layouts import Layout, candidate_layouts
+from pipetune.planner.speed import (
     GpuRates,
     LayerWork,
     Replay,
@@ -80,7 +80,7 @@ class Prediction:
     """The longest row (tokens a sequence, at this microbatch) with every layer kept, recomputed or offloaded
     (parallel/memory.py's LAYER_MODES): the fewest over the pipeline ranks."""
     mode: str = "compiled"
-    """How the layers run (parallel/speed.py's MODES): "graphs" where CUDA graphs pay off."""
+    """How the layers run (planner/speed.py's MODES): "graphs" where CUDA graphs pay off."""
     work: LayerWork | None = None
     """One layer's work per microbatch (what --calibrate times)."""
 

@@ -27,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pipetune.config import Config, ConfigError
 from pipetune.parallel.process_group import exit_finished
-from pipetune.parallel.speed import GpuRates, LayerWork, layer_seconds
+from pipetune.planner.speed import GpuRates, LayerWork, layer_seconds
 
 REPEATS = 10
 """Timed calls per direction and shape (after WARMUP untimed ones)."""
@@ -39,7 +39,7 @@ def calibrate(
 ) -> GpuRates:
     """Rates with this machine's layer times at up to `shapes` microbatch shapes of the plan's fastest layouts
     (timed on `device`, GPU 0 by default)."""
-    from pipetune.plan import make_plan
+    from pipetune.planner.plan import make_plan
 
     if device is None:
         if not torch.cuda.is_available():
@@ -179,7 +179,7 @@ def time_layer(
     from pipetune.model.shapes import resolve_model
     from pipetune.model.stage import hidden_states, layer_call_kwargs
     from pipetune.parallel.assemble import Parallelism, StagePart, build_stage_modules, compile_stages
-    from pipetune.plan import tensor_parallel_share
+    from pipetune.planner.plan import tensor_parallel_share
 
     resolved = resolve_model(dataclasses.replace(config.model, init="random"))
     share = tensor_parallel_share(resolved.config, work.tp if tp_mesh is None else 1)

@@ -14,7 +14,7 @@ from pipetune.cli import main
 from pipetune.config import ConfigError, ParallelConfig, load_config, validate, validate_against_model
 from pipetune.model.shapes import resolve_model
 from pipetune.parallel.memory import GB, MARGIN
-from pipetune.plan import format_plan, make_plan, resolve_auto
+from pipetune.planner.plan import format_plan, make_plan, resolve_auto
 from pipetune.preflight import linear_layer_names
 from tests.conftest import REPO, run_cli
 
@@ -67,7 +67,7 @@ def test_an_nf4_base_pays_one_dequantization_per_layer_call() -> None:
     a layer's weights per layer call (80 layers x 8 microbatches x forward and backward), no more (the head and
     the loss are not quantized)."""
     from pipetune.model.quantize import linear_shapes
-    from pipetune.parallel.speed import GpuRates
+    from pipetune.planner.speed import GpuRates
 
     config = load_config(QWEN25_72B)
     steps = {}

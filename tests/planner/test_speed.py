@@ -12,7 +12,7 @@ from pipetune.config import Config, ModelConfig, apply_override
 from pipetune.model.shapes import resolve_model
 from pipetune.parallel.memory import inflight_timeline, measure_layer_memory
 from pipetune.parallel.pipeline import schedule_actions
-from pipetune.parallel.speed import GpuRates, replay_schedule
+from pipetune.planner.speed import GpuRates, replay_schedule
 from pipetune.schedules import SCHEDULES, stage_ids
 
 
@@ -82,9 +82,9 @@ def test_layer_activations_on_meta_are_the_cpu_measurement() -> None:
 
 def test_calibration_times_a_layer_and_the_model_uses_the_times(tmp_path, monkeypatch) -> None:
     """--calibrate's path on a CPU (the figures are the CPU's): the timed shape's layer time replaces the model's."""
-    from pipetune import calibrate
-    from pipetune.parallel.speed import layer_seconds
-    from pipetune.plan import make_plan
+    from pipetune.planner import calibrate
+    from pipetune.planner.plan import make_plan
+    from pipetune.planner.speed import layer_seconds
     from tests.conftest import tiny_config
 
     monkeypatch.setattr(calibrate, "WARMUP", 1)

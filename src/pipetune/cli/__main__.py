@@ -1,0 +1,5 @@
+"""`python -m pipetune.cli`: the same as `pipetune`."""
+
+from pipetune.cli import run
+
+run()

@@ -1,0 +1,1 @@
+"""The planner: layouts, the memory and speed models at work, `pipetune plan`."""
