@@ -115,8 +115,9 @@ def test_bench_runs_fsdp_as_sharded_whole_model_replicas(tmp_path: Path) -> None
     validate(strategy_config(config, "single", steps=2, warmup=1, out_dir=tmp_path), 1)
 
 
-def _sharded_build(rank: int, checkpoint: str, init_file: str, out_dir: str) -> None:
-    """One of 2 gloo ranks: build tiny-qwen3 on meta with LoRA, shard it (FSDP2), materialize, save full tensors."""
+def _sharded_build(rank: int, checkpoint: str, init_file: str, out_dir: str, threads: int) -> None:
+    """One of 2 gloo ranks: build tiny-qwen3 on meta with LoRA, shard it (FSDP2), materialize, save full tensors.
+    `threads`: the test process's thread count, so that both sides sum their products in one order."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -128,6 +129,7 @@ def _sharded_build(rank: int, checkpoint: str, init_file: str, out_dir: str) -> 
     from pipetune.model.stage import StageModule
     from pipetune.parallel.fsdp import shard_stages
 
+    torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     for source in ("tiny-qwen3", checkpoint):
         resolved = resolve_model(ModelConfig(name=source, init="random" if source == "tiny-qwen3" else "pretrained"))
@@ -167,7 +169,10 @@ def test_a_sharded_build_holds_the_unsharded_values(tmp_path: Path) -> None:
 
     checkpoint = write_checkpoint(tmp_path / "ckpt", Qwen3Config(**{**TINY, "tie_word_embeddings": False}))
     torch.multiprocessing.spawn(
-        _sharded_build, args=(str(checkpoint), str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True
+        _sharded_build,
+        args=(str(checkpoint), str(tmp_path / "init"), str(tmp_path), torch.get_num_threads()),
+        nprocs=2,
+        join=True,
     )
     for source in ("tiny-qwen3", str(checkpoint)):
         resolved = resolve_model(ModelConfig(name=source, init="random" if source == "tiny-qwen3" else "pretrained"))
