@@ -21,6 +21,9 @@
 #   tool NAME [ARGS...]   python3 benchmarks/tools/NAME.py ARGS, its output also in $OUT/NAME.txt.
 #   baselines SEED_STEPS SEED_TIMEOUT DDP_TIMEOUT [COMPILE]   the seed script and DDP + PEFT on 2 GPUs
 #              (.baselines/train_seed.py, .baselines/lora_ddp.py: carry .baselines).
+#   peers STACK LIMIT SHAPE [ARGS...]   a one-GPU peer of ../shared/baselines/peers (unsloth, hf, liger,
+#              liger_compile; carry that folder as .peers) on SHAPE (qwen3-4b, qwen3-8b), e.g. `peers unsloth 200
+#              qwen3-4b --seq 512 --mb 8 --ga 2 --steps 8 --warmup 3 --unsloth-gc false`; JSON in $OUT/peers-STACK.json.
 #   sh COMMAND...   any shell command (a `pipetune train` or `demo`, a peer script under torchrun, a grep).
 # A step may begin with VAR=value words, its own environment (PIPETUNE_PROFILE_STEP=6, CUDA_VISIBLE_DEVICES=1;
 # PYTHONPATH=DIR is put first on the path: the code of an older commit, e.g. .baselines/pipetune-7da8567/src).
@@ -99,6 +102,26 @@ W=/tmp/device-$TAG
 BENCH_ARGS=""
 [ "$TINY" = 1 ] && BENCH_ARGS="$TINY_ARGS --steps 1 --warmup 1"
 
+peers() {  # STACK LIMIT SHAPE [ARGS...]: one one-GPU peer (.peers/peers_1gpu.py, carried from the baselines'
+  # peers/ folder with its wheels) on a random-weight model of SHAPE (.peers/configs/SHAPE); its JSON in
+  # $OUT/peers-STACK.json. The peers' wheels go to their own folder, so they never shadow pipetune's.
+  local stack=$1 limit=$2 shape=$3 model=/tmp/peers-$3; shift 3
+  [ "$(left)" -lt "$limit" ] && limit=$(left)
+  local run="python3 .peers/peers_1gpu.py --stack $stack --config-dir $model $* --out $OUT/peers-$stack.json"
+  if [ "$DRY_RUN" = 1 ]; then echo "$run"; return; fi
+  if [ "$limit" -lt 45 ]; then echo "== peers $stack: skipped, $(left) s left"; return; fi
+  [ -d /tmp/site-peers ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --target /tmp/site-peers .peers/wheels/*.whl
+  export PYTHONPATH=/tmp/site-peers:$PYTHONPATH UNSLOTH_DISABLE_STATISTICS=1 TRANSFORMERS_OFFLINE=1
+  if [ ! -f "$model/model.safetensors" ] && [ ! -f "$model/model.safetensors.index.json" ]; then
+    mkdir -p "$model" && cp ".peers/configs/$shape/config.json" "$model/"
+    (cd /tmp && timeout 180 python3 "$OLDPWD/.peers/peers_1gpu.py" --make-weights --config-dir "$model" 2>&1 | tail -2)
+  fi
+  echo "== peers $stack ($(date +%T), limit $limit s): $*"
+  (cd /tmp && timeout -k 15 "$limit" python3 "$OLDPWD/.peers/peers_1gpu.py" --stack "$stack" --config-dir "$model" "$@" \
+    --out "$OUT/peers-$stack.json" 2>&1 | grep -E "^step|^RESULT|Error" | grep -v -i warn | tail -6)
+}
+
 config_args() {  # a CONFIG word: the --config value and the overrides that come with it
   case $1 in
     4b) echo "$B4" ;;
@@ -142,11 +165,14 @@ step() {  # one step's words, VAR=value words first
       baselines)
         if [ "$TINY" = 1 ]; then echo "== baselines: skipped (--tiny)"; exit 0; fi
         baselines "${rest[@]}" ;;
+      peers)
+        [ ${#rest[@]} -ge 3 ] || { echo "benchmarks/device.sh: error: peers needs STACK LIMIT SHAPE" >&2; exit 2; }
+        peers "${rest[@]}" ;;
       sh)
         if [ "$DRY_RUN" = 1 ]; then echo "${rest[*]}"; exit 0; fi
         echo "== sh ($(date +%T), $(left) s left): ${rest[*]}"
         bash -c "${rest[*]}" ;;
-      *) echo "benchmarks/device.sh: error: unknown step '$kind' (bench, tool, baselines or sh)" >&2; exit 2 ;;
+      *) echo "benchmarks/device.sh: error: unknown step '$kind' (bench, tool, baselines, peers or sh)" >&2; exit 2 ;;
     esac
   )
 }
