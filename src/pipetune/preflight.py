@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBas
 
 from pipetune.config import Config, ConfigError, DataConfig, check_stage_count, validate, validate_against_model
 from pipetune.data.prompt import PromptBuilder
-from pipetune.data.sources import LOCAL_SUFFIXES, SYNTHETIC
+from pipetune.data.sources import require_local_source
 from pipetune.loggers import check_loggers
 from pipetune.model.gguf import gguf_source
 from pipetune.model.quantize import check_quantize
@@ -74,13 +74,7 @@ def check_positions(config: Config, model_config: PretrainedConfig) -> str | Non
 def check_data_source(data: DataConfig) -> None:
     """A data.source that names a local file or directory that is not there fails now, in the launching process,
     before the model and tokenizer are resolved (a download, a GGUF conversion), not after them."""
-    path = Path(data.source).expanduser()
-    looks_local = path.suffix.lower() in LOCAL_SUFFIXES or data.source.startswith((".", "/", "~"))
-    if data.source != SYNTHETIC and looks_local and not path.exists():
-        raise ConfigError(
-            f"data.source = {data.source!r} does not exist; give a JSONL, JSON, CSV or Parquet file, a directory "
-            "with train.* (and validation.*, test.*) files, a hub dataset id, or 'synthetic'"
-        )
+    require_local_source(data.source)
 
 
 def check_layout(config: Config, world_size: int) -> None:

@@ -160,12 +160,20 @@ def _raw_splits(source: str) -> dict[str, Iterable[tuple[str, Any]]]:
         return {split: _read_files(files) for split, files in split_files(path).items()}
     if path.is_file():
         return {"train": read_local_rows(path)}
-    if path.suffix.lower() in LOCAL_SUFFIXES or source.startswith((".", "/", "~")):
+    require_local_source(source)
+    return _hub_rows(source)
+
+
+def require_local_source(source: str) -> None:
+    """A data.source that names a local file or directory (by its suffix or a leading ".", "/" or "~") must exist;
+    anything else is a hub dataset id or "synthetic"."""
+    path = Path(source).expanduser()
+    looks_local = path.suffix.lower() in LOCAL_SUFFIXES or source.startswith((".", "/", "~"))
+    if source != SYNTHETIC and looks_local and not path.exists():
         raise ConfigError(
             f"data.source = {source!r} does not exist; give a JSONL, JSON, CSV or Parquet file, a directory "
             "with train.* (and validation.*, test.*) files, a hub dataset id, or 'synthetic'"
         )
-    return _hub_rows(source)
 
 
 def split_files(directory: Path) -> dict[str, list[Path]]:
