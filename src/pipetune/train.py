@@ -44,7 +44,7 @@ from pipetune.metrics import MetricsLog, PhaseLog, host_peak_gb, peak_memory_gb,
 from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory, graphs_untried
 from pipetune.model.load import DTYPES
 from pipetune.model.lora import adapter_state, save_adapter
-from pipetune.model.offload import apply_long_rows, set_layer_modes
+from pipetune.model.offload import set_layer_modes
 from pipetune.model.split import StageCosts, run_split, stage_costs
 from pipetune.model.stage import StageModule
 from pipetune.parallel.assemble import StagePart, build_stage_modules, compile_stages, run_parallelism
@@ -350,7 +350,6 @@ def build_stages(
     )
     peft_model, modules, load_stats = built.peft_model, built.modules, built.loaded
     for module in modules:
-        apply_long_rows(module, t, config.data.max_length, p.tp)  # checkpointing, offloading, chunked MLPs
         keep_rng_out_of_no_grad_forwards(module, device)
     phases.mark("ready", load_s=round(time.perf_counter() - load_started, 2), peak_gb=round(peak_memory_gb(device), 2))
     params = [param for param in peft_model.parameters() if param.requires_grad]

@@ -19,9 +19,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipetune.config import TrainConfig, mlp_chunk_tokens
-from pipetune.model.chunked import chunk_mlps
-
 
 @dataclass
 class _Offloaded:
@@ -116,11 +113,3 @@ def set_layer_modes(module: nn.Module, checkpointed: int, offloaded: int) -> Non
     input in host memory; the rest keep their activations."""
     module.checkpoint_layers = checkpointed
     module.offload = ActivationOffload(min(offloaded, checkpointed)) if offloaded else None
-
-
-def apply_long_rows(module: nn.Module, train: TrainConfig, max_length: int, tp: int) -> None:
-    """train.activation_checkpointing's true / "offload" (every layer; "auto" is planned later, with the
-    schedule) and train.mlp_chunk on one stage module. Chunked MLPs need whole sequences: not under tp > 1."""
-    everything = len(module.layers) if train.activation_checkpointing in (True, "offload") else 0
-    set_layer_modes(module, everything, everything if train.activation_checkpointing == "offload" else 0)
-    chunk_mlps(list(module.layers), mlp_chunk_tokens(train, max_length) if tp == 1 else 0)

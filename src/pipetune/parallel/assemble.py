@@ -20,10 +20,12 @@ import torch
 from peft import PeftModel
 from torch.distributed.device_mesh import DeviceMesh
 
-from pipetune.config import Config, LoraConfig
+from pipetune.config import Config, LoraConfig, mlp_chunk_tokens
 from pipetune.model.attention import use_document_attention
+from pipetune.model.chunked import chunk_mlps
 from pipetune.model.load import LoadStats, build_meta, materialize
 from pipetune.model.lora import apply_lora, use_fast_path
+from pipetune.model.offload import set_layer_modes
 from pipetune.model.quantize import quantize_linears
 from pipetune.model.shapes import ResolvedModel
 from pipetune.model.stage import StageModule
@@ -54,7 +56,10 @@ class Parallelism:
     pipelined: bool = False
     """The stages run in a pipeline: FSDP keeps weights gathered through a schedule step."""
     checkpointing: bool | str = False
-    """train.activation_checkpointing: true checkpoints every layer; false and "auto" none (yet)."""
+    """train.activation_checkpointing: true checkpoints every layer, "offload" also keeps their inputs in host
+    memory; false and "auto" none (yet: "auto" is planned with the schedule, train.build_runners)."""
+    mlp_chunk: int = 0
+    """Tokens per MLP chunk (train.mlp_chunk resolved; 0: whole rows). Not with tp: chunks need whole sequences."""
 
 
 def run_parallelism(config: Config, mesh: Mesh) -> Parallelism:
@@ -66,6 +71,7 @@ def run_parallelism(config: Config, mesh: Mesh) -> Parallelism:
         fsdp_mesh=mesh.dp_mesh if p.sharded else None,
         pipelined=p.pipelined,
         checkpointing=config.train.activation_checkpointing,
+        mlp_chunk=mlp_chunk_tokens(config.train, config.data.max_length),
     )
 
 
@@ -123,12 +129,16 @@ def build_stage_modules(
 
 
 def parallelize(modules: list[StageModule], parallelism: Parallelism) -> None:
-    """Split (tp), mark checkpointed layers, and shard (FSDP) the stages in place, in that order, on the meta
-    device: parameters become DTensor shards before the optimizer and the pipeline stages are built."""
+    """Split (tp), set the layers' fixed modes (checkpointed, offloaded, MLPs in chunks), and shard (FSDP) the
+    stages in place, in that order, on the meta device: parameters become DTensor shards before the optimizer and
+    the pipeline stages are built."""
     if parallelism.tp_mesh is not None:
         apply_tp(modules, parallelism.tp_mesh, parallelism.sequence_parallel)
+    every = parallelism.checkpointing in (True, "offload")
     for module in modules:
-        module.checkpoint_layers = len(module.layers) if parallelism.checkpointing is True else 0
+        layers = len(module.layers) if every else 0
+        set_layer_modes(module, layers, layers if parallelism.checkpointing == "offload" else 0)
+        chunk_mlps(list(module.layers), parallelism.mlp_chunk if parallelism.tp_mesh is None else 0)
     if parallelism.fsdp_mesh is not None:
         shard_stages(modules, parallelism.fsdp_mesh, pipelined=parallelism.pipelined)
 

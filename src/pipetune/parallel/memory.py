@@ -31,7 +31,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig
 
 from pipetune.config import Config, ConfigError, ParallelConfig, mlp_chunk_tokens
-from pipetune.model.chunked import chunk_mlps
 from pipetune.model.families import family_of
 from pipetune.model.load import DTYPES
 from pipetune.model.quantize import linear_shapes, stored_bytes
@@ -295,6 +294,8 @@ def measure_layer_memory(
     part of it when split over `tp_mesh`; on the meta device: a shape-only copy, no memory, what a CUDA run would
     keep). Measured eagerly; a compiled layer keeps COMPILED_ACTIVATIONS of that."""
     shape_only = dataclasses.replace(resolved, weights_dir=None)  # values do not matter: no checkpoint read
+    # MLPs in chunks as the run's layers (not under tp: chunks need whole sequences).
+    chunk = mlp_chunk_tokens(config.train, config.data.max_length) if config.parallel.tp == 1 else 0
     # PEFT draws its own adapter initialisation from the global generator: the run's streams stay untouched.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         built = build_stage_modules(
@@ -303,14 +304,12 @@ def measure_layer_memory(
             config.lora,
             [StagePart([0])],
             device,
-            Parallelism(tp_mesh, config.parallel.sequence_parallel),
+            Parallelism(tp_mesh, config.parallel.sequence_parallel, mlp_chunk=chunk),
             # A quantized weight is saved as itself, never as activations: on the meta device the same count.
             quantize=config.model.quantize if device.type != "meta" else "none",
             tp=config.parallel.tp,
         )
         model, (stage,) = built.peft_model, built.modules
-        if config.parallel.tp == 1:  # as the run's layers: model/offload.py's apply_long_rows
-            chunk_mlps(list(stage.layers), mlp_chunk_tokens(config.train, config.data.max_length))
         activations, inputs = stage.layer_memory(batch, seq)
     del built, model, stage
     if device.type == "cuda":
