@@ -37,3 +37,6 @@ def test_fact_recall_benchmark_trains_both_runs_and_compares_them(tmp_path: Path
         assert 0 <= runs[name]["finetuned"]["fact_recall"] <= 1 and runs[name]["base"]["fact_recall"] is not None
         assert (out / name / "adapter").is_dir() and (out / name / f"eval-{name}.json").is_file()
     assert runs["cut_reading_whole"]["base"] is None
+    # What each prompt shows: a longer window keeps a longer head and tail of the same transcript.
+    assert 0 <= result["facts_in_view"]["cut"] <= result["facts_in_view"]["whole"] <= 1
+    assert "facts the prompt itself states" in done.stdout
