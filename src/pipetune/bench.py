@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 from pipetune.config import RUN_STRATEGIES, Config, ConfigError, save_config
+from pipetune.data.inspect import training_attention_share
 from pipetune.files import read_metrics_rows
 from pipetune.metrics import read_phases
 from pipetune.model.split import estimate_costs
@@ -68,7 +69,8 @@ def run_bench(
     if unknown:
         raise ConfigError(f"--strategies {unknown} unknown; available: {', '.join(RUN_STRATEGIES)}")
     prepared = prepare(config)
-    costs = estimate_costs(prepared.model.config, config.data.max_length)
+    share = training_attention_share(config, prepared.prompts)  # packed rows attend within their samples
+    costs = estimate_costs(prepared.model.config, config.data.max_length, attention_share=share)
     flops_per_token = prepared.n_layers * costs.layer + costs.head
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = bench_setup(config)

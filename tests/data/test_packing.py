@@ -10,10 +10,16 @@ import torch
 
 from pipetune.config import Config, ConfigError, apply_override, validate
 from pipetune.data.batching import IGNORE, SampleStore, epoch_batches
-from pipetune.data.packing import first_fit_rows, members, packed_batch, packed_epoch_batches
+from pipetune.data.packing import (
+    first_fit_rows,
+    members,
+    packed_attention_share,
+    packed_batch,
+    packed_epoch_batches,
+)
 from pipetune.data.prompt import Sample
 from pipetune.preflight import prepare
-from tests.conftest import tiny_config
+from tests.conftest import tiny_config, write_config
 
 
 def _store(lengths: list[int], prompt: int = 3) -> SampleStore:
@@ -28,6 +34,15 @@ def test_first_fit_fills_earlier_rows_before_opening_new_ones() -> None:
     # At most max_per_row samples a row, even where more would fit.
     rows = first_fit_rows(torch.arange(5), torch.full((5,), 10), 100, 2)
     assert rows.tolist() == [[0, 1], [2, 3], [4, -1]]
+
+
+def test_a_packed_rows_attention_is_its_samples_own() -> None:
+    """Two samples of 50 in each row of 100 attend over 2 x 50^2 of a whole row's 100^2 pairs: half; samples as
+    long as the row attend as a whole row does; a longer sample is cut to the row first."""
+    assert packed_attention_share(torch.full((6,), 50), 100, 2) == 0.5
+    assert packed_attention_share(torch.full((6,), 50), 100, 1) == 0.25  # one a row: the rest is padding
+    assert packed_attention_share(torch.tensor([100, 100, 300]), 100, 4) == 1.0
+    assert packed_attention_share(torch.empty(0, dtype=torch.long), 100, 4) == 1.0
 
 
 def test_packed_epochs_hold_every_sample_once_within_the_bounds_and_replay() -> None:
@@ -127,12 +142,21 @@ def test_inspect_reports_rows_and_padding_with_and_without_packing(
         prepared.prompts.build_many([(e.transcript, e.summary) for e in _examples(config)])
     )
     order = torch.randperm(len(store), generator=torch.Generator().manual_seed(5 * 1_000_003))
-    rows = len(first_fit_rows(order, store.lengths, 256, 16))
+    packed = first_fit_rows(order, store.lengths, 256, 16)
+    rows = len(packed)
     real = int(store.lengths.sum())
+    squares = sum(int(store.lengths[i]) ** 2 for row in packed.tolist() for i in row if i >= 0)
     assert rows < len(store) / 3  # 30-64 tokens a sample: four or more a row
     padding = next(line for line in lines if line.startswith("train") and "->" in line).split()
     assert padding[1] == f"{100 * (1 - real / (len(store) * 256)):.1f}%"
-    assert padding[4:] == [f"{100 * (1 - real / (rows * 256)):.1f}%", str(len(store)), "->", str(rows)]
+    packed_pad, attention = f"{100 * (1 - real / (rows * 256)):.1f}%", f"{100 * squares / (rows * 256**2):.1f}%"
+    assert padding[4:] == [packed_pad, str(len(store)), "->", str(rows), attention]
+    # `pipetune plan` of the packed run counts the attention of the same rows (data/inspect.training_attention_share).
+    from pipetune.cli import main
+
+    apply_override(config, "data.packing=true")
+    assert main(["plan", "--config", str(write_config(config, tmp_path / "packed.toml")), "--gpus", "1"]) == 0
+    assert f"packed rows: attention {100 * squares / (rows * 256**2):.0f}% of a whole row's" in capsys.readouterr().out
 
 
 def _examples(config: Config) -> list:

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     if args.gpu_memory is not None and not 0 < args.gpu_memory < math.inf:
         raise ConfigError(f"--gpu-memory {args.gpu_memory} must be a positive, finite number (GB per GPU, e.g. 141)")
     from pipetune.parallel.memory import GB
-    from pipetune.planner.plan import available_gpus, format_plan, make_plan, no_gpu_line
+    from pipetune.planner.plan import attention_share_of, available_gpus, format_plan, make_plan, no_gpu_line
 
     config = load_config(args.config, args.set, "pipetune plan")
     gpus = args.gpus if args.gpus is not None else available_gpus(config)
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         from pipetune.planner.calibrate import calibrate
 
         rates = calibrate(config, gpus, budget)
-    plan = make_plan(config, gpus, budget, rates)
+    plan = make_plan(config, gpus, budget, rates, attention_share=attention_share_of(config))
     print(format_plan(plan, top=None if args.all else 15))
     note = no_gpu_line(config, plan)
     if note:

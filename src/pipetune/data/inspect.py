@@ -23,7 +23,7 @@ import torch
 from pipetune.config import Config
 from pipetune.data.batching import bucket_boundaries, bucket_lengths, pad_fraction
 from pipetune.data.example import Example
-from pipetune.data.packing import packed_pad_fraction, packed_rows_needed
+from pipetune.data.packing import packed_attention_share, packed_pad_fraction, packed_rows_needed
 from pipetune.data.prompt import PromptBuilder
 from pipetune.data.sources import load_dataset
 
@@ -76,6 +76,8 @@ class SplitReport:
     first epoch's order) fills with the split's samples; unpacked, each sample takes a row."""
     packed_pad_fraction: float | None = None
     """1 - real tokens / (packed_rows x max_length); None for an empty split."""
+    packed_attention: float = 1.0
+    """Attention work of the packed rows against whole rows' (packing.packed_attention_share)."""
 
 
 @dataclass
@@ -151,7 +153,23 @@ def split_report(
         packed_pad_fraction=(
             packed_pad_fraction(real_tokens, builder.max_length, max_samples_per_row, seed) if lengths else None
         ),
+        packed_attention=packed_attention_share(real_tokens, builder.max_length, max_samples_per_row, seed),
     )
+
+
+def training_attention_share(config: Config, prompts: PromptBuilder) -> float:
+    """The attention work of a training row against causal attention over the whole row: with data.packing, that
+    of the training split's packed rows (packing.packed_attention_share, over the token cache's lengths: the
+    cache training reads, built here if missing), else 1.0 (a padded row is attended whole). The speed models
+    (the plan, `strategy = "auto"`, the bench's MFU) scale attention's FLOPs by it."""
+    if not config.data.packing:
+        return 1.0
+    from pipetune.data.cache import tokenized_data
+
+    store = tokenized_data(config.data, prompts, config.train.seed).splits.get("train")
+    lengths = store.lengths if store is not None else torch.empty(0, dtype=torch.long)
+    d = config.data
+    return packed_attention_share(lengths, d.max_length, d.max_samples_per_row, config.train.seed)
 
 
 def _token_counts(builder: PromptBuilder, texts: list[str]) -> list[int]:
@@ -226,7 +244,15 @@ def format_report(report: DataReport) -> str:
 
     bucket_names = "/".join(str(b) for b in report.buckets)
     out += _table(
-        ["padding", f"static {report.max_length}", f"buckets {bucket_names}", "samples per bucket", "packed", "rows"],
+        [
+            "padding",
+            f"static {report.max_length}",
+            f"buckets {bucket_names}",
+            "samples per bucket",
+            "packed",
+            "rows",
+            "attention",
+        ],
         [
             [
                 s.name,
@@ -235,6 +261,7 @@ def format_report(report: DataReport) -> str:
                 "/".join(map(str, s.bucket_samples)),
                 _percent(s.packed_pad_fraction),
                 f"{s.samples} -> {s.packed_rows}",
+                _percent(s.packed_attention),
             ]
             for s in report.splits
         ],
@@ -242,7 +269,8 @@ def format_report(report: DataReport) -> str:
     out.append("(pad share of all tokens; buckets: each sample padded to the smallest bucket that holds it;")
     out.append(
         f" packed: data.packing = true, whole samples in rows of {report.max_length}, at most "
-        f"{report.max_samples_per_row} a row; rows: unpacked -> packed)"
+        f"{report.max_samples_per_row} a row; rows: unpacked -> packed; attention: a packed row's attention work"
+        " against a whole row's, each sample attending only to itself)"
     )
     return "\n".join(out)
 

@@ -98,11 +98,29 @@ def packed_batch(
     return input_ids, labels, position_ids
 
 
-def packed_rows_needed(lengths: torch.Tensor, row_length: int, max_per_row: int, seed: int = 0) -> int:
-    """Rows that first fit packs `lengths` into, over the order of epoch 0 (for reports)."""
+def _epoch0_rows(lengths: torch.Tensor, row_length: int, max_per_row: int, seed: int) -> torch.Tensor:
+    """first_fit_rows over the order of epoch 0 (packed_epoch_batches' order), every row kept."""
     generator = torch.Generator().manual_seed(seed * 1_000_003)
     order = torch.randperm(len(lengths), generator=generator)
-    return len(first_fit_rows(order, lengths, row_length, max_per_row))
+    return first_fit_rows(order, lengths, row_length, max_per_row)
+
+
+def packed_rows_needed(lengths: torch.Tensor, row_length: int, max_per_row: int, seed: int = 0) -> int:
+    """Rows that first fit packs `lengths` into, over the order of epoch 0 (for reports)."""
+    return len(_epoch0_rows(lengths, row_length, max_per_row, seed))
+
+
+def packed_attention_share(lengths: torch.Tensor, row_length: int, max_per_row: int, seed: int = 0) -> float:
+    """Attention work of epoch 0's packed rows against causal attention over each whole row (what an unpacked,
+    padded row costs): the sum of every packed sample's length squared over rows x row_length squared (1.0 for no
+    samples). Flex attention skips the block mask's tiles outside every sample, so a packed row costs about this
+    share of a whole row's attention (the tiles on a sample's edge are computed whole: a little more)."""
+    rows = _epoch0_rows(lengths, row_length, max_per_row, seed)
+    if not len(rows):
+        return 1.0
+    sizes = lengths.clamp(max=row_length).double()
+    squares = torch.where(rows >= 0, sizes[rows.clamp(min=0)] ** 2, 0.0).sum()
+    return float(squares) / (len(rows) * row_length**2)
 
 
 def packed_pad_fraction(lengths: torch.Tensor, row_length: int, max_per_row: int, seed: int = 0) -> float:

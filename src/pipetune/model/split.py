@@ -50,10 +50,14 @@ class StageCosts:
         return self.head * self.head_time_per_flop
 
 
-def estimate_costs(config: PretrainedConfig, seq_len: int, fused_loss_share: float | None = None) -> StageCosts:
+def estimate_costs(
+    config: PretrainedConfig, seq_len: int, fused_loss_share: float | None = None, attention_share: float = 1.0
+) -> StageCosts:
     """Per-token FLOPs of a layer and of the head.
 
     `fused_loss_share`: with the fused loss, the share of tokens that reach the head; None: all do.
+    `attention_share`: attention's work against causal attention over the whole row (packed rows: their samples'
+    own, data/inspect.training_attention_share).
     """
     hidden, inter = config.hidden_size, config.intermediate_size
     heads = config.num_attention_heads
@@ -61,7 +65,7 @@ def estimate_costs(config: PretrainedConfig, seq_len: int, fused_loss_share: flo
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     attn_params = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o + k, v
     mlp_params = 3 * hidden * inter
-    attention = 6 * seq_len * heads * head_dim
+    attention = 6 * seq_len * heads * head_dim * attention_share
     layer = 4 * (attn_params + mlp_params) + attention
     head = float(4 * config.vocab_size * hidden)
     if fused_loss_share is None:
@@ -74,12 +78,14 @@ def estimate_costs(config: PretrainedConfig, seq_len: int, fused_loss_share: flo
     )
 
 
-def run_split(config: Config, model_config: PretrainedConfig) -> tuple[StageCosts, list[range]]:
+def run_split(
+    config: Config, model_config: PretrainedConfig, attention_share: float = 1.0
+) -> tuple[StageCosts, list[range]]:
     """The cost model and the layer ranges of every pipeline stage of a run (parallel.layers_per_stage, or
-    balanced by cost for the run's sequence length and loss)."""
+    balanced by cost for the run's sequence length, loss and `attention_share`: estimate_costs)."""
     t, d = config.train, config.data
     share = min(1.0, (d.max_summary_tokens + 1) / d.max_length) if t.fused_loss else None
-    costs = estimate_costs(model_config, d.max_length, share)
+    costs = estimate_costs(model_config, d.max_length, share, attention_share)
     p = config.parallel
     return costs, split_layers(model_config.num_hidden_layers, p.n_stages, p.layers_per_stage, costs)
 

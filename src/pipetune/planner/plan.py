@@ -110,6 +110,8 @@ class Plan:
     """Fitting layouts first, fastest first; then the others, smallest peak first."""
     changes: list[str] = field(default_factory=list)
     """When nothing fits: the smallest changes that would make a layout fit."""
+    attention_share: float = 1.0
+    """A row's attention work against causal attention over the whole row (below 1: packed rows)."""
 
     @property
     def pick(self) -> Prediction | None:
@@ -134,9 +136,12 @@ def make_plan(
     rates: GpuRates | None = None,
     layouts: Sequence[Layout] | None = None,
     search: bool = True,
+    attention_share: float = 1.0,
 ) -> Plan:
     """Predict every candidate layout (or `layouts`) of `config` on `gpus` GPUs with `budget` bytes each (None:
-    train.memory_gb, the GPU's, else an H200's). `search`: when nothing fits, look for the changes that would."""
+    train.memory_gb, the GPU's, else an H200's). `search`: when nothing fits, look for the changes that would.
+    `attention_share`: a row's attention work against whole-row causal attention (packed rows: less; memory does
+    not change, flex attention's is linear in the row like SDPA's)."""
     rates = rates or GpuRates()
     budget = default_budget(config) if budget is None else budget
     resolved = resolve_model(dataclasses.replace(config.model, init="random"))  # its config only, no weights
@@ -148,12 +153,13 @@ def make_plan(
     for layout in layouts:
         if layout.tp not in shapes:
             shapes[layout.tp] = _shape(config, resolved, layout.tp)
-        predictions.append(predict(layout, config, resolved, shapes[layout.tp], budget, rates))
+        predictions.append(predict(layout, config, resolved, shapes[layout.tp], budget, rates, attention_share))
     if enumerated:
         predictions = _distinct(predictions)
     predictions.sort(key=lambda p: (not p.fits, -p.tokens_per_sec if p.fits else max(p.peaks), _order(p.layout)))
     sequences = config.train.batch_size * config.parallel.dp * config.train.grad_accum
-    plan = Plan(config.model.name, gpus, budget, rates, sequences, config.data.max_length, predictions)
+    seq = config.data.max_length
+    plan = Plan(config.model.name, gpus, budget, rates, sequences, seq, predictions, attention_share=attention_share)
     if plan.pick is None and search and enumerated and predictions:
         plan.changes = changes_that_fit(config, gpus, budget, rates)
     return plan
@@ -194,13 +200,19 @@ def pick_summary(pick: Prediction) -> str:
 
 
 def predict(
-    layout: Layout, config: Config, resolved: ResolvedModel, shape: _Shape, budget: float, rates: GpuRates
+    layout: Layout,
+    config: Config,
+    resolved: ResolvedModel,
+    shape: _Shape,
+    budget: float,
+    rates: GpuRates,
+    attention_share: float = 1.0,
 ) -> Prediction:
     """Peak memory of every pipeline rank and tokens/s of `config` run as `layout`."""
     variant = layout.apply(config)
     p, t = variant.parallel, variant.train
-    costs, ranges = _split(variant, resolved.config)
-    share_costs = _split(variant, shape.config)[0]
+    costs, ranges = _split(variant, resolved.config, attention_share)
+    share_costs = _split(variant, shape.config, attention_share)[0]
     microbatch, seq = variant.microbatch_size, variant.data.max_length
     layer_bytes, input_bytes = (microbatch * n for n in _layer_memory(variant, shape.resolved, seq))
     weights = rank_weight_bytes(variant, shape.config, ranges)
@@ -357,13 +369,16 @@ _LAYER_MEMORY: dict[tuple, tuple[PretrainedConfig, tuple[int, int]]] = {}
 _SPLITS: dict[tuple, tuple[PretrainedConfig, tuple[StageCosts, list[range]]]] = {}
 
 
-def _split(config: Config, model_config: PretrainedConfig) -> tuple[StageCosts, list[range]]:
-    """`run_split`, remembered: the costs depend on the sequence and the loss, the ranges on the stage count."""
+def _split(
+    config: Config, model_config: PretrainedConfig, attention_share: float = 1.0
+) -> tuple[StageCosts, list[range]]:
+    """`run_split`, remembered: the costs depend on the sequence, the loss and the attention share, the ranges on
+    the stage count."""
     d, p = config.data, config.parallel
-    key = (id(model_config), d.max_length, d.max_summary_tokens, config.train.fused_loss, p.n_stages)
+    key = (id(model_config), d.max_length, d.max_summary_tokens, config.train.fused_loss, p.n_stages, attention_share)
     key += tuple(p.layers_per_stage)
     if key not in _SPLITS or _SPLITS[key][0] is not model_config:
-        _SPLITS[key] = (model_config, run_split(config, model_config))
+        _SPLITS[key] = (model_config, run_split(config, model_config, attention_share))
     return _SPLITS[key][1]
 
 
@@ -436,7 +451,12 @@ def format_plan(plan: Plan, top: int | None = 15) -> str:
     budget = plan.budget / GB
     lines = [
         f"pipetune plan: {plan.model}, {plan.sequences} sequences of {plan.seq} tokens per optimizer step, "
-        f"{plan.gpus} GPU{'s' if plan.gpus > 1 else ''} of {budget:.0f} GB; rates: {plan.rates.name}",
+        f"{plan.gpus} GPU{'s' if plan.gpus > 1 else ''} of {budget:.0f} GB; rates: {plan.rates.name}"
+        + (
+            f"; packed rows: attention {plan.attention_share:.0%} of a whole row's (the training split)"
+            if plan.attention_share < 1
+            else ""
+        ),
         f"{'#':>4}  {'layout':<{width}}  {'microbatches':<18} {'checkpointing':<16} {'peak GB per rank':<18} "
         f"{'tokens/s':>9}  {'bubble':<9} fits",
     ]
@@ -533,7 +553,7 @@ def resolve_auto(config: Config, gpus: int, announce: bool = True) -> Config:
     """`parallel.strategy = "auto"`: the config as its plan's pick on `gpus` GPUs, and one line saying what and why
     (printed by the first process only)."""
     check_data_source(config.data)  # a missing data file fails before the plan resolves the model
-    plan = make_plan(config, gpus)
+    plan = make_plan(config, gpus, attention_share=attention_share_of(config))
     if plan.pick is None:
         raise ConfigError(f"parallel.strategy = 'auto': {no_fit_message(plan)}")
     if announce and os.environ.get("RANK", "0") == "0":
@@ -545,6 +565,16 @@ def resolve_auto(config: Config, gpus: int, announce: bool = True) -> Config:
             )
         print(f"pipetune: parallel.strategy = auto: {elsewhere}{pick_line(plan)}", flush=True)
     return plan.pick.layout.apply(config)
+
+
+def attention_share_of(config: Config) -> float:
+    """make_plan's attention_share for `config`: with data.packing, its training rows' (data/inspect), else 1.0."""
+    if not config.data.packing:
+        return 1.0
+    from pipetune.data.inspect import training_attention_share
+    from pipetune.preflight import prepare
+
+    return training_attention_share(config, prepare(config).prompts)
 
 
 def no_gpu_line(config: Config, plan: Plan) -> str | None:
