@@ -317,12 +317,12 @@ It was agreed to {phrases}.
 The group agreed to {phrases}.
 They decided to {phrases}.
 """
-_LEAD_FILLERS = ("", "", "", "Um, ", "Uh, ", "Yeah, ", "So, ", "Well, ", "You know, ")
-_MID_FILLERS = (" ", " ", " ", ", um, ", ", uh, ", ", you know, ", ", like, ")
-_FILLER_SLOT = re.compile(r"\{([Ff])\}")
+LEAD_FILLERS = ("", "", "", "Um, ", "Uh, ", "Yeah, ", "So, ", "Well, ", "You know, ")
+MID_FILLERS = (" ", " ", " ", ", um, ", ", uh, ", ", you know, ", ", like, ")
+FILLER_SLOT = re.compile(r"\{([Ff])\}")
 
 
-def _sections(text: str) -> dict[str, tuple[str, ...]]:
+def template_sections(text: str) -> dict[str, tuple[str, ...]]:
     sections: dict[str, list[str]] = {}
     for line in text.strip().splitlines():
         if line.startswith("["):
@@ -332,7 +332,7 @@ def _sections(text: str) -> dict[str, tuple[str, ...]]:
     return {name: tuple(lines) for name, lines in sections.items()}
 
 
-_SAY = _sections(_PHRASEBOOK)
+SAY = template_sections(_PHRASEBOOK)
 
 # Kinds of turns that fill a meeting beyond its facts, and how often each is drawn.
 _EXTRAS = ("comment", "alternative", "backchannel", "chatter", "digression", "greeting", "recap", "intro")
@@ -343,59 +343,59 @@ _ACTION_STYLES = (  # (opening, one item, separator)
     ("", "{name} ({role}) will {task} {deadline}", ". "),
 )
 
-_Turn = tuple[str | None, str]  # (role, or None for any speaker; text)
-_Unit = list[_Turn]  # turns that stay together, e.g. an alternative raised and turned down
+Turn = tuple[str | None, str]  # (role, or None for any speaker; text)
+_Unit = list[Turn]  # turns that stay together, e.g. an alternative raised and turned down
 
 
-def _fill(rng: random.Random, template: str, **facts: str) -> str:
+def fill_template(rng: random.Random, template: str, **facts: str) -> str:
     def filler(match: re.Match[str]) -> str:
-        return rng.choice(_LEAD_FILLERS if match.group(1) == "F" else _MID_FILLERS)
+        return rng.choice(LEAD_FILLERS if match.group(1) == "F" else MID_FILLERS)
 
-    text = _FILLER_SLOT.sub(filler, template).format(**facts).replace(",,", ",")
+    text = FILLER_SLOT.sub(filler, template).format(**facts).replace(",,", ",")
     return text[0].upper() + text[1:]
 
 
-def _say(rng: random.Random, section: str, **facts: str) -> str:
-    return _fill(rng, rng.choice(_SAY[section]), **facts)
+def say_line(rng: random.Random, section: str, **facts: str) -> str:
+    return fill_template(rng, rng.choice(SAY[section]), **facts)
 
 
-def _join(items: list[str]) -> str:
+def join_words(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
-def _decision_units(option: Option, rng: random.Random) -> list[_Unit]:
+def decision_units(option: Option, rng: random.Random) -> list[_Unit]:
     proposer = rng.choice(ROLES[1:])
     agreer = PROJECT_MANAGER if rng.random() < 0.7 else rng.choice([r for r in ROLES if r != proposer])
-    pro = rng.choice(_SAY["pro"])
+    pro = rng.choice(SAY["pro"])
     return [
-        [(proposer, _say(rng, "proposal", subject=option.subject, phrase=option.phrase))],
-        [(None, _say(rng, "support", thing=option.thing, pro=pro))],
-        [(agreer, _say(rng, "agreement", phrase=option.phrase))],
+        [(proposer, say_line(rng, "proposal", subject=option.subject, phrase=option.phrase))],
+        [(None, say_line(rng, "support", thing=option.thing, pro=pro))],
+        [(agreer, say_line(rng, "agreement", phrase=option.phrase))],
     ]
 
 
-def _action_turns(item: ActionItem, rng: random.Random) -> list[_Turn]:
+def action_turns(item: ActionItem, rng: random.Random) -> list[Turn]:
     facts = {"name": item.name, "task": item.task, "deadline": item.deadline}
     if item.role != PROJECT_MANAGER and rng.random() < 0.6:
         return [
-            (PROJECT_MANAGER, _say(rng, "assignment", **facts)),
-            (item.role, _say(rng, "assignment reply")),
+            (PROJECT_MANAGER, say_line(rng, "assignment", **facts)),
+            (item.role, say_line(rng, "assignment reply")),
         ]
     acknowledger = PROJECT_MANAGER if item.role != PROJECT_MANAGER else rng.choice(ROLES[1:])
     return [
-        (item.role, _say(rng, "volunteer", **facts)),
-        (acknowledger, _say(rng, "acknowledgement", **facts)),
+        (item.role, say_line(rng, "volunteer", **facts)),
+        (acknowledger, say_line(rng, "acknowledgement", **facts)),
     ]
 
 
 def _backchannel_position(block: list[_Unit], rng: random.Random) -> int:
     """A place between proposal and agreement where a back-channel does not touch another one."""
-    backchannels = set(_SAY["backchannel"])
+    backchannels = set(SAY["backchannel"])
     free = [i for i in range(1, len(block)) if not backchannels & {block[i - 1][-1][1], block[i][0][1]}]
     return rng.choice(free) if free else rng.randint(1, len(block) - 1)
 
 
-def _assign_speakers(turns: list[_Turn], rng: random.Random) -> list[str]:
+def _assign_speakers(turns: list[Turn], rng: random.Random) -> list[str]:
     """Give open turns a speaker other than their neighbours, then make sure all four roles speak."""
     speakers: list[str] = []
     for i, (role, _) in enumerate(turns):
@@ -417,19 +417,19 @@ def _assign_speakers(turns: list[_Turn], rng: random.Random) -> list[str]:
 
 def _render_transcript(plan: MeetingPlan, rng: random.Random) -> tuple[str, list[Option]]:
     """The transcript, and the rejected alternatives it brings up."""
-    subjects = _join([option.subject for option in plan.decisions])
-    opening: list[_Turn] = [(PROJECT_MANAGER, _say(rng, "opening", topic=plan.topic, subjects=subjects))]
-    decision_blocks = [_decision_units(option, rng) for option in plan.decisions]
+    subjects = join_words([option.subject for option in plan.decisions])
+    opening: list[Turn] = [(PROJECT_MANAGER, say_line(rng, "opening", topic=plan.topic, subjects=subjects))]
+    decision_blocks = [decision_units(option, rng) for option in plan.decisions]
     middle = list(decision_blocks)  # the decision blocks, with chatter and digressions between them
-    actions = [turn for item in plan.action_items for turn in _action_turns(item, rng)]
-    greeting: list[_Turn] = []
-    recap: list[_Turn] = []
+    actions = [turn for item in plan.action_items for turn in action_turns(item, rng)]
+    greeting: list[Turn] = []
+    recap: list[Turn] = []
     used: set[str] = set()  # comments, chatter and digressions are said once per meeting
     raised: set[int] = set()  # decisions whose rejected alternative came up
     n_digressions, has_intro = 0, False
 
     def unused(section: str) -> list[str]:
-        return [line for line in _SAY[section] if line not in used]
+        return [line for line in SAY[section] if line not in used]
 
     # Fill the turns the facts leave over with discussion, small talk and back-channels.
     n_left = plan.n_turns - _core_turns(len(plan.decisions), len(plan.action_items))
@@ -441,38 +441,38 @@ def _render_transcript(plan: MeetingPlan, rng: random.Random) -> tuple[str, list
         block, option = decision_blocks[index], plan.decisions[index]
         if kind == "comment" and unused("comment"):
             used.add(template := rng.choice(unused("comment")))
-            block.insert(rng.randint(1, len(block) - 1), [(None, _fill(rng, template, subject=option.subject))])
+            block.insert(rng.randint(1, len(block) - 1), [(None, fill_template(rng, template, subject=option.subject))])
         elif kind == "alternative" and n_left >= 2 and index not in raised:
             raised.add(index)
-            facts = {"thing": plan.rejected[index].thing, "con": rng.choice(_SAY["con"])}
+            facts = {"thing": plan.rejected[index].thing, "con": rng.choice(SAY["con"])}
             position = rng.randint(1, len(block) - 1)
-            exchange = rng.choice(_SAY["alternative"]).split(" / ")
-            block.insert(position, [(None, _fill(rng, line, **facts)) for line in exchange])
+            exchange = rng.choice(SAY["alternative"]).split(" / ")
+            block.insert(position, [(None, fill_template(rng, line, **facts)) for line in exchange])
         elif kind == "backchannel":
-            block.insert(_backchannel_position(block, rng), [(None, rng.choice(_SAY["backchannel"]))])
+            block.insert(_backchannel_position(block, rng), [(None, rng.choice(SAY["backchannel"]))])
         elif kind == "chatter" and unused("chatter"):
             used.add(template := rng.choice(unused("chatter")))
-            middle.insert(rng.randint(0, len(middle)), [[(None, _fill(rng, template))]])
+            middle.insert(rng.randint(0, len(middle)), [[(None, fill_template(rng, template))]])
         elif kind == "digression" and n_left >= 2 and n_digressions < 2:
             used.add(template := rng.choice(unused("digression")))
             n_digressions += 1
             lines = template.split(" / ")[: min(n_left, rng.randint(2, 3))]
-            small_talk: _Unit = [(None, _fill(rng, line)) for line in lines]
+            small_talk: _Unit = [(None, fill_template(rng, line)) for line in lines]
             if n_left > len(small_talk) and rng.random() < 0.5:
-                small_talk.append((PROJECT_MANAGER, _say(rng, "back to work")))
+                small_talk.append((PROJECT_MANAGER, say_line(rng, "back to work")))
             middle.insert(rng.randint(0, len(middle)), [small_talk])
         elif kind == "greeting" and not greeting:
-            greeting.append((None, _say(rng, "greeting")))
+            greeting.append((None, say_line(rng, "greeting")))
         elif kind == "recap" and not recap:
-            phrases = _join([option.phrase for option in plan.decisions])
-            recap.append((PROJECT_MANAGER, _say(rng, "recap", phrases=phrases)))
+            phrases = join_words([option.phrase for option in plan.decisions])
+            recap.append((PROJECT_MANAGER, say_line(rng, "recap", phrases=phrases)))
         elif kind == "intro" and not has_intro:
             has_intro = True
-            actions.insert(0, (PROJECT_MANAGER, _say(rng, "actions intro")))
+            actions.insert(0, (PROJECT_MANAGER, say_line(rng, "actions intro")))
         n_middle = sum(len(unit) for block in middle for unit in block)
         n_left = plan.n_turns - sum(map(len, [opening, greeting, recap, actions])) - n_middle - 1
 
-    closing: list[_Turn] = [(PROJECT_MANAGER, _say(rng, "closing"))]
+    closing: list[Turn] = [(PROJECT_MANAGER, say_line(rng, "closing"))]
     discussion = [turn for block in middle for unit in block for turn in unit]
     turns = opening + greeting + discussion + recap + actions + closing
     names = dict(plan.participants)
@@ -483,15 +483,15 @@ def _render_transcript(plan: MeetingPlan, rng: random.Random) -> tuple[str, list
 
 def _render_summary(plan: MeetingPlan, raised: list[Option], rng: random.Random) -> str:
     n_facts = len(plan.decisions) + len(plan.action_items)
-    subjects = _join([option.subject for option in plan.decisions])
+    subjects = join_words([option.subject for option in plan.decisions])
     section = "summary opening with subjects" if n_facts <= 4 else "summary opening"
     sentences = [
-        rng.choice(_SAY[section]).format(topic=plan.topic, subjects=subjects),
-        rng.choice(_SAY["summary decisions"]).format(phrases=_join([o.phrase for o in plan.decisions])),
+        rng.choice(SAY[section]).format(topic=plan.topic, subjects=subjects),
+        rng.choice(SAY["summary decisions"]).format(phrases=join_words([o.phrase for o in plan.decisions])),
     ]
     if raised and n_facts <= 3:  # only where it keeps the summary short
         rejected = "that idea was" if len(raised) == 1 else "those ideas were"
-        sentences.append(f"They also discussed {_join([o.thing for o in raised])}, but {rejected} turned down.")
+        sentences.append(f"They also discussed {join_words([o.thing for o in raised])}, but {rejected} turned down.")
     opening, item, separator = rng.choice(_ACTION_STYLES)
     sentences.append(opening + separator.join(item.format(**vars(i)) for i in plan.action_items) + ".")
     return " ".join(sentences)

@@ -22,28 +22,28 @@ from dataclasses import dataclass
 
 from pipetune.data.facts import Fact
 from pipetune.data.synthetic import (
-    _FILLER_SLOT,
-    _LEAD_FILLERS,
-    _MID_FILLERS,
-    _SAY,
+    FILLER_SLOT,
+    LEAD_FILLERS,
+    MID_FILLERS,
     NAMES,
     OPTIONS,
     PROJECT_MANAGER,
     ROLES,
+    SAY,
     TASKS,
     TOPICS,
     ActionItem,
     Meeting,
     Option,
-    _action_turns,
-    _decision_units,
-    _fill,
-    _join,
-    _say,
-    _sections,
-    _Turn,
+    Turn,
     action_fact,
+    action_turns,
     decision_fact,
+    decision_units,
+    fill_template,
+    join_words,
+    say_line,
+    template_sections,
 )
 
 MEDIAN_TOKENS = 6000
@@ -229,7 +229,7 @@ My personal preference would be to keep it simple.
 {F}sorry, can you hear that noise? / {F}I think they're drilling next door. / Typical.
 {F}are we having the team drinks on Friday? / {F}I think so, yeah. / {F}good, I need it.
 """
-_WHOLE = _sections(_WHOLE_PHRASEBOOK)
+_WHOLE = template_sections(_WHOLE_PHRASEBOOK)
 _FIGURE_LINES = (
     "{F}just so everyone knows, the {subject} is {amount}.",
     "{F}I checked with management:{f}the {subject} is {amount}.",
@@ -245,13 +245,13 @@ _FIGURE_REPLIES = (
 )
 
 
-def _figure_unit(figure: Figure, rng: random.Random, said_by: str) -> list[_Turn]:
+def _figure_unit(figure: Figure, rng: random.Random, said_by: str) -> list[Turn]:
     amount = f"{figure.value} {figure.unit}".rstrip()
-    turns: list[_Turn] = []
+    turns: list[Turn] = []
     if rng.random() < 0.4:
-        turns.append((None, _fill(rng, rng.choice(_FIGURE_QUESTIONS), subject=figure.subject)))
-    turns.append((said_by, _fill(rng, rng.choice(_FIGURE_LINES), subject=figure.subject, amount=amount)))
-    turns.append((None, _fill(rng, rng.choice(_FIGURE_REPLIES), amount=amount)))
+        turns.append((None, fill_template(rng, rng.choice(_FIGURE_QUESTIONS), subject=figure.subject)))
+    turns.append((said_by, fill_template(rng, rng.choice(_FIGURE_LINES), subject=figure.subject, amount=amount)))
+    turns.append((None, fill_template(rng, rng.choice(_FIGURE_REPLIES), amount=amount)))
     return turns
 
 
@@ -261,21 +261,21 @@ _Parts = tuple[str, ...]
 
 
 def _parts(template: str, **facts: str) -> _Parts:
-    return tuple(_FILLER_SLOT.split(template.replace("{F}", "{{F}}").replace("{f}", "{{f}}").format(**facts)))
+    return tuple(FILLER_SLOT.split(template.replace("{F}", "{{F}}").replace("{f}", "{{f}}").format(**facts)))
 
 
 def _exchanges(option: Option) -> list[list[_Parts]]:
     return [
         [_parts(line, thing=option.thing, con=con) for line in template.split(" / ")]
-        for template in _SAY["alternative"]
-        for con in _SAY["con"]
+        for template in SAY["alternative"]
+        for con in SAY["con"]
     ]
 
 
 _DISCUSSION = [_parts(line) for line in _WHOLE["discussion"]] + [
-    _parts(line, subject=subject) for line in _SAY["comment"] for subject in OPTIONS
+    _parts(line, subject=subject) for line in SAY["comment"] for subject in OPTIONS
 ]
-_BACKCHANNELS = _SAY["backchannel"]
+_BACKCHANNELS = SAY["backchannel"]
 _PRESENTATION = _WHOLE["presentation"]
 _ALTERNATIVES = {option: _exchanges(option) for options in OPTIONS.values() for option in options}
 _SUBJECTS = list(OPTIONS)
@@ -284,18 +284,18 @@ _FILLER_KINDS = ("discussion",) * 8 + ("backchannel",) * 3 + ("presentation",) *
 
 
 def _said(parts: _Parts, draw: Callable[[], float]) -> str:
-    """A prepared line with a filler drawn for each slot (as synthetic._fill does)."""
+    """A prepared line with a filler drawn for each slot (as synthetic.fill_template does)."""
     if len(parts) == 1:
         return parts[0]
     pieces = [parts[0]]
     for i in range(1, len(parts), 2):
-        fillers = _LEAD_FILLERS if parts[i] == "F" else _MID_FILLERS
+        fillers = LEAD_FILLERS if parts[i] == "F" else MID_FILLERS
         pieces += (fillers[int(draw() * len(fillers))], parts[i + 1])
     text = "".join(pieces).replace(",,", ",")
     return text[0].upper() + text[1:]
 
 
-def _filler_unit(plan: WholeMeetingPlan, draw: Callable[[], float]) -> list[_Turn]:
+def _filler_unit(plan: WholeMeetingPlan, draw: Callable[[], float]) -> list[Turn]:
     kind = _FILLER_KINDS[int(draw() * len(_FILLER_KINDS))]
     if kind == "discussion":
         return [(None, _said(_DISCUSSION[int(draw() * len(_DISCUSSION))], draw))]
@@ -312,7 +312,7 @@ def _filler_unit(plan: WholeMeetingPlan, draw: Callable[[], float]) -> list[_Tur
     return [(None, _said(parts, draw)) for parts in exchanges[int(draw() * len(exchanges))]]
 
 
-def _speakers(turns: list[_Turn], rng: random.Random) -> list[str]:
+def _speakers(turns: list[Turn], rng: random.Random) -> list[str]:
     """Open turns go to someone other than the previous and the next speaker."""
     others = {(a, b): [r for r in ROLES if r not in (a, b)] for a in (*ROLES, None) for b in (*ROLES, None)}
     speakers: list[str] = []
@@ -329,29 +329,29 @@ def _speakers(turns: list[_Turn], rng: random.Random) -> list[str]:
 
 def _render_transcript(plan: WholeMeetingPlan, rng: random.Random) -> str:
     names = dict(plan.participants)
-    fact_units: list[list[_Turn]] = []
+    fact_units: list[list[Turn]] = []
     for option in plan.decisions:
-        fact_units.append([turn for unit in _decision_units(option, rng) for turn in unit])
+        fact_units.append([turn for unit in decision_units(option, rng) for turn in unit])
     for item in plan.action_items:
         said = ActionItem(item.role, item.name, item.task, "by " + rng.choice(date_forms(item.deadline)))
-        fact_units.append(_action_turns(said, rng))
+        fact_units.append(action_turns(said, rng))
     for figure in plan.figures:
         fact_units.append(_figure_unit(figure, rng, rng.choice(ROLES)))
     rng.shuffle(fact_units)
 
-    subjects = _join([option.subject for option in plan.decisions])
-    opening = [(PROJECT_MANAGER, _say(rng, "opening", topic=plan.topic, subjects=subjects))]
-    closing = [(PROJECT_MANAGER, _say(rng, "closing"))]
+    subjects = join_words([option.subject for option in plan.decisions])
+    opening = [(PROJECT_MANAGER, say_line(rng, "opening", topic=plan.topic, subjects=subjects))]
+    closing = [(PROJECT_MANAGER, say_line(rng, "closing"))]
     prefix = sum(len(role) + len(name) + 5 for role, name in plan.participants) / len(plan.participants)
     budget = plan.target_tokens * CHARS_PER_TOKEN  # characters, each turn's "Role (Name): " and newline included
     budget -= sum(len(text) + prefix for unit in fact_units + [opening, closing] for _, text in unit)
 
-    fillers: list[list[_Turn]] = []
+    fillers: list[list[Turn]] = []
     n_digressions, draw = 0, rng.random
     while budget > 0:
         if n_digressions < 2 and draw() < 0.01:
             n_digressions += 1
-            unit = [(None, _fill(rng, line)) for line in rng.choice(_WHOLE["digression"]).split(" / ")]
+            unit = [(None, fill_template(rng, line)) for line in rng.choice(_WHOLE["digression"]).split(" / ")]
         else:
             unit = _filler_unit(plan, draw)
         fillers.append(unit)
@@ -363,12 +363,12 @@ def _render_transcript(plan: WholeMeetingPlan, rng: random.Random) -> str:
     starts = [0]  # filler turns before each unit, and in all
     for unit in fillers:
         starts.append(starts[-1] + len(unit))
-    slots: list[list[list[_Turn]]] = [[] for _ in starts]
+    slots: list[list[list[Turn]]] = [[] for _ in starts]
     for i, unit in enumerate(fact_units):
         quarter = i % 4
         low, high = (quarter + 0.05) * starts[-1] / 4, (quarter + 0.95) * starts[-1] / 4
         slots[bisect.bisect_left(starts, low + (high - low) * rng.random())].append(unit)
-    body: list[_Turn] = []
+    body: list[Turn] = []
     for i, filler in enumerate([*fillers, []]):
         for unit in slots[i]:
             body += unit
@@ -379,10 +379,10 @@ def _render_transcript(plan: WholeMeetingPlan, rng: random.Random) -> str:
 
 
 def _render_summary(plan: WholeMeetingPlan, rng: random.Random, date_form: int) -> str:
-    subjects = _join([option.subject for option in plan.decisions])
+    subjects = join_words([option.subject for option in plan.decisions])
     sentences = [
-        rng.choice(_SAY["summary opening with subjects"]).format(topic=plan.topic, subjects=subjects),
-        rng.choice(_SAY["summary decisions"]).format(phrases=_join([o.phrase for o in plan.decisions])),
+        rng.choice(SAY["summary opening with subjects"]).format(topic=plan.topic, subjects=subjects),
+        rng.choice(SAY["summary decisions"]).format(phrases=join_words([o.phrase for o in plan.decisions])),
         "Figures: " + "; ".join(f"the {f.subject} is {f.value} {f.unit}".rstrip() for f in plan.figures) + ".",
     ]
     items = [f"{i.name} ({i.role}) will {i.task} by {date_forms(i.deadline)[date_form]}" for i in plan.action_items]
