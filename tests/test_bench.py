@@ -63,6 +63,7 @@ def test_bench_runs_strategies_and_reports_bubble(tmp_path: Path) -> None:
         )
         assert setup["versions"]["torch"] == torch.__version__ and setup["gpu"].startswith("none (CPU")
         assert setup["switches"]["train.compile"] is False
+        assert setup["attention_share"] == 1.0  # unpacked rows attend whole
     assert (pp["setup"]["layout"]["pp"], single["setup"]["layout"]["pp"]) == (2, 1)
     assert all(0 < r["real_tokens_per_sec"] <= r["tokens_per_sec"] for r in rows)
     assert "real tokens/s" in result.stdout and "tiny-qwen3 (float32, LoRA r16), 8 rows x 128 tokens" in result.stdout

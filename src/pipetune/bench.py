@@ -73,7 +73,7 @@ def run_bench(
     costs = estimate_costs(prepared.model.config, config.data.max_length, attention_share=share)
     flops_per_token = prepared.n_layers * costs.layer + costs.head
     out_dir.mkdir(parents=True, exist_ok=True)
-    setup = bench_setup(config)
+    setup = bench_setup(config) | {"attention_share": round(share, 4)}  # MFU counts this share of attention
     results = []
     for strategy in strategies:
         variant = strategy_config(config, strategy, steps, warmup, out_dir, rows)
