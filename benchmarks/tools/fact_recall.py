@@ -17,7 +17,8 @@ decisions, action items and figures its summary states (evaluate.py); beside it,
 each length ("facts in view": the most a summary of that prompt can recall). train.max_steps ends both runs (the
 cut one goes round its meetings again), and the tool exits 1 when their step counts differ. On one H200, 300 steps
 train in ~3.5 min together, and each scored model generated for ~80 s per 24 meetings 8 at a time (now 32 at a
-time by default on a GPU: a decoding step of a 135M model costs about the same for 8 rows or 32). Prints the
+time by default on a GPU: a 135M model's decoding step is launch-bound, so 32 rows should cost about what 8
+did; not yet measured). Prints the
 table, writes under --out the two runs (whole/, cut/, each with its eval.json) and result.json; exits 1 when the
 whole model's fact recall is not at least --target times the cut one's (2x).
 
@@ -115,7 +116,7 @@ def main() -> int:
         "--batch-size",
         type=int,
         default=32 if torch.cuda.is_available() else 8,
-        help="meetings generated together (default: 32 on a GPU, where 8 left it launch-bound; 8 on a CPU)",
+        help="meetings generated together (default: 32 on a GPU, 8 on a CPU)",
     )
     args = parser.parse_args()
 
