@@ -18,9 +18,8 @@ each length ("facts in view": the most a summary of that prompt can recall). tra
 cut one goes round its meetings again), and the tool exits 1 when their step counts differ. On one H200, 300 steps
 train in ~3.5 min together, and each scored model generated for ~80 s per 24 meetings 8 at a time (now 32 at a
 time by default on a GPU: a 135M model's decoding step is launch-bound, so 32 rows should cost about what 8
-did; not yet measured). Prints the
-table, writes under --out the two runs (whole/, cut/, each with its eval.json) and result.json; exits 1 when the
-whole model's fact recall is not at least --target times the cut one's (2x).
+did; not yet measured). Prints the table, writes under --out the two runs (whole/, cut/, each with its eval.json)
+and result.json; exits 1 when the whole model's fact recall is not at least --target times the cut one's (2x).
 
 A CPU smoke run with the tiny random model (what tests/test_fact_recall_benchmark.py runs):
 
