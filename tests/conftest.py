@@ -41,29 +41,34 @@ PIPELINE_RUN = ("parallel.pp=2", "train.eval_every=2", "data.synthetic_validatio
 """The shared 2-stage run's settings beyond tiny_config's: a validation every 2 steps over 6 meetings (the last
 validation batch of 4 is half ignored rows), which leaves the training itself as tiny_config's."""
 
-
-@pytest.fixture(scope="session")
-def pipeline_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Config, Path]:
-    """One finished tiny 2-stage (1F1B) run that several tests only read: its config and run directory."""
-    tmp = tmp_path_factory.mktemp("pipeline")
-    config = tiny_config(tmp / "run", *PIPELINE_RUN)
-    run_cli("train", "--config", str(write_config(config, tmp / "c.toml")), "--quiet")
-    return config, tmp / "run"
-
-
 TWO_EPOCHS = ("train.epochs=2", "train.max_steps=-1", "train.save_every=3", "lora.dropout=0.1")
 """2 epochs of 4 optimizer steps, a checkpoint every 3 steps and at epoch ends (3, 4, 6, 8), and LoRA dropout, so an
 exact match with another run needs every rank's dropout masks drawn alike."""
 
 
 @pytest.fixture(scope="session")
-def two_epoch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _shared_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Config, Path]:
+    """The 2-stage runs several test files only read, trained in turn by one start of the workers: the directory
+    holding "pipeline" (PIPELINE_RUN) and "two-epochs" (TWO_EPOCHS), and the first's config."""
+    tmp = tmp_path_factory.mktemp("shared")
+    pipeline = tiny_config(tmp / "pipeline", *PIPELINE_RUN)
+    two_epochs = tiny_config(tmp / "two-epochs", *TWO_EPOCHS)
+    train_in_turn(write_config(pipeline, tmp / "pipeline.toml"), write_config(two_epochs, tmp / "two-epochs.toml"))
+    return pipeline, tmp
+
+
+@pytest.fixture(scope="session")
+def pipeline_run(_shared_runs: tuple[Config, Path]) -> tuple[Config, Path]:
+    """One finished tiny 2-stage (1F1B) run that several tests only read: its config and run directory."""
+    config, tmp = _shared_runs
+    return config, tmp / "pipeline"
+
+
+@pytest.fixture(scope="session")
+def two_epoch_run(_shared_runs: tuple[Config, Path]) -> Path:
     """tiny_config's 2 stages with TWO_EPOCHS, run uninterrupted: the run directory that killed and resumed runs
     (tests/test_resume.py) and recomputed activations (tests/parallel/test_fast_path.py) must equal."""
-    tmp = tmp_path_factory.mktemp("two-epochs")
-    config = tiny_config(tmp / "run", *TWO_EPOCHS)
-    run_cli("train", "--config", str(write_config(config, tmp / "run.toml")), "--quiet")
-    return tmp / "run"
+    return _shared_runs[1] / "two-epochs"
 
 
 @pytest.fixture(scope="session")
@@ -136,6 +141,23 @@ def run_cli(*args: str, timeout: float = 600, check: bool = True, faults: bool =
     if check and result.returncode != 0:
         raise AssertionError(f"pipetune {' '.join(args)} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
     return result
+
+
+def train_in_turn(*config_files: Path) -> subprocess.CompletedProcess:
+    """`pipetune train --config FILE --quiet` for each file, in turn, in one start of the workers: after the first
+    run (the command's own), every worker runs the next as that command would, in the same process and process
+    group (tests/faults.py: PIPETUNE_TEST_THEN). Each run after the first saves a start of the workers (~6 s of
+    imports on 2 cores). The configs must have one world size, more than 1. Returns what all the runs printed."""
+    from pipetune.config import load_config
+    from tests.faults import THEN_ENV
+
+    sizes = {load_config(path).parallel.world_size for path in config_files}
+    assert len(sizes) == 1 and min(sizes) > 1, f"train_in_turn runs configs of one world size > 1, not {sizes}"
+    os.environ[THEN_ENV] = os.pathsep.join(str(path) for path in config_files[1:])
+    try:
+        return run_cli("train", "--config", str(config_files[0]), "--quiet", faults=True)
+    finally:
+        del os.environ[THEN_ENV]
 
 
 def _runs_here(args: tuple[str, ...], faults: bool) -> bool:

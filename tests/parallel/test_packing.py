@@ -27,7 +27,7 @@ from pipetune.model.lora import apply_lora
 from pipetune.model.shapes import resolve_model
 from pipetune.model.stage import StageModule
 from pipetune.parallel.pipeline import TokenLoss
-from tests.conftest import run_cli, tiny_config, write_config
+from tests.conftest import run_cli, tiny_config, train_in_turn, write_config
 from tests.parity import assert_same_training
 
 WORDS = "we should ship the remote by friday agreed budget design buttons colour rubber case logo".split()
@@ -144,18 +144,22 @@ def test_packed_row_matches_each_sample_alone() -> None:
 # --------------------------------------------------------------------------- whole runs: several processes
 
 
-def _run(tmp: Path, name: str, data: Path, *overrides: str) -> Path:
-    run_dir = tmp / name
+def _config_file(tmp: Path, name: str, data: Path, *overrides: str) -> Path:
+    """A run of `data` into tmp / name: its config file."""
     config = tiny_config(
-        run_dir,
+        tmp / name,
         f'data.source="{data}"',
         'data.system_prompt="Sum."',
         "data.validation_fraction=0.25",
         "train.max_steps=-1",
         *overrides,
     )
-    run_cli("train", "--config", str(write_config(config, tmp / f"{name}.toml")), "--quiet")
-    return run_dir
+    return write_config(config, tmp / f"{name}.toml")
+
+
+def _run(tmp: Path, name: str, data: Path, *overrides: str) -> Path:
+    run_cli("train", "--config", str(_config_file(tmp, name, data, *overrides)), "--quiet")
+    return tmp / name
 
 
 @pytest.mark.slow
@@ -169,11 +173,12 @@ def test_packed_runs_match_the_unpacked_run_on_the_same_samples(tmp_path: Path) 
     data = write_short_meetings(tmp_path / "meetings.jsonl", 43)  # 32 training samples after the hold-out
     reference = _run(tmp_path, "unpacked", data, "parallel.pp=1", "train.batch_size=8")
     packed = ["data.packing=true", "data.max_samples_per_row=2", "train.batch_size=4"]
-    runs = [
-        _run(tmp_path, "single", data, "parallel.pp=1", *packed),
-        _run(tmp_path, "pp2", data, *packed),
-        _run(tmp_path, "looped", data, *packed, 'parallel.schedule="interleaved_1f1b"', "parallel.stages_per_rank=2"),
-    ]
+    looped = ['parallel.schedule="interleaved_1f1b"', "parallel.stages_per_rank=2"]
+    # The two 2-rank runs in turn, in one start of the workers (tests/conftest.py: train_in_turn).
+    train_in_turn(
+        _config_file(tmp_path, "pp2", data, *packed), _config_file(tmp_path, "looped", data, *packed, *looped)
+    )
+    runs = [_run(tmp_path, "single", data, "parallel.pp=1", *packed), tmp_path / "pp2", tmp_path / "looped"]
     for run_dir in runs:  # losses, gradient norms, adapters (tests/parity.py)
         assert_same_training(run_dir, reference, steps=2)
     for run_dir in runs[1:]:

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pipetune.config import Config
-from tests.conftest import run_cli, tiny_config, write_config
+from pipetune.config import Config, load_config
+from tests.conftest import run_cli, tiny_config, train_in_turn, write_config
 from tests.parity import assert_same_training
 
 pytestmark = pytest.mark.slow  # multi-process end-to-end runs: pytest -m "not slow" leaves them out
@@ -38,22 +38,43 @@ def test_pipeline_with_tensor_parallel_stages_matches_single_process(reference: 
 # Every torch schedule: one stage a rank (gpipe), looped placements (interleaved_1f1b, looped_bfs), looped with
 # the backward split in two (interleaved_zero_bubble), V-shaped with the split backward and no forward-only mode
 # (dualpipev; zbv, the same placement, runs end to end in tests/parallel/test_quantized.py).
-@pytest.mark.parametrize(
-    "schedule, stages_per_rank",
-    [("gpipe", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2), ("interleaved_zero_bubble", 2), ("dualpipev", 2)],
-)
-def test_schedules_match_single_process(reference: Path, tmp_path: Path, schedule: str, stages_per_rank: int) -> None:
-    # 2 ranks; with 2 stages each, 4 stages of one layer: looped (rank r: r, r + 2) or V-shaped (rank r: r, 3 - r).
-    run_dir = tmp_path / schedule
-    config = tiny_config(run_dir, f'parallel.schedule="{schedule}"', f"parallel.stages_per_rank={stages_per_rank}")
-    run_cli("train", "--config", str(write_config(config, tmp_path / f"{schedule}.toml")), "--quiet")
+SCHEDULE_RUNS = [
+    ("gpipe", 1),
+    ("interleaved_1f1b", 2),
+    ("looped_bfs", 2),
+    ("interleaved_zero_bubble", 2),
+    ("dualpipev", 2),
+]
+GEMMA = 'model.name="tiny-gemma3"'
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every 2-rank run of this file, trained in turn by one start of the workers (tests/conftest.py:
+    train_in_turn): each schedule's (2 ranks; with 2 stages each, 4 stages of one layer: looped, rank r: r, r + 2,
+    or V-shaped, rank r: r, 3 - r) and tiny-gemma3's 2 stages. The directory that holds their run directories."""
+    tmp = tmp_path_factory.mktemp("parity")
+    configs = {
+        schedule: tiny_config(tmp / schedule, f'parallel.schedule="{schedule}"', f"parallel.stages_per_rank={per_rank}")
+        for schedule, per_rank in SCHEDULE_RUNS
+    }
+    configs["gemma3"] = tiny_config(tmp / "gemma3", GEMMA)
+    train_in_turn(*(write_config(config, tmp / f"{name}.toml") for name, config in configs.items()))
+    return tmp
+
+
+@pytest.mark.parametrize("schedule, stages_per_rank", SCHEDULE_RUNS)
+def test_schedules_match_single_process(
+    reference: Path, two_rank_runs: Path, schedule: str, stages_per_rank: int
+) -> None:
+    run_dir = two_rank_runs / schedule
+    parallel = load_config(run_dir / "config.toml").parallel  # as trained (the runs share a start of the workers)
+    assert (parallel.schedule, parallel.stages_per_rank) == (schedule, stages_per_rank)
     assert_same_training(run_dir, reference, steps=3)
 
 
-def test_gemma3_pipeline_matches_single_process(tmp_path: Path) -> None:
+def test_gemma3_pipeline_matches_single_process(two_rank_runs: Path, tmp_path: Path) -> None:
     """tiny-gemma3 over 2 stages: what its decoder computes outside its layers (scaled embeddings, a local and a
     global rotary embedding, sliding-window masks over 16 of 128 positions) each stage computes again."""
-    gemma = 'model.name="tiny-gemma3"'
-    reference = _train(tmp_path, "single", gemma, "parallel.pp=1")
-    run_dir = _train(tmp_path, "pp2", gemma)
-    assert_same_training(run_dir, reference, steps=3)
+    reference = _train(tmp_path, "single", GEMMA, "parallel.pp=1")
+    assert_same_training(two_rank_runs / "gemma3", reference, steps=3)
