@@ -6,8 +6,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli, tiny_config, write_config
-from tests.parallel.test_data_parallel import _train
+from tests.conftest import run_cli, tiny_config, train_in_turn, write_config
+from tests.parallel.test_data_parallel import EFFECTIVE_16, _train
+from tests.parallel.test_fsdp import DDP2, FSDP2
+from tests.parallel.test_tensor_parallel import TP2_RUN
+
+REPLICA_RUNS = {
+    "ddp2": DDP2,
+    "tp2": TP2_RUN,
+    "fsdp2": [*FSDP2, "train.save_every=1"],  # tests/parallel/test_fsdp.py resumes its step-2 checkpoint
+}
+"""Whole-model replicas in 2 processes at `single`'s effective batch (EFFECTIVE_16), which they must match: data
+parallel (tests/parallel/test_data_parallel.py), FSDP (test_fsdp.py), tensor parallel (test_tensor_parallel.py)."""
 
 
 @pytest.fixture(scope="session")
@@ -24,3 +34,16 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     config = tiny_config(tmp / "single", "parallel.pp=1")
     run_cli("train", "--config", str(write_config(config, tmp / "single.toml")), "--quiet")
     return tmp / "single"
+
+
+@pytest.fixture(scope="session")
+def replica_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """REPLICA_RUNS trained in turn by one start of 2 workers (tests/conftest.py: train_in_turn): the directory
+    holding their run directories."""
+    tmp = tmp_path_factory.mktemp("replicas")
+    files = [
+        write_config(tiny_config(tmp / name, *EFFECTIVE_16, *overrides), tmp / f"{name}.toml")
+        for name, overrides in REPLICA_RUNS.items()
+    ]
+    train_in_turn(*files)
+    return tmp

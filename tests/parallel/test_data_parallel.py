@@ -28,11 +28,9 @@ def _train(tmp: Path, name: str, *overrides: str, nproc: int) -> Path:
 # pp=2 x dp=2 runs (sharded) in tests/parallel/test_fsdp.py, dp=2 x tp=2 in tests/parallel/test_multinode.py (4
 # processes as two torchrun nodes, same check).
 @pytest.mark.slow
-def test_data_parallel_replicas_match_single_process(single: Path, tmp_path: Path) -> None:
-    run = _train(
-        tmp_path, "ddp2", 'parallel.strategy="ddp"', "parallel.pp=1", "parallel.dp=2", "train.batch_size=4", nproc=2
-    )
-    assert_same_training(run, single, steps=3)
+def test_data_parallel_replicas_match_single_process(single: Path, replica_runs: Path) -> None:
+    """tests/parallel/conftest.py's ddp2: 2 replicas of batch 4 (DDP2)."""
+    assert_same_training(replica_runs / "ddp2", single, steps=3)
 
 
 def test_ddp_strategy_refuses_pipeline_stages(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -45,9 +45,8 @@ def _train(tmp: Path, name: str, *overrides: str, nproc: int, resume: bool = Fal
 
 
 @pytest.mark.slow
-def test_fsdp_matches_single_process_and_resumes_exactly(single: Path, tmp_path: Path) -> None:
-    run = tmp_path / "fsdp2"
-    _train(tmp_path, "fsdp2", *FSDP2, "train.save_every=1", nproc=2)
+def test_fsdp_matches_single_process_and_resumes_exactly(single: Path, replica_runs: Path, tmp_path: Path) -> None:
+    run = replica_runs / "fsdp2"  # tests/parallel/conftest.py: FSDP2, a checkpoint every step
     _assert_same_run(run, single)
 
     # Its step-2 checkpoint holds whole adapters and AdamW moments; each rank cuts its shards back out.
