@@ -61,12 +61,10 @@ def test_fsdp_matches_single_process_and_resumes_exactly(single: Path, replica_r
 
 
 @pytest.mark.slow
-def test_pipeline_with_sharded_replicas_matches_single_process(single: Path, tmp_path: Path) -> None:
+def test_pipeline_with_sharded_replicas_matches_single_process(single: Path, four_rank_runs: Path) -> None:
     """On the fast LoRA path, whose grouped down-projections read each layer's gathered adapters (without dropout,
-    lora.shared_dropout changes no value)."""
-    fast = ["lora.fast_path=true", "lora.shared_dropout=true"]
-    _train(tmp_path, "pp2xdp2", "parallel.pp=2", "parallel.dp=2", "parallel.dp_shard=true", *fast, nproc=4)
-    _assert_same_run(tmp_path / "pp2xdp2", single)
+    lora.shared_dropout changes no value): tests/parallel/conftest.py's pp2xdp2."""
+    _assert_same_run(four_rank_runs / "pp2xdp2", single)
 
 
 @pytest.mark.parametrize(

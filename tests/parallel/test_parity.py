@@ -27,12 +27,10 @@ def test_pipeline_matches_single_process(reference: Path, pipeline_run: tuple[Co
     assert_same_training(run_dir, reference, steps=3)
 
 
-def test_pipeline_with_tensor_parallel_stages_matches_single_process(reference: Path, tmp_path: Path) -> None:
+def test_pipeline_with_tensor_parallel_stages_matches_single_process(reference: Path, four_rank_runs: Path) -> None:
     """pp=2 x tp=2 with tensor parallelism's own switches on: sequence parallelism, the vocabulary-parallel fused
-    loss, the fast LoRA path on split adapters."""
-    overrides = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.fused_loss=true", "lora.fast_path=true"]
-    run_dir = _train(tmp_path, "run", "parallel.pp=2", *overrides)
-    assert_same_training(run_dir, reference, steps=3)
+    loss, the fast LoRA path on split adapters (tests/parallel/conftest.py: FOUR_RANK_RUNS)."""
+    assert_same_training(four_rank_runs / "pp2xtp2", reference, steps=3)
 
 
 # Every torch schedule: one stage a rank (gpipe), looped placements (interleaved_1f1b, looped_bfs), looped with
