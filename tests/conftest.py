@@ -118,9 +118,9 @@ def run_cli(*args: str, timeout: float = 600, check: bool = True, faults: bool =
     tests' entry instead, which injects the faults PIPETUNE_TEST_* ask for (tests/faults.py).
 
     A `train` that starts local workers runs its launcher in this process (the workers are new processes either
-    way; with `faults`, they run the tests' entry), and so does most of a `train` in one process (`_runs_here`):
-    it saves each run the command's own start, torch, transformers and PEFT imported again (~5 s). Every other
-    command runs in a subprocess."""
+    way; with `faults`, they run the tests' entry), and so does most of a `train` in one process, and `bench`,
+    whose strategies are runs of their own processes (`_runs_here`): it saves each the command's own start,
+    torch, transformers and PEFT imported again (~5 s). Every other command runs in a subprocess."""
     if _runs_here(args, faults):
         from pipetune import launch
 
@@ -163,9 +163,12 @@ def train_in_turn(*config_files: Path) -> subprocess.CompletedProcess:
 def _runs_here(args: tuple[str, ...], faults: bool) -> bool:
     """`pipetune train --config F [--set ...] [--nproc N]` with a fixed layout (not "auto"): its launcher, or its one
     process, can run in this process. Not a one-process run that compiles (torch reads its logging settings from
-    the environment once, at import) or that needs the tests' fault hooks."""
+    the environment once, at import) or that needs the tests' fault hooks. And `pipetune bench`: each strategy it
+    runs is a `pipetune train` process of its own."""
     from pipetune.config import load_config
 
+    if args and args[0] == "bench" and not faults:
+        return True
     if not args or args[0] != "train" or "--config" not in args:
         return False
     options: dict[str, list[str]] = {}
