@@ -161,10 +161,10 @@ def train_in_turn(*config_files: Path) -> subprocess.CompletedProcess:
 
 
 def _runs_here(args: tuple[str, ...], faults: bool) -> bool:
-    """`pipetune train --config F [--set ...] [--nproc N]` with a fixed layout (not "auto"): its launcher, or its one
-    process, can run in this process. Not a one-process run that compiles (torch reads its logging settings from
-    the environment once, at import) or that needs the tests' fault hooks. And `pipetune bench`: each strategy it
-    runs is a `pipetune train` process of its own."""
+    """`pipetune train --config F [--set ...] [--nproc N]`: its launcher, or its one process, can run in this process
+    (with parallel.strategy = "auto", whichever layout it picks). Not a run in one process (or one that "auto" may
+    pick) that compiles (torch reads its logging settings from the environment once, at import) or that needs the
+    tests' fault hooks. And `pipetune bench`: each strategy it runs is a `pipetune train` process of its own."""
     from pipetune.config import load_config
 
     if args and args[0] == "bench" and not faults:
@@ -176,9 +176,7 @@ def _runs_here(args: tuple[str, ...], faults: bool) -> bool:
         if flag.startswith("--") and not value.startswith("--"):
             options.setdefault(flag, []).append(value)
     config = load_config(options["--config"][0], options.get("--set", []))
-    if config.parallel.strategy == "auto":
-        return False
-    if int(options.get("--nproc", [config.parallel.world_size])[0]) > 1:
+    if config.parallel.strategy != "auto" and int(options.get("--nproc", [config.parallel.world_size])[0]) > 1:
         return True
     return not faults and not config.train.compile
 
