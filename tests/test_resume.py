@@ -85,8 +85,11 @@ def test_max_restarts_finishes_a_run_whose_rank_was_killed(
     """Killed mid-epoch, right after step 3's checkpoint is committed; the restarted group resumes from it."""
     monkeypatch.setenv("PIPETUNE_TEST_KILL_AT_STEP", "3:saved")  # fires in the first attempt only
     result = run_cli("train", "--config", _config_file(tmp_path, "run"), "--max-restarts", "1", faults=True)
-    # A rank really died: its peer says so itself (a group that will be restarted is not reported by the launcher).
-    assert "lost a peer" in result.stderr
+    # A rank really died: its peer says so itself (a group that will be restarted is not reported by the launcher),
+    # or, when the launcher's monitor stops the peer first (a race, seen once in a full run), torch's agent logs the
+    # killed worker.
+    died = "lost a peer" in result.stderr or "(exitcode: -9) local_rank: 1" in result.stderr
+    assert died, result.stderr[-2000:]
     assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step-3'} at step 3" in result.stdout
     assert _metrics(tmp_path / "run") == _metrics(reference)
     assert _adapter_bytes(tmp_path / "run") == _adapter_bytes(reference)
