@@ -46,29 +46,43 @@ TWO_EPOCHS = ("train.epochs=2", "train.max_steps=-1", "train.save_every=3", "lor
 exact match with another run needs every rank's dropout masks drawn alike."""
 
 
+SHARED_RUNS = {
+    "pipeline": PIPELINE_RUN,  # pipeline_run
+    "two-epochs": TWO_EPOCHS,  # two_epoch_run
+    # tests/test_resume.py resumes its step-6 checkpoint under another layout: without dropout, whose random
+    # stream belongs to a rank, not to a layer, the continued run matches
+    "two-epochs-no-dropout": (*TWO_EPOCHS, "lora.dropout=0.0"),
+    # tests/test_summarize.py: a non-default seed, so that a base rebuilt with the default seed would differ
+    "seed-7": ("train.seed=7",),
+}
+"""The 2-stage runs (tiny_config's pp = 2) that tests only read, by name: the run directory's."""
+
+
 @pytest.fixture(scope="session")
-def _shared_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Config, Path]:
-    """The 2-stage runs several test files only read, trained in turn by one start of the workers: the directory
-    holding "pipeline" (PIPELINE_RUN) and "two-epochs" (TWO_EPOCHS), and the first's config."""
+def shared_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SHARED_RUNS trained in turn by one start of the workers (train_in_turn): the directory holding their run
+    directories."""
     tmp = tmp_path_factory.mktemp("shared")
-    pipeline = tiny_config(tmp / "pipeline", *PIPELINE_RUN)
-    two_epochs = tiny_config(tmp / "two-epochs", *TWO_EPOCHS)
-    train_in_turn(write_config(pipeline, tmp / "pipeline.toml"), write_config(two_epochs, tmp / "two-epochs.toml"))
-    return pipeline, tmp
+    train_in_turn(
+        *(
+            write_config(tiny_config(tmp / name, *overrides), tmp / f"{name}.toml")
+            for name, overrides in SHARED_RUNS.items()
+        )
+    )
+    return tmp
 
 
 @pytest.fixture(scope="session")
-def pipeline_run(_shared_runs: tuple[Config, Path]) -> tuple[Config, Path]:
+def pipeline_run(shared_runs: Path) -> tuple[Config, Path]:
     """One finished tiny 2-stage (1F1B) run that several tests only read: its config and run directory."""
-    config, tmp = _shared_runs
-    return config, tmp / "pipeline"
+    return tiny_config(shared_runs / "pipeline", *PIPELINE_RUN), shared_runs / "pipeline"
 
 
 @pytest.fixture(scope="session")
-def two_epoch_run(_shared_runs: tuple[Config, Path]) -> Path:
+def two_epoch_run(shared_runs: Path) -> Path:
     """tiny_config's 2 stages with TWO_EPOCHS, run uninterrupted: the run directory that killed and resumed runs
     (tests/test_resume.py) and recomputed activations (tests/parallel/test_fast_path.py) must equal."""
-    return _shared_runs[1] / "two-epochs"
+    return shared_runs / "two-epochs"
 
 
 @pytest.fixture(scope="session")

@@ -100,26 +100,25 @@ def test_max_restarts_finishes_a_run_whose_rank_was_killed(
 
 
 @pytest.mark.slow
-def test_checkpoint_of_two_stages_resumes_under_four(tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_checkpoint_of_two_stages_resumes_under_four(shared_runs: Path, tmp_path: Path) -> None:
     """Adapter and optimizer state are keyed by full-model names: the layout may change on resume. Here from
     layers 0-1 and 2-3 on ranks 0 and 1 to one layer a stage, two stages a rank (interleaved: layers 0 and 2 on
     rank 0), on the same two processes.
 
-    Without dropout (its random stream belongs to a rank, not a layer), the continued run matches.
+    Without dropout (its random stream belongs to a rank, not a layer), the continued run matches: the reference
+    is tests/conftest.py's two-epochs-no-dropout (TWO_EPOCHS, lora.dropout = 0).
     """
-    tmp = tmp_path_factory.mktemp("layout")
-    reference = tmp / "pp2"
-    _train(_config_file(tmp, "pp2", "lora.dropout=0.0"))
+    reference = shared_runs / "two-epochs-no-dropout"
+    assert load_config(reference / "config.toml").lora.dropout == 0.0
     assert [c.step for c in committed_checkpoints(reference)] == [6, 8]
 
     # The pp=2 run as it stood at step 6: its checkpoint there, metrics.csv (trimmed on resume).
-    resumed = tmp / "four-stages"
+    resumed = tmp_path / "four-stages"
     resumed.mkdir()
     shutil.copy(reference / "metrics.csv", resumed / "metrics.csv")
     shutil.copytree(reference / "checkpoints" / "step-6", resumed / "checkpoints" / "step-6")
-    config_file = _config_file(
-        tmp, "four-stages", "lora.dropout=0.0", 'parallel.schedule="interleaved_1f1b"', "parallel.stages_per_rank=2"
-    )
+    interleaved = ['parallel.schedule="interleaved_1f1b"', "parallel.stages_per_rank=2"]
+    config_file = _config_file(tmp_path, "four-stages", "lora.dropout=0.0", *interleaved)
     _train(config_file, "--resume")
     assert load_config(resumed / "config.toml").parallel.n_stages == 4
 
