@@ -1,4 +1,11 @@
-"""Fixtures shared by the parallel tests."""
+"""Fixtures shared by the parallel tests.
+
+Multi-process runs that tests only read are trained together: a test file lists its own in a function
+`two_process_configs(tmp) -> {name: Config}` (or `four_process_configs`), and the fixture of that name,
+`two_process_runs` (`four_process_runs`), trains the runs of every selected test file that asks for it in turn by
+one start of the workers (tests/conftest.py: train_in_turn). Each run after the first saves a start of the
+workers: ~6 s of imports on 2 cores for 2 workers, ~11 s for 4. Run names are unique over the files.
+"""
 
 from __future__ import annotations
 
@@ -6,42 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from pipetune.config import Config
 from tests.conftest import run_cli, tiny_config, train_in_turn, write_config
-from tests.parallel.test_data_parallel import EFFECTIVE_16, _train
-from tests.parallel.test_fsdp import DDP2, FSDP2
-from tests.parallel.test_tensor_parallel import TP2_RUN
-
-REPLICA_RUNS = {
-    "ddp2": DDP2,
-    "tp2": TP2_RUN,
-    "fsdp2": [*FSDP2, "train.save_every=1"],  # tests/parallel/test_fsdp.py resumes its step-2 checkpoint
-}
-"""Whole-model replicas in 2 processes at `single`'s effective batch (EFFECTIVE_16), which they must match: data
-parallel (tests/parallel/test_data_parallel.py), FSDP (test_fsdp.py), tensor parallel (test_tensor_parallel.py)."""
-
-FOUR_RANK_RUNS = {
-    # pp=2 x tp=2 with tensor parallelism's own switches on: sequence parallelism, the vocabulary-parallel fused
-    # loss, the fast LoRA path on split adapters. tiny_config's batch: `reference` (test_parity.py).
-    "pp2xtp2": [
-        "parallel.pp=2",
-        "parallel.tp=2",
-        "parallel.sequence_parallel=true",
-        "train.fused_loss=true",
-        "lora.fast_path=true",
-    ],
-    # pp=2 x dp=2, the replicas sharded (FSDP), on the fast LoRA path, whose grouped down-projections read each
-    # layer's gathered adapters (without dropout, lora.shared_dropout changes no value). EFFECTIVE_16: `single`
-    # (test_fsdp.py).
-    "pp2xdp2": [
-        *EFFECTIVE_16,
-        "parallel.pp=2",
-        "parallel.dp=2",
-        "parallel.dp_shard=true",
-        "lora.fast_path=true",
-        "lora.shared_dropout=true",
-    ],
-}
-"""The 4-process runs that tests only read: a pipeline of tensor-parallel stages, a pipeline of sharded replicas."""
+from tests.parallel.test_data_parallel import _train
 
 
 @pytest.fixture(scope="session")
@@ -61,25 +35,26 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def replica_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """REPLICA_RUNS trained in turn by one start of 2 workers (tests/conftest.py: train_in_turn): the directory
-    holding their run directories."""
-    tmp = tmp_path_factory.mktemp("replicas")
-    files = [
-        write_config(tiny_config(tmp / name, *EFFECTIVE_16, *overrides), tmp / f"{name}.toml")
-        for name, overrides in REPLICA_RUNS.items()
-    ]
-    train_in_turn(*files)
-    return tmp
+def two_process_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The runs of the selected test files' `two_process_configs`, trained in turn by one start of 2 workers: the
+    directory holding their run directories."""
+    return _train_listed(request, tmp_path_factory.mktemp("two-processes"), "two_process")
 
 
 @pytest.fixture(scope="session")
-def four_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """FOUR_RANK_RUNS trained in turn by one start of 4 workers: the directory holding their run directories."""
-    tmp = tmp_path_factory.mktemp("four-ranks")
-    files = [
-        write_config(tiny_config(tmp / name, *overrides), tmp / f"{name}.toml")
-        for name, overrides in FOUR_RANK_RUNS.items()
-    ]
-    train_in_turn(*files)
+def four_process_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The runs of the selected test files' `four_process_configs`, trained in turn by one start of 4 workers."""
+    return _train_listed(request, tmp_path_factory.mktemp("four-processes"), "four_process")
+
+
+def _train_listed(request: pytest.FixtureRequest, tmp: Path, kind: str) -> Path:
+    """Train, in tmp, the runs that the test files of this session's tests using the `{kind}_runs` fixture list in
+    their `{kind}_configs(tmp)`, file by file in name order."""
+    users = {item.module for item in request.session.items if f"{kind}_runs" in getattr(item, "fixturenames", ())}
+    configs: dict[str, Config] = {}
+    for module in sorted(users, key=lambda module: module.__name__):
+        for name, config in getattr(module, f"{kind}_configs")(tmp).items():
+            assert name not in configs and Path(config.output.dir) == tmp / name, (module.__name__, name)
+            configs[name] = config
+    train_in_turn(*(write_config(config, tmp / f"{name}.toml") for name, config in configs.items()))
     return tmp

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from pipetune.config import LoraConfig, ModelConfig
+from pipetune.config import Config, LoraConfig, ModelConfig
 from pipetune.data.batching import IGNORE
 from pipetune.model.attention import (
     DocumentSpans,
@@ -27,7 +27,7 @@ from pipetune.model.lora import apply_lora
 from pipetune.model.shapes import resolve_model
 from pipetune.model.stage import StageModule
 from pipetune.parallel.pipeline import TokenLoss
-from tests.conftest import run_cli, tiny_config, train_in_turn, write_config
+from tests.conftest import run_cli, tiny_config, write_config
 from tests.parity import assert_same_training
 
 WORDS = "we should ship the remote by friday agreed budget design buttons colour rubber case logo".split()
@@ -144,9 +144,13 @@ def test_packed_row_matches_each_sample_alone() -> None:
 # --------------------------------------------------------------------------- whole runs: several processes
 
 
-def _config_file(tmp: Path, name: str, data: Path, *overrides: str) -> Path:
-    """A run of `data` into tmp / name: its config file."""
-    config = tiny_config(
+PACKED = ["data.packing=true", "data.max_samples_per_row=2", "train.batch_size=4"]
+MEETINGS = "meetings.jsonl"
+
+
+def _config(tmp: Path, name: str, data: Path, *overrides: str) -> Config:
+    """A run of `data` into tmp / name."""
+    return tiny_config(
         tmp / name,
         f'data.source="{data}"',
         'data.system_prompt="Sum."',
@@ -154,31 +158,37 @@ def _config_file(tmp: Path, name: str, data: Path, *overrides: str) -> Path:
         "train.max_steps=-1",
         *overrides,
     )
-    return write_config(config, tmp / f"{name}.toml")
 
 
 def _run(tmp: Path, name: str, data: Path, *overrides: str) -> Path:
-    run_cli("train", "--config", str(_config_file(tmp, name, data, *overrides)), "--quiet")
+    config_file = write_config(_config(tmp, name, data, *overrides), tmp / f"{name}.toml")
+    run_cli("train", "--config", str(config_file), "--quiet")
     return tmp / name
 
 
+def two_process_configs(tmp: Path) -> dict[str, Config]:
+    """This file's runs that tests/parallel/conftest.py trains with other files' 2-process runs: packed rows of
+    short meetings (written to tmp / MEETINGS) through a 1F1B pipeline of 2 stages and an interleaved one of 4."""
+    data = write_short_meetings(tmp / MEETINGS, 43)  # 32 training samples after the hold-out
+    looped = ['parallel.schedule="interleaved_1f1b"', "parallel.stages_per_rank=2"]
+    return {
+        "packed-pp2": _config(tmp, "packed-pp2", data, *PACKED),
+        "packed-looped": _config(tmp, "packed-looped", data, *PACKED, *looped),
+    }
+
+
 @pytest.mark.slow
-def test_packed_runs_match_the_unpacked_run_on_the_same_samples(tmp_path: Path) -> None:
+def test_packed_runs_match_the_unpacked_run_on_the_same_samples(two_process_runs: Path, tmp_path: Path) -> None:
     """Every sample takes at most half a row, so first fit pairs consecutive samples of the epoch's order: rows of
     two samples, 4 rows a schedule step, hold the 8 samples an unpacked step of 8 rows holds. The losses of each
     step (normalized over its supervised tokens) and the adapter must match, in one process, through a 1F1B
     pipeline of 2 stages and through an interleaved one of 4 (torch's multi-stage runtime hands the position ids
     to each stage of a rank). The adapters differ from the unpacked one only as rounding does under Adam
     (attention runs per sample instead of over the row: other float32 sums), and from each other likewise."""
-    data = write_short_meetings(tmp_path / "meetings.jsonl", 43)  # 32 training samples after the hold-out
+    data = two_process_runs / MEETINGS  # the meetings the 2-process runs read
     reference = _run(tmp_path, "unpacked", data, "parallel.pp=1", "train.batch_size=8")
-    packed = ["data.packing=true", "data.max_samples_per_row=2", "train.batch_size=4"]
-    looped = ['parallel.schedule="interleaved_1f1b"', "parallel.stages_per_rank=2"]
-    # The two 2-rank runs in turn, in one start of the workers (tests/conftest.py: train_in_turn).
-    train_in_turn(
-        _config_file(tmp_path, "pp2", data, *packed), _config_file(tmp_path, "looped", data, *packed, *looped)
-    )
-    runs = [_run(tmp_path, "single", data, "parallel.pp=1", *packed), tmp_path / "pp2", tmp_path / "looped"]
+    single = _run(tmp_path, "single", data, "parallel.pp=1", *PACKED)
+    runs = [single, two_process_runs / "packed-pp2", two_process_runs / "packed-looped"]
     for run_dir in runs:  # losses, gradient norms, adapters (tests/parity.py)
         assert_same_training(run_dir, reference, steps=2)
     for run_dir in runs[1:]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pipetune.config import Config, load_config
-from tests.conftest import run_cli, tiny_config, train_in_turn, write_config
+from tests.conftest import run_cli, tiny_config, write_config
 from tests.parity import assert_same_training
 
 pytestmark = pytest.mark.slow  # multi-process end-to-end runs: pytest -m "not slow" leaves them out
@@ -27,10 +27,17 @@ def test_pipeline_matches_single_process(reference: Path, pipeline_run: tuple[Co
     assert_same_training(run_dir, reference, steps=3)
 
 
-def test_pipeline_with_tensor_parallel_stages_matches_single_process(reference: Path, four_rank_runs: Path) -> None:
+def four_process_configs(tmp: Path) -> dict[str, Config]:
     """pp=2 x tp=2 with tensor parallelism's own switches on: sequence parallelism, the vocabulary-parallel fused
-    loss, the fast LoRA path on split adapters (tests/parallel/conftest.py: FOUR_RANK_RUNS)."""
-    assert_same_training(four_rank_runs / "pp2xtp2", reference, steps=3)
+    loss, the fast LoRA path on split adapters."""
+    tp = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.fused_loss=true", "lora.fast_path=true"]
+    return {"pp2xtp2": tiny_config(tmp / "pp2xtp2", "parallel.pp=2", *tp)}
+
+
+def test_pipeline_with_tensor_parallel_stages_matches_single_process(reference: Path, four_process_runs: Path) -> None:
+    """pp=2 x tp=2 with tensor parallelism's own switches on: sequence parallelism, the vocabulary-parallel fused
+    loss, the fast LoRA path on split adapters."""
+    assert_same_training(four_process_runs / "pp2xtp2", reference, steps=3)
 
 
 # Every torch schedule: one stage a rank (gpipe), looped placements (interleaved_1f1b, looped_bfs), looped with
@@ -46,33 +53,29 @@ SCHEDULE_RUNS = [
 GEMMA = 'model.name="tiny-gemma3"'
 
 
-@pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Every 2-rank run of this file, trained in turn by one start of the workers (tests/conftest.py:
-    train_in_turn): each schedule's (2 ranks; with 2 stages each, 4 stages of one layer: looped, rank r: r, r + 2,
-    or V-shaped, rank r: r, 3 - r) and tiny-gemma3's 2 stages. The directory that holds their run directories."""
-    tmp = tmp_path_factory.mktemp("parity")
+def two_process_configs(tmp: Path) -> dict[str, Config]:
+    """This file's runs that tests/parallel/conftest.py trains with other files' 2-process runs: each schedule's
+    (2 ranks; with 2 stages each, 4 stages of one layer: looped, rank r: r, r + 2, or V-shaped, rank r: r, 3 - r)
+    and tiny-gemma3's 2 stages."""
     configs = {
         schedule: tiny_config(tmp / schedule, f'parallel.schedule="{schedule}"', f"parallel.stages_per_rank={per_rank}")
         for schedule, per_rank in SCHEDULE_RUNS
     }
-    configs["gemma3"] = tiny_config(tmp / "gemma3", GEMMA)
-    train_in_turn(*(write_config(config, tmp / f"{name}.toml") for name, config in configs.items()))
-    return tmp
+    return {**configs, "gemma3": tiny_config(tmp / "gemma3", GEMMA)}
 
 
 @pytest.mark.parametrize("schedule, stages_per_rank", SCHEDULE_RUNS)
 def test_schedules_match_single_process(
-    reference: Path, two_rank_runs: Path, schedule: str, stages_per_rank: int
+    reference: Path, two_process_runs: Path, schedule: str, stages_per_rank: int
 ) -> None:
-    run_dir = two_rank_runs / schedule
+    run_dir = two_process_runs / schedule
     parallel = load_config(run_dir / "config.toml").parallel  # as trained (the runs share a start of the workers)
     assert (parallel.schedule, parallel.stages_per_rank) == (schedule, stages_per_rank)
     assert_same_training(run_dir, reference, steps=3)
 
 
-def test_gemma3_pipeline_matches_single_process(two_rank_runs: Path, tmp_path: Path) -> None:
+def test_gemma3_pipeline_matches_single_process(two_process_runs: Path, tmp_path: Path) -> None:
     """tiny-gemma3 over 2 stages: what its decoder computes outside its layers (scaled embeddings, a local and a
     global rotary embedding, sliding-window masks over 16 of 128 positions) each stage computes again."""
     reference = _train(tmp_path, "single", GEMMA, "parallel.pp=1")
-    assert_same_training(two_rank_runs / "gemma3", reference, steps=3)
+    assert_same_training(two_process_runs / "gemma3", reference, steps=3)

@@ -33,8 +33,8 @@ from tests.parity import adapter, assert_adapter_matches, assert_same_training, 
 
 TP2 = ['parallel.strategy="tp"', "parallel.pp=1", "parallel.tp=2", "train.batch_size=8"]
 TP2_RUN = [*TP2, "train.save_every=2", "train.eval_every=2", "data.synthetic_validation=6"]
-"""tests/parallel/conftest.py's tp2 run: a checkpoint and a validation every 2 steps, over 6 meetings (the last
-validation batch of 8 is mostly ignored rows)."""
+"""The tp2 run: a checkpoint and a validation every 2 steps, over 6 meetings (the last validation batch of 8 is
+mostly ignored rows)."""
 
 
 def assert_matches_single(run: Path, single: Path) -> None:
@@ -42,11 +42,16 @@ def assert_matches_single(run: Path, single: Path) -> None:
     assert_same_training(run, single, steps=3)
 
 
+def two_process_configs(tmp: Path) -> dict[str, Config]:
+    """This file's runs that tests/parallel/conftest.py trains with other files' 2-process runs."""
+    return {"tp2": tiny_config(tmp / "tp2", *EFFECTIVE_16, *TP2_RUN)}
+
+
 @pytest.mark.slow
 def test_tensor_parallel_matches_single_process_and_resumes_in_one_process(
-    single: Path, replica_runs: Path, tmp_path: Path
+    single: Path, two_process_runs: Path, tmp_path: Path
 ) -> None:
-    run = replica_runs / "tp2"  # tests/parallel/conftest.py: TP2_RUN
+    run = two_process_runs / "tp2"
     assert_matches_single(run, single)
 
     # The adapter gathered from the tp shards, loaded by PEFT in one process, gives the logits the split model
