@@ -41,29 +41,48 @@ PIPELINE_RUN = ("parallel.pp=2", "train.eval_every=2", "data.synthetic_validatio
 """The shared 2-stage run's settings beyond tiny_config's: a validation every 2 steps over 6 meetings (the last
 validation batch of 4 is half ignored rows), which leaves the training itself as tiny_config's."""
 
-
-@pytest.fixture(scope="session")
-def pipeline_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Config, Path]:
-    """One finished tiny 2-stage (1F1B) run that several tests only read: its config and run directory."""
-    tmp = tmp_path_factory.mktemp("pipeline")
-    config = tiny_config(tmp / "run", *PIPELINE_RUN)
-    run_cli("train", "--config", str(write_config(config, tmp / "c.toml")), "--quiet")
-    return config, tmp / "run"
-
-
 TWO_EPOCHS = ("train.epochs=2", "train.max_steps=-1", "train.save_every=3", "lora.dropout=0.1")
 """2 epochs of 4 optimizer steps, a checkpoint every 3 steps and at epoch ends (3, 4, 6, 8), and LoRA dropout, so an
 exact match with another run needs every rank's dropout masks drawn alike."""
 
 
+SHARED_RUNS = {
+    "pipeline": PIPELINE_RUN,  # pipeline_run
+    "two-epochs": TWO_EPOCHS,  # two_epoch_run
+    # tests/test_resume.py resumes its step-6 checkpoint under another layout: without dropout, whose random
+    # stream belongs to a rank, not to a layer, the continued run matches
+    "two-epochs-no-dropout": (*TWO_EPOCHS, "lora.dropout=0.0"),
+    # tests/test_summarize.py: a non-default seed, so that a base rebuilt with the default seed would differ
+    "seed-7": ("train.seed=7",),
+}
+"""The 2-stage runs (tiny_config's pp = 2) that tests only read, by name: the run directory's."""
+
+
 @pytest.fixture(scope="session")
-def two_epoch_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def shared_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SHARED_RUNS trained in turn by one start of the workers (train_in_turn): the directory holding their run
+    directories."""
+    tmp = tmp_path_factory.mktemp("shared")
+    train_in_turn(
+        *(
+            write_config(tiny_config(tmp / name, *overrides), tmp / f"{name}.toml")
+            for name, overrides in SHARED_RUNS.items()
+        )
+    )
+    return tmp
+
+
+@pytest.fixture(scope="session")
+def pipeline_run(shared_runs: Path) -> tuple[Config, Path]:
+    """One finished tiny 2-stage (1F1B) run that several tests only read: its config and run directory."""
+    return tiny_config(shared_runs / "pipeline", *PIPELINE_RUN), shared_runs / "pipeline"
+
+
+@pytest.fixture(scope="session")
+def two_epoch_run(shared_runs: Path) -> Path:
     """tiny_config's 2 stages with TWO_EPOCHS, run uninterrupted: the run directory that killed and resumed runs
     (tests/test_resume.py) and recomputed activations (tests/parallel/test_fast_path.py) must equal."""
-    tmp = tmp_path_factory.mktemp("two-epochs")
-    config = tiny_config(tmp / "run", *TWO_EPOCHS)
-    run_cli("train", "--config", str(write_config(config, tmp / "run.toml")), "--quiet")
-    return tmp / "run"
+    return shared_runs / "two-epochs"
 
 
 @pytest.fixture(scope="session")
@@ -113,9 +132,9 @@ def run_cli(*args: str, timeout: float = 600, check: bool = True, faults: bool =
     tests' entry instead, which injects the faults PIPETUNE_TEST_* ask for (tests/faults.py).
 
     A `train` that starts local workers runs its launcher in this process (the workers are new processes either
-    way; with `faults`, they run the tests' entry), and so does most of a `train` in one process (`_runs_here`):
-    it saves each run the command's own start, torch, transformers and PEFT imported again (~5 s). Every other
-    command runs in a subprocess."""
+    way; with `faults`, they run the tests' entry), and so does most of a `train` in one process, and `bench`,
+    whose strategies are runs of their own processes (`_runs_here`): it saves each the command's own start,
+    torch, transformers and PEFT imported again (~5 s). Every other command runs in a subprocess."""
     if _runs_here(args, faults):
         from pipetune import launch
 
@@ -138,12 +157,32 @@ def run_cli(*args: str, timeout: float = 600, check: bool = True, faults: bool =
     return result
 
 
+def train_in_turn(*config_files: Path) -> subprocess.CompletedProcess:
+    """`pipetune train --config FILE --quiet` for each file, in turn, in one start of the workers: after the first
+    run (the command's own), every worker runs the next as that command would, in the same process and process
+    group (tests/faults.py: PIPETUNE_TEST_THEN). Each run after the first saves a start of the workers (~6 s of
+    imports on 2 cores). The configs must have one world size, more than 1. Returns what all the runs printed."""
+    from pipetune.config import load_config
+    from tests.faults import THEN_ENV
+
+    sizes = {load_config(path).parallel.world_size for path in config_files}
+    assert len(sizes) == 1 and min(sizes) > 1, f"train_in_turn runs configs of one world size > 1, not {sizes}"
+    os.environ[THEN_ENV] = os.pathsep.join(str(path) for path in config_files[1:])
+    try:
+        return run_cli("train", "--config", str(config_files[0]), "--quiet", faults=True)
+    finally:
+        del os.environ[THEN_ENV]
+
+
 def _runs_here(args: tuple[str, ...], faults: bool) -> bool:
-    """`pipetune train --config F [--set ...] [--nproc N]` with a fixed layout (not "auto"): its launcher, or its one
-    process, can run in this process. Not a one-process run that compiles (torch reads its logging settings from
-    the environment once, at import) or that needs the tests' fault hooks."""
+    """`pipetune train --config F [--set ...] [--nproc N]`: its launcher, or its one process, can run in this process
+    (with parallel.strategy = "auto", whichever layout it picks). Not a run in one process (or one that "auto" may
+    pick) that compiles (torch reads its logging settings from the environment once, at import) or that needs the
+    tests' fault hooks. And `pipetune bench`: each strategy it runs is a `pipetune train` process of its own."""
     from pipetune.config import load_config
 
+    if args and args[0] == "bench" and not faults:
+        return True
     if not args or args[0] != "train" or "--config" not in args:
         return False
     options: dict[str, list[str]] = {}
@@ -151,9 +190,7 @@ def _runs_here(args: tuple[str, ...], faults: bool) -> bool:
         if flag.startswith("--") and not value.startswith("--"):
             options.setdefault(flag, []).append(value)
     config = load_config(options["--config"][0], options.get("--set", []))
-    if config.parallel.strategy == "auto":
-        return False
-    if int(options.get("--nproc", [config.parallel.world_size])[0]) > 1:
+    if config.parallel.strategy != "auto" and int(options.get("--nproc", [config.parallel.world_size])[0]) > 1:
         return True
     return not faults and not config.train.compile
 

@@ -9,6 +9,10 @@ local workers it starts too. Each fault is read from the environment and off unl
     PIPETUNE_TEST_DISK_FULL_AT=N          every rank writes step N's checkpoint to a full disk: its first file's
                                           temporary name (this process's) is a link to /dev/full
     PIPETUNE_TEST_TERM_AT=N               every rank sends itself SIGTERM right after optimizer step N
+
+And one that is not a fault: PIPETUNE_TEST_THEN=FILE[:FILE...] has each worker train these configs too, one after
+another, once the command's own run is done: several runs of one world size for one start of the workers
+(tests/conftest.py: train_in_turn).
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ import torch
 from pipetune import cli, launch, train
 from pipetune.checkpoint import checkpoint_dir
 from pipetune.config import load_config
-from pipetune.parallel.process_group import restart_count
+from pipetune.parallel.process_group import exit_finished, restart_count, under_launcher
+from pipetune.run_lock import TOKEN_ENV
+
+THEN_ENV = "PIPETUNE_TEST_THEN"
 
 
 class FaultInjection(train.TrainHooks):
@@ -65,7 +72,34 @@ class FaultInjection(train.TrainHooks):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+def train_in_turn(config_files: list[str]) -> None:
+    """A worker: the command's run, then a run of each config file in turn, as `pipetune train --config FILE
+    --quiet` would run it in a worker, in this process and its process group (joined once, left at the end)."""
+    joined = []
+    join, leave = launch.init_distributed, launch.close_distributed
+
+    def join_once(*args: object):
+        if not joined:
+            joined.append(join(*args))
+        return joined[0]
+
+    launch.init_distributed, launch.close_distributed = join_once, lambda: None
+    code = cli.main()
+    os.environ.pop(TOKEN_ENV, None)  # the launcher locked the first run's output.dir only: rank 0 locks the others
+    for config_file in config_files:
+        if code != 0:
+            break
+        if os.environ.get("RANK") == "0":  # which run a failure below belongs to
+            print(f"tests.faults: next: pipetune train --config {config_file} --quiet", flush=True)
+        code = cli.main(["train", "--config", config_file, "--quiet"])
+    leave()
+    exit_finished(code)
+
+
 if __name__ == "__main__":
     train.HOOKS = FaultInjection()
     launch.WORKER_MODULE = "tests.faults"
+    then = os.environ.get(THEN_ENV)
+    if then and under_launcher():
+        train_in_turn(then.split(os.pathsep))
     cli.run()

@@ -24,18 +24,16 @@ from pipetune.generate import (
     read_transcripts,
     summarize,
 )
-from tests.conftest import run_cli, tiny_config, write_config
+from tests.conftest import run_cli, tiny_config
 
 MAX_NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 3-step tiny pipeline run with a non-default seed, so a base rebuilt with the default seed would differ."""
-    out = tmp_path_factory.mktemp("summarize") / "run"
-    config = write_config(tiny_config(out, "train.seed=7"), out.parent / "train.toml")
-    run_cli("train", "--config", str(config), "--quiet")
-    return out
+def run_dir(shared_runs: Path) -> Path:
+    """A 3-step tiny pipeline run with a non-default seed, so a base rebuilt with the default seed would differ
+    (tests/conftest.py: SHARED_RUNS)."""
+    return shared_runs / "seed-7"
 
 
 @pytest.fixture(scope="module")

@@ -3,31 +3,26 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.benchmarks.test_tools import run_tool
 
 
 @pytest.mark.slow
-def test_fact_recall_benchmark_trains_both_runs_and_compares_them(tmp_path: Path) -> None:
+def test_fact_recall_benchmark_trains_both_runs_and_compares_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As its command line runs it, in this process (its runs train in the process that calls it either way)."""
     out = tmp_path / "fact-recall"
     args = ["--model", "tiny-qwen3", "--out", str(out), "--steps", "1", "--train-meetings", "4", "--meetings", "2"]
     args += ["--max-length", "256", "--cut-length", "128", "--max-new-tokens", "4", "--target", "0"]
-    done = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "tools" / "fact_recall.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        cwd=REPO,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "2 held-out whole meetings" in done.stdout and "trained on cut meetings" in done.stdout
+    with pytest.raises(SystemExit) as ended:
+        run_tool("fact_recall", *args, monkeypatch=monkeypatch)
+    printed = capsys.readouterr()
+    assert ended.value.code == 0, printed.out + printed.err
+    assert "2 held-out whole meetings" in printed.out and "trained on cut meetings" in printed.out
     result = json.loads((out / "result.json").read_text())
     assert result["tokens_per_step"] == {"whole": 2 * 256, "cut": 4 * 128}  # the same tokens a step
     runs = result["results"]

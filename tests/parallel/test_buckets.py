@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipetune.config import ConfigError, validate
+from pipetune.config import Config, ConfigError, validate
 from pipetune.data.batching import bucket_lengths, bucketed_epoch_batches, tokenize_split
 from pipetune.data.sources import load_dataset
 from pipetune.preflight import prepare
@@ -42,11 +42,13 @@ def test_bad_buckets_are_refused(tmp_path: Path) -> None:
         validate(tiny_config(tmp_path, "data.max_length=384", "data.buckets=[128, 256]"), 2)
 
 
+def two_process_configs(tmp: Path) -> dict[str, Config]:
+    """This file's runs that tests/parallel/conftest.py trains with other files' 2-process runs."""
+    return {"buckets-pp2": tiny_config(tmp / "buckets-pp2", *BUCKETS, "parallel.pp=2")}
+
+
 @pytest.mark.slow
-def test_bucketed_pipeline_matches_bucketed_single_process(tmp_path: Path) -> None:
-    runs = {}
-    for pp in (1, 2):
-        config = tiny_config(tmp_path / f"pp{pp}", *BUCKETS, f"parallel.pp={pp}")
-        run_cli("train", "--config", str(write_config(config, tmp_path / f"pp{pp}.toml")), "--quiet")
-        runs[pp] = tmp_path / f"pp{pp}"
-    assert_same_training(runs[2], runs[1])
+def test_bucketed_pipeline_matches_bucketed_single_process(two_process_runs: Path, tmp_path: Path) -> None:
+    config = tiny_config(tmp_path / "pp1", *BUCKETS, "parallel.pp=1")
+    run_cli("train", "--config", str(write_config(config, tmp_path / "pp1.toml")), "--quiet")
+    assert_same_training(two_process_runs / "buckets-pp2", tmp_path / "pp1")

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pipetune.cli import main
+from pipetune.config import Config
 from tests.conftest import run_cli, tiny_config, write_config
 from tests.parity import assert_same_training
 
@@ -25,14 +26,18 @@ def _train(tmp: Path, name: str, *overrides: str, nproc: int) -> Path:
     return tmp / name
 
 
+def two_process_configs(tmp: Path) -> dict[str, Config]:
+    """This file's runs that tests/parallel/conftest.py trains with other files' 2-process runs."""
+    ddp2 = ['parallel.strategy="ddp"', "parallel.pp=1", "parallel.dp=2", "train.batch_size=4"]
+    return {"ddp2": tiny_config(tmp / "ddp2", *EFFECTIVE_16, *ddp2)}
+
+
 # pp=2 x dp=2 runs (sharded) in tests/parallel/test_fsdp.py, dp=2 x tp=2 in tests/parallel/test_multinode.py (4
 # processes as two torchrun nodes, same check).
 @pytest.mark.slow
-def test_data_parallel_replicas_match_single_process(single: Path, tmp_path: Path) -> None:
-    run = _train(
-        tmp_path, "ddp2", 'parallel.strategy="ddp"', "parallel.pp=1", "parallel.dp=2", "train.batch_size=4", nproc=2
-    )
-    assert_same_training(run, single, steps=3)
+def test_data_parallel_replicas_match_single_process(single: Path, two_process_runs: Path) -> None:
+    """2 replicas of batch 4 at single's effective batch."""
+    assert_same_training(two_process_runs / "ddp2", single, steps=3)
 
 
 def test_ddp_strategy_refuses_pipeline_stages(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

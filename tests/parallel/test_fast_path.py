@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pipetune.parallel.memory import plan_checkpointing
-from tests.conftest import TWO_EPOCHS, run_cli, tiny_config, write_config
+from tests.conftest import TWO_EPOCHS, tiny_config, train_in_turn, write_config
 from tests.parity import adapter as _adapter
 from tests.parity import assert_same_training
 from tests.parity import losses as _losses
@@ -20,12 +20,35 @@ from tests.parity import max_relative as _max_relative
 pytestmark = pytest.mark.slow  # multi-process end-to-end runs: pytest -m "not slow" leaves them out
 
 
-def _train(tmp: Path, name: str, *overrides: str) -> Path:
-    """Train a tiny config; the run directory holds its metrics, its adapter, and train.log (stdout + stderr)."""
-    config = tiny_config(tmp / name, *overrides)
-    result = run_cli("train", "--config", str(write_config(config, tmp / f"{name}.toml")), "--quiet")
-    (tmp / name / "train.log").write_text(result.stdout + result.stderr)
-    return tmp / name
+SWITCH_RUNS = {
+    "fast": ["lora.fast_path=true"],
+    # loss_chunk 7: chunk boundaries fall inside sequences and microbatches
+    "fused": ["train.fused_loss=true", "train.loss_chunk=7"],
+    # "auto" checkpoints where memory is short: under 1F1B stage 0 holds two microbatches' activations, stage 1 one,
+    # so with the same budget only stage 0 recomputes layers. With dropout on (TWO_EPOCHS), 8 steps long.
+    "ckpt": [*TWO_EPOCHS, 'train.activation_checkpointing="auto"', "train.memory_gb=0.026"],
+    # Compiled, with train.layers_per_graph = 0: each stage's layers traced as one graph. Last: the runs before it
+    # share its workers and must not find anything compiled.
+    "compiled": ["lora.fast_path=true", "train.compile=true", "train.layers_per_graph=0"],
+}
+"""The 2-stage runs of this file (tiny_config's pp = 2), each with one speed switch on."""
+
+
+@pytest.fixture(scope="module")
+def switch_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SWITCH_RUNS trained in turn by one start of the workers (tests/conftest.py: train_in_turn), which log the
+    compiler's recompilations (TORCH_LOGS, read when torch is imported). The directory holding their run
+    directories, and output.log: what all of them printed (stdout, then stderr)."""
+    tmp = tmp_path_factory.mktemp("switches")
+    files = [
+        write_config(tiny_config(tmp / name, *overrides), tmp / f"{name}.toml")
+        for name, overrides in SWITCH_RUNS.items()
+    ]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCH_LOGS", "recompiles")
+        result = train_in_turn(*files)
+    (tmp / "output.log").write_text(result.stdout + result.stderr)
+    return tmp
 
 
 def _val_loss(run_dir: Path) -> float:
@@ -33,41 +56,35 @@ def _val_loss(run_dir: Path) -> float:
         return float(list(csv.DictReader(f))[-1]["val_loss"])
 
 
-def test_fast_path_pipeline_matches_plain_single_process(reference: Path, tmp_path: Path) -> None:
-    fast = _train(tmp_path, "fast", "lora.fast_path=true", "parallel.pp=2")
-    assert_same_training(fast, reference)
+def test_fast_path_pipeline_matches_plain_single_process(reference: Path, switch_runs: Path) -> None:
+    assert_same_training(switch_runs / "fast", reference)
 
 
-def test_fused_loss_pipeline_matches_plain_single_process(reference: Path, tmp_path: Path) -> None:
-    # loss_chunk 7: chunk boundaries fall inside sequences and microbatches
-    fused = _train(tmp_path, "fused", "train.fused_loss=true", "train.loss_chunk=7", "parallel.pp=2")
+def test_fused_loss_pipeline_matches_plain_single_process(reference: Path, switch_runs: Path) -> None:
+    fused = switch_runs / "fused"
     torch.testing.assert_close(torch.tensor(_losses(fused)), torch.tensor(_losses(reference)), rtol=1e-5, atol=0)
     # Gradients agree to ~1e-6 (float32 sums in another order: tests/model/test_loss.py); Adam's first steps
     # divide by each gradient's own magnitude, which turns that into ~1e-4 on the smallest ones.
     assert _max_relative(_adapter(fused), _adapter(reference)) < 5e-4
 
 
-def test_compiled_fast_path_matches_plain(reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compiled_fast_path_matches_plain(reference: Path, switch_runs: Path) -> None:
     """Compiled, in a 2-stage pipeline, with train.layers_per_graph = 0: each stage's layers traced as one graph."""
-    monkeypatch.setenv("TORCH_LOGS", "recompiles")
-    compiled = _train(
-        tmp_path, "compiled", "lora.fast_path=true", "train.compile=true", "parallel.pp=2", "train.layers_per_graph=0"
-    )
+    compiled = switch_runs / "compiled"
     torch.testing.assert_close(torch.tensor(_losses(compiled)), torch.tensor(_losses(reference)), rtol=1e-5, atol=0)
     # Inductor reassociates float sums; Adam's first steps turn that into ~1e-4 relative weight differences.
     assert _max_relative(_adapter(compiled), _adapter(reference)) < 2e-3
     # Validation runs the compiled layers eagerly: the same loss, and no second compilation for no_grad.
     assert _val_loss(compiled) == pytest.approx(_val_loss(reference), rel=1e-4)
-    assert "grad_mode" not in (compiled / "train.log").read_text()
+    assert "grad_mode" not in (switch_runs / "output.log").read_text()
 
 
-def test_activation_checkpointing_changes_nothing_but_memory(two_epoch_run: Path, tmp_path: Path) -> None:
+def test_activation_checkpointing_changes_nothing_but_memory(two_epoch_run: Path, switch_runs: Path) -> None:
     """ "auto" checkpoints where memory is short: under 1F1B stage 0 holds two microbatches' activations, stage 1
     one, so with the same budget only stage 0 recomputes layers. With dropout on (TWO_EPOCHS): the recomputation
     must draw the same masks as the first forward, 8 steps long, as the same run without it (tests/conftest.py)."""
-    auto = ['train.activation_checkpointing="auto"', "train.memory_gb=0.026"]
-    recomputed = _train(tmp_path, "ckpt", *TWO_EPOCHS, *auto)
-    log = (recomputed / "train.log").read_text()
+    recomputed = switch_runs / "ckpt"
+    log = (switch_runs / "output.log").read_text()  # only this run checkpoints "auto": the plan is its, per rank
     planned = {int(stage): int(k) for stage, k in re.findall(r"stage (\d): (\d) of 2 layers", log)}
     assert planned[0] >= 1 and planned[1] == 0, log
     expected = _losses(two_epoch_run)

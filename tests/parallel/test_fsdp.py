@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pipetune.bench import strategy_config
-from pipetune.config import ConfigError, validate
+from pipetune.config import Config, ConfigError, validate
 from tests.conftest import run_cli, tiny_config, write_config
 from tests.parallel.test_data_parallel import EFFECTIVE_16
 from tests.parity import assert_same_training
@@ -44,10 +44,23 @@ def _train(tmp: Path, name: str, *overrides: str, nproc: int, resume: bool = Fal
     return run_cli("train", "--config", config_file, "--nproc", str(nproc), *args).stdout
 
 
+def two_process_configs(tmp: Path) -> dict[str, Config]:
+    """This file's runs that tests/parallel/conftest.py trains with other files' 2-process runs: FSDP2 with a
+    checkpoint every step."""
+    return {"fsdp2": tiny_config(tmp / "fsdp2", *EFFECTIVE_16, *FSDP2, "train.save_every=1")}
+
+
+def four_process_configs(tmp: Path) -> dict[str, Config]:
+    """pp=2 x dp=2, the replicas sharded, on the fast LoRA path, whose grouped down-projections read each layer's
+    gathered adapters (without dropout, lora.shared_dropout changes no value)."""
+    sharded = ["parallel.pp=2", "parallel.dp=2", "parallel.dp_shard=true"]
+    fast = ["lora.fast_path=true", "lora.shared_dropout=true"]
+    return {"pp2xdp2": tiny_config(tmp / "pp2xdp2", *EFFECTIVE_16, *sharded, *fast)}
+
+
 @pytest.mark.slow
-def test_fsdp_matches_single_process_and_resumes_exactly(single: Path, tmp_path: Path) -> None:
-    run = tmp_path / "fsdp2"
-    _train(tmp_path, "fsdp2", *FSDP2, "train.save_every=1", nproc=2)
+def test_fsdp_matches_single_process_and_resumes_exactly(single: Path, two_process_runs: Path, tmp_path: Path) -> None:
+    run = two_process_runs / "fsdp2"
     _assert_same_run(run, single)
 
     # Its step-2 checkpoint holds whole adapters and AdamW moments; each rank cuts its shards back out.
@@ -62,12 +75,10 @@ def test_fsdp_matches_single_process_and_resumes_exactly(single: Path, tmp_path:
 
 
 @pytest.mark.slow
-def test_pipeline_with_sharded_replicas_matches_single_process(single: Path, tmp_path: Path) -> None:
+def test_pipeline_with_sharded_replicas_matches_single_process(single: Path, four_process_runs: Path) -> None:
     """On the fast LoRA path, whose grouped down-projections read each layer's gathered adapters (without dropout,
     lora.shared_dropout changes no value)."""
-    fast = ["lora.fast_path=true", "lora.shared_dropout=true"]
-    _train(tmp_path, "pp2xdp2", "parallel.pp=2", "parallel.dp=2", "parallel.dp_shard=true", *fast, nproc=4)
-    _assert_same_run(tmp_path / "pp2xdp2", single)
+    _assert_same_run(four_process_runs / "pp2xdp2", single)
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from pipetune.config import LoraConfig, ModelConfig
+from pipetune.config import Config, LoraConfig, ModelConfig
 from pipetune.data.batching import IGNORE
 from pipetune.model.attention import (
     DocumentSpans,
@@ -144,36 +144,51 @@ def test_packed_row_matches_each_sample_alone() -> None:
 # --------------------------------------------------------------------------- whole runs: several processes
 
 
-def _run(tmp: Path, name: str, data: Path, *overrides: str) -> Path:
-    run_dir = tmp / name
-    config = tiny_config(
-        run_dir,
+PACKED = ["data.packing=true", "data.max_samples_per_row=2", "train.batch_size=4"]
+MEETINGS = "meetings.jsonl"
+
+
+def _config(tmp: Path, name: str, data: Path, *overrides: str) -> Config:
+    """A run of `data` into tmp / name."""
+    return tiny_config(
+        tmp / name,
         f'data.source="{data}"',
         'data.system_prompt="Sum."',
         "data.validation_fraction=0.25",
         "train.max_steps=-1",
         *overrides,
     )
-    run_cli("train", "--config", str(write_config(config, tmp / f"{name}.toml")), "--quiet")
-    return run_dir
+
+
+def _run(tmp: Path, name: str, data: Path, *overrides: str) -> Path:
+    config_file = write_config(_config(tmp, name, data, *overrides), tmp / f"{name}.toml")
+    run_cli("train", "--config", str(config_file), "--quiet")
+    return tmp / name
+
+
+def two_process_configs(tmp: Path) -> dict[str, Config]:
+    """This file's runs that tests/parallel/conftest.py trains with other files' 2-process runs: packed rows of
+    short meetings (written to tmp / MEETINGS) through a 1F1B pipeline of 2 stages and an interleaved one of 4."""
+    data = write_short_meetings(tmp / MEETINGS, 43)  # 32 training samples after the hold-out
+    looped = ['parallel.schedule="interleaved_1f1b"', "parallel.stages_per_rank=2"]
+    return {
+        "packed-pp2": _config(tmp, "packed-pp2", data, *PACKED),
+        "packed-looped": _config(tmp, "packed-looped", data, *PACKED, *looped),
+    }
 
 
 @pytest.mark.slow
-def test_packed_runs_match_the_unpacked_run_on_the_same_samples(tmp_path: Path) -> None:
+def test_packed_runs_match_the_unpacked_run_on_the_same_samples(two_process_runs: Path, tmp_path: Path) -> None:
     """Every sample takes at most half a row, so first fit pairs consecutive samples of the epoch's order: rows of
     two samples, 4 rows a schedule step, hold the 8 samples an unpacked step of 8 rows holds. The losses of each
     step (normalized over its supervised tokens) and the adapter must match, in one process, through a 1F1B
     pipeline of 2 stages and through an interleaved one of 4 (torch's multi-stage runtime hands the position ids
     to each stage of a rank). The adapters differ from the unpacked one only as rounding does under Adam
     (attention runs per sample instead of over the row: other float32 sums), and from each other likewise."""
-    data = write_short_meetings(tmp_path / "meetings.jsonl", 43)  # 32 training samples after the hold-out
+    data = two_process_runs / MEETINGS  # the meetings the 2-process runs read
     reference = _run(tmp_path, "unpacked", data, "parallel.pp=1", "train.batch_size=8")
-    packed = ["data.packing=true", "data.max_samples_per_row=2", "train.batch_size=4"]
-    runs = [
-        _run(tmp_path, "single", data, "parallel.pp=1", *packed),
-        _run(tmp_path, "pp2", data, *packed),
-        _run(tmp_path, "looped", data, *packed, 'parallel.schedule="interleaved_1f1b"', "parallel.stages_per_rank=2"),
-    ]
+    single = _run(tmp_path, "single", data, "parallel.pp=1", *PACKED)
+    runs = [single, two_process_runs / "packed-pp2", two_process_runs / "packed-looped"]
     for run_dir in runs:  # losses, gradient norms, adapters (tests/parity.py)
         assert_same_training(run_dir, reference, steps=2)
     for run_dir in runs[1:]:

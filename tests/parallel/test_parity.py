@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipetune.config import Config
+from pipetune.config import Config, load_config
 from tests.conftest import run_cli, tiny_config, write_config
 from tests.parity import assert_same_training
 
@@ -27,33 +27,55 @@ def test_pipeline_matches_single_process(reference: Path, pipeline_run: tuple[Co
     assert_same_training(run_dir, reference, steps=3)
 
 
-def test_pipeline_with_tensor_parallel_stages_matches_single_process(reference: Path, tmp_path: Path) -> None:
+def four_process_configs(tmp: Path) -> dict[str, Config]:
     """pp=2 x tp=2 with tensor parallelism's own switches on: sequence parallelism, the vocabulary-parallel fused
     loss, the fast LoRA path on split adapters."""
-    overrides = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.fused_loss=true", "lora.fast_path=true"]
-    run_dir = _train(tmp_path, "run", "parallel.pp=2", *overrides)
-    assert_same_training(run_dir, reference, steps=3)
+    tp = ["parallel.tp=2", "parallel.sequence_parallel=true", "train.fused_loss=true", "lora.fast_path=true"]
+    return {"pp2xtp2": tiny_config(tmp / "pp2xtp2", "parallel.pp=2", *tp)}
+
+
+def test_pipeline_with_tensor_parallel_stages_matches_single_process(reference: Path, four_process_runs: Path) -> None:
+    """pp=2 x tp=2 with tensor parallelism's own switches on: sequence parallelism, the vocabulary-parallel fused
+    loss, the fast LoRA path on split adapters."""
+    assert_same_training(four_process_runs / "pp2xtp2", reference, steps=3)
 
 
 # Every torch schedule: one stage a rank (gpipe), looped placements (interleaved_1f1b, looped_bfs), looped with
 # the backward split in two (interleaved_zero_bubble), V-shaped with the split backward and no forward-only mode
 # (dualpipev; zbv, the same placement, runs end to end in tests/parallel/test_quantized.py).
-@pytest.mark.parametrize(
-    "schedule, stages_per_rank",
-    [("gpipe", 1), ("interleaved_1f1b", 2), ("looped_bfs", 2), ("interleaved_zero_bubble", 2), ("dualpipev", 2)],
-)
-def test_schedules_match_single_process(reference: Path, tmp_path: Path, schedule: str, stages_per_rank: int) -> None:
-    # 2 ranks; with 2 stages each, 4 stages of one layer: looped (rank r: r, r + 2) or V-shaped (rank r: r, 3 - r).
-    run_dir = tmp_path / schedule
-    config = tiny_config(run_dir, f'parallel.schedule="{schedule}"', f"parallel.stages_per_rank={stages_per_rank}")
-    run_cli("train", "--config", str(write_config(config, tmp_path / f"{schedule}.toml")), "--quiet")
+SCHEDULE_RUNS = [
+    ("gpipe", 1),
+    ("interleaved_1f1b", 2),
+    ("looped_bfs", 2),
+    ("interleaved_zero_bubble", 2),
+    ("dualpipev", 2),
+]
+GEMMA = 'model.name="tiny-gemma3"'
+
+
+def two_process_configs(tmp: Path) -> dict[str, Config]:
+    """This file's runs that tests/parallel/conftest.py trains with other files' 2-process runs: each schedule's
+    (2 ranks; with 2 stages each, 4 stages of one layer: looped, rank r: r, r + 2, or V-shaped, rank r: r, 3 - r)
+    and tiny-gemma3's 2 stages."""
+    configs = {
+        schedule: tiny_config(tmp / schedule, f'parallel.schedule="{schedule}"', f"parallel.stages_per_rank={per_rank}")
+        for schedule, per_rank in SCHEDULE_RUNS
+    }
+    return {**configs, "gemma3": tiny_config(tmp / "gemma3", GEMMA)}
+
+
+@pytest.mark.parametrize("schedule, stages_per_rank", SCHEDULE_RUNS)
+def test_schedules_match_single_process(
+    reference: Path, two_process_runs: Path, schedule: str, stages_per_rank: int
+) -> None:
+    run_dir = two_process_runs / schedule
+    parallel = load_config(run_dir / "config.toml").parallel  # as trained (the runs share a start of the workers)
+    assert (parallel.schedule, parallel.stages_per_rank) == (schedule, stages_per_rank)
     assert_same_training(run_dir, reference, steps=3)
 
 
-def test_gemma3_pipeline_matches_single_process(tmp_path: Path) -> None:
+def test_gemma3_pipeline_matches_single_process(two_process_runs: Path, tmp_path: Path) -> None:
     """tiny-gemma3 over 2 stages: what its decoder computes outside its layers (scaled embeddings, a local and a
     global rotary embedding, sliding-window masks over 16 of 128 positions) each stage computes again."""
-    gemma = 'model.name="tiny-gemma3"'
-    reference = _train(tmp_path, "single", gemma, "parallel.pp=1")
-    run_dir = _train(tmp_path, "pp2", gemma)
-    assert_same_training(run_dir, reference, steps=3)
+    reference = _train(tmp_path, "single", GEMMA, "parallel.pp=1")
+    assert_same_training(two_process_runs / "gemma3", reference, steps=3)

@@ -22,7 +22,7 @@ from pipetune.model.load import build_model
 from pipetune.parallel.process_group import DistEnv
 from pipetune.preflight import prepare
 from pipetune.train import train
-from tests.conftest import run_cli, tiny_config, write_config
+from tests.conftest import tiny_config
 from tests.parallel.test_fsdp import ADAPTER, _metrics
 from tests.parity import assert_same_training
 
@@ -41,13 +41,16 @@ def single_nf4(tmp_path_factory: pytest.TempPathFactory) -> Config:
     return config
 
 
+def two_process_configs(tmp: Path) -> dict[str, Config]:
+    """This file's runs that tests/parallel/conftest.py trains with other files' 2-process runs: NF4 under the V
+    schedule, 2 ranks x 2 stages of one layer, backward split into input and weight parts."""
+    return {"nf4-zbv": tiny_config(tmp / "nf4-zbv", *NF4, 'parallel.schedule="zbv"', "parallel.stages_per_rank=2")}
+
+
 @pytest.mark.slow  # a multi-process end-to-end run
-def test_nf4_pipeline_matches_nf4_single_process(single_nf4: Config, tmp_path: Path) -> None:
-    # V schedule: 2 ranks x 2 stages of one layer, backward split into input and weight parts.
-    config = tiny_config(tmp_path / "zbv", *NF4, 'parallel.schedule="zbv"', "parallel.stages_per_rank=2")
-    run_cli("train", "--config", str(write_config(config, tmp_path / "zbv.toml")), "--nproc", "2", "--quiet")
+def test_nf4_pipeline_matches_nf4_single_process(single_nf4: Config, two_process_runs: Path) -> None:
     reference = Path(single_nf4.output.dir)
-    assert_same_training(tmp_path / "zbv", reference, steps=2)
+    assert_same_training(two_process_runs / "nf4-zbv", reference, steps=2)
 
 
 def test_nf4_run_resumes_exactly(single_nf4: Config, tmp_path: Path) -> None:

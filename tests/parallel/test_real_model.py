@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from pipetune.config import Config, ModelConfig
 from pipetune.launch import run_training
-from tests.conftest import run_cli, tiny_config, write_config
+from pipetune.model.shapes import resolve_model
+from tests.conftest import tiny_config
 from tests.parity import assert_same_training, losses
 
 pytestmark = pytest.mark.slow  # multi-process end-to-end runs: pytest -m "not slow" leaves them out
@@ -27,13 +29,18 @@ REAL = [
 ]
 
 
-def test_real_model_pipeline_matches_single_process(smollm2: Path, tmp_path: Path) -> None:
+def two_process_configs(tmp: Path) -> dict[str, Config]:
+    """This file's runs that tests/parallel/conftest.py trains with other files' 2-process runs: the real model
+    over 2 stages (converted from its GGUF here, once per session, not by both workers at once)."""
+    resolve_model(ModelConfig(name="smollm2-135m"))
+    return {"smollm2-pp2": tiny_config(tmp / "smollm2-pp2", *REAL)}
+
+
+def test_real_model_pipeline_matches_single_process(smollm2: Path, two_process_runs: Path, tmp_path: Path) -> None:
     single = run_training(tiny_config(tmp_path / "single", *REAL, 'parallel.strategy="single"', "parallel.pp=1"), True)
-    pp2 = tiny_config(tmp_path / "pp2", *REAL)
-    run_cli("train", "--config", str(write_config(pp2, tmp_path / "pp2.toml")), "--quiet")
 
     expected = losses(single.run_dir)
     assert all(loss < 6.0 for loss in expected), expected  # a trained model (random weights: ~ln 49152 = 10.8)
     # Through 30 float32 layers, Adam's per-element normalization magnifies rounding where a gradient element is
     # near zero (tests/parity.py): a lora_B, still small after 2 steps, differs by ~2e-5 relative L2.
-    assert_same_training(tmp_path / "pp2", single.run_dir, steps=2)
+    assert_same_training(two_process_runs / "smollm2-pp2", single.run_dir, steps=2)

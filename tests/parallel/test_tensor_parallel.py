@@ -32,6 +32,9 @@ from tests.parallel.test_fsdp import _metrics, _train
 from tests.parity import adapter, assert_adapter_matches, assert_same_training, learning_rates
 
 TP2 = ['parallel.strategy="tp"', "parallel.pp=1", "parallel.tp=2", "train.batch_size=8"]
+TP2_RUN = [*TP2, "train.save_every=2", "train.eval_every=2", "data.synthetic_validation=6"]
+"""The tp2 run: a checkpoint and a validation every 2 steps, over 6 meetings (the last validation batch of 8 is
+mostly ignored rows)."""
 
 
 def assert_matches_single(run: Path, single: Path) -> None:
@@ -39,12 +42,16 @@ def assert_matches_single(run: Path, single: Path) -> None:
     assert_same_training(run, single, steps=3)
 
 
+def two_process_configs(tmp: Path) -> dict[str, Config]:
+    """This file's runs that tests/parallel/conftest.py trains with other files' 2-process runs."""
+    return {"tp2": tiny_config(tmp / "tp2", *EFFECTIVE_16, *TP2_RUN)}
+
+
 @pytest.mark.slow
-def test_tensor_parallel_matches_single_process_and_resumes_in_one_process(single: Path, tmp_path: Path) -> None:
-    # Validation every 2 steps over 6 meetings: the last validation batch of 8 is mostly ignored rows.
-    overrides = [*TP2, "train.save_every=2", "train.eval_every=2", "data.synthetic_validation=6"]
-    _train(tmp_path, "tp2", *overrides, nproc=2)
-    run = tmp_path / "tp2"
+def test_tensor_parallel_matches_single_process_and_resumes_in_one_process(
+    single: Path, two_process_runs: Path, tmp_path: Path
+) -> None:
+    run = two_process_runs / "tp2"
     assert_matches_single(run, single)
 
     # The adapter gathered from the tp shards, loaded by PEFT in one process, gives the logits the split model
@@ -52,7 +59,7 @@ def test_tensor_parallel_matches_single_process_and_resumes_in_one_process(singl
     with open(run / "metrics.csv") as f:
         logged = {int(r["step"]): float(r["val_loss"]) for r in csv.DictReader(f) if r["val_loss"]}
     assert sorted(logged) == [0, 2, 3]  # before the first step, every 2 steps, and at the end
-    config = tiny_config(run, *EFFECTIVE_16, *overrides)
+    config = tiny_config(run, *EFFECTIVE_16, *TP2_RUN)
     model, prepared = load_finetuned(config, run / "adapter", torch.device("cpu"))
     dataset = load_dataset(config.data, seed=config.train.seed)
     split = tokenize_split(dataset.splits["validation"], prepared.prompts, prepared.pad_id)

@@ -27,6 +27,14 @@ microbatches of one sequence a rank would record 1,280 graphs (~6.4 minutes in i
 bench's limits ended those runs while they recorded); a run that long must not hide in a step that looks stalled."""
 
 
+def mark_graph_step(device: torch.device) -> None:
+    """A new step for the CUDA-graph trees (`torch.compiler.cudagraph_mark_step_begin`): their replays' outputs of
+    the previous step may be overwritten from here on. Only CUDA devices have graph trees; elsewhere the call would
+    do nothing but import torch's inductor (1.6 s on 2 CPU cores, in every process)."""
+    if device.type == "cuda":
+        torch.compiler.cudagraph_mark_step_begin()
+
+
 def graph_recording_seconds(layers_on_rank: int, n_microbatches: int) -> float:
     """Predicted time of the step that records the graphs: one graph per layer, microbatch and direction."""
     return layers_on_rank * n_microbatches * 2 * SECONDS_PER_GRAPH_RECORDING

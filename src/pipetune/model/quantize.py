@@ -329,12 +329,20 @@ def linear_shapes(model_config: PretrainedConfig) -> list[tuple[str, int, int]]:
     """(name, rows, columns) of one decoder layer's linear weights, read off a meta-device layer."""
     from pipetune.model.shapes import one_layer_model
 
+    known = _LINEAR_SHAPES.get(id(model_config))
+    if known is not None and known[0] is model_config:  # a plan asks once per layout (~15 ms a layer to build)
+        return list(known[1])
     layer = one_layer_model(model_config).model.layers[0]
-    return [
+    shapes = [
         (name, module.out_features, module.in_features)
         for name, module in layer.named_modules()
         if isinstance(module, nn.Linear)
     ]
+    _LINEAR_SHAPES[id(model_config)] = (model_config, shapes)
+    return list(shapes)
+
+
+_LINEAR_SHAPES: dict[int, tuple[PretrainedConfig, list[tuple[str, int, int]]]] = {}
 
 
 def stored_bytes(rows: int, columns: int, method: str, element: int) -> float:

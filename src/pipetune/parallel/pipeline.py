@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, schedules
 
 from pipetune.data.batching import IGNORE
+from pipetune.model.graphs import mark_graph_step
 from pipetune.model.loss import linear_cross_entropy
 from pipetune.parallel.torch_compat import schedule_step_options
 from pipetune.schedules import SCHEDULES, stage_ids
@@ -128,6 +129,7 @@ class PipelineRunner:
     ) -> None:
         self.is_first = 0 in stage_ids
         self.is_last = n_stages - 1 in stage_ids
+        self.device = device
         self.stages = [
             PipelineStage(module, index, n_stages, device, group=group)
             for module, index in zip(modules, stage_ids, strict=True)
@@ -154,7 +156,7 @@ class PipelineRunner:
         # The rank holding stage 0 feeds the ids, the one holding the last stage the labels: with V-shaped
         # schedules that is the same rank. Keyword inputs reach every stage (torch splits them into microbatches
         # as it does the ids): packed rows' position ids, from which each stage builds its document mask.
-        torch.compiler.cudagraph_mark_step_begin()  # CUDA-graphed layers (train.cuda_graphs): a new step
+        mark_graph_step(self.device)  # CUDA-graphed layers (train.cuda_graphs): a new step
         losses: list[torch.Tensor] = []
         if self.is_last:
             options.update(target=labels, losses=losses)
@@ -177,7 +179,7 @@ class SingleRunner:
     def step(
         self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
-        torch.compiler.cudagraph_mark_step_begin()
+        mark_graph_step(input_ids.device)
         total = torch.zeros((), device=input_ids.device)
         chunks = zip(input_ids.chunk(self.n_microbatches), labels.chunk(self.n_microbatches), strict=True)
         positions = [None] * self.n_microbatches if position_ids is None else position_ids.chunk(self.n_microbatches)
@@ -189,7 +191,7 @@ class SingleRunner:
 
     @torch.no_grad()
     def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        torch.compiler.cudagraph_mark_step_begin()
+        mark_graph_step(input_ids.device)
         total = torch.zeros((), device=input_ids.device)
         for ids, target in zip(input_ids.chunk(self.n_microbatches), labels.chunk(self.n_microbatches), strict=True):
             total += self.loss_fn(self.module(ids), target)

@@ -174,7 +174,7 @@ def time_layer(
     (without the run's all-reduces); with `tp_mesh` (every rank of it calls this), the whole layer split over the
     mesh as a run splits it (parallel/tp.py), all-reduces and DTensor dispatch included.
     `grouped`: on the fast LoRA path, the down-projections of one input as one matmul where a run would."""
-    from pipetune.model.graphs import give_gradients_own_memory
+    from pipetune.model.graphs import give_gradients_own_memory, mark_graph_step
     from pipetune.model.load import DTYPES
     from pipetune.model.shapes import resolve_model
     from pipetune.model.stage import hidden_states, layer_call_kwargs
@@ -210,7 +210,7 @@ def time_layer(
         kwargs = layer_call_kwargs(stage.family, stage.rotary, hidden, position_ids)[stage.family.layer_kind(layer)]
         forwards, backwards = [], []
         for call in range(WARMUP + REPEATS):
-            torch.compiler.cudagraph_mark_step_begin()  # graphs: each call a step of its own, as in a run
+            mark_graph_step(device)  # graphs: each call a step of its own, as in a run
             marks = [_Mark(device)]
             out = hidden_states(layer(hidden, **kwargs))
             marks.append(_Mark(device))
