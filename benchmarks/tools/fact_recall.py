@@ -21,7 +21,7 @@ time by default on a GPU: a 135M model's decoding step is launch-bound, so 32 ro
 did; not yet measured). Prints the table, writes under --out the two runs (whole/, cut/, each with its eval.json)
 and result.json; exits 1 when the whole model's fact recall is not at least --target times the cut one's (2x).
 
-A CPU smoke run with the tiny random model (what tests/test_fact_recall_benchmark.py runs):
+A CPU smoke run with the tiny random model (what tests/benchmarks/test_fact_recall.py runs):
 
     PYTHONPATH=src python benchmarks/tools/fact_recall.py --model tiny-qwen3 --out /tmp/fr --steps 1 \\
         --train-meetings 4 --meetings 2 --max-length 256 --cut-length 128 --max-new-tokens 4 --target 0

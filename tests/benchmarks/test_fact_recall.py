@@ -34,4 +34,4 @@ def test_fact_recall_benchmark_trains_both_runs_and_compares_them(
     assert runs["cut_reading_whole"]["base"] is None
     # What each prompt shows: a longer window keeps a longer head and tail of the same transcript.
     assert 0 <= result["facts_in_view"]["cut"] <= result["facts_in_view"]["whole"] <= 1
-    assert "facts the prompt itself states" in done.stdout
+    assert "facts the prompt itself states" in printed.out

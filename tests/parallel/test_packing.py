@@ -168,12 +168,23 @@ def _run(tmp: Path, name: str, data: Path, *overrides: str) -> Path:
 
 def two_process_configs(tmp: Path) -> dict[str, Config]:
     """This file's runs that tests/parallel/conftest.py trains with other files' 2-process runs: packed rows of
-    short meetings (written to tmp / MEETINGS) through a 1F1B pipeline of 2 stages and an interleaved one of 4."""
+    short meetings (written to tmp / MEETINGS) through a 1F1B pipeline of 2 stages, an interleaved one of 4, two
+    data-parallel replicas of 2 rows each, and two tensor-parallel ranks."""
     data = write_short_meetings(tmp / MEETINGS, 43)  # 32 training samples after the hold-out
     looped = ['parallel.schedule="interleaved_1f1b"', "parallel.stages_per_rank=2"]
+    ddp = [
+        'parallel.strategy="ddp"',
+        "parallel.pp=1",
+        "parallel.dp=2",
+        "parallel.n_microbatches=1",
+        "train.batch_size=2",
+    ]
+    tp = ['parallel.strategy="tp"', "parallel.pp=1", "parallel.tp=2"]
     return {
         "packed-pp2": _config(tmp, "packed-pp2", data, *PACKED),
         "packed-looped": _config(tmp, "packed-looped", data, *PACKED, *looped),
+        "packed-ddp": _config(tmp, "packed-ddp", data, *PACKED, *ddp),  # 2 replicas x 2 rows: the same 4 rows
+        "packed-tp": _config(tmp, "packed-tp", data, *PACKED, *tp),
     }
 
 
@@ -183,12 +194,13 @@ def test_packed_runs_match_the_unpacked_run_on_the_same_samples(two_process_runs
     two samples, 4 rows a schedule step, hold the 8 samples an unpacked step of 8 rows holds. The losses of each
     step (normalized over its supervised tokens) and the adapter must match, in one process, through a 1F1B
     pipeline of 2 stages and through an interleaved one of 4 (torch's multi-stage runtime hands the position ids
-    to each stage of a rank). The adapters differ from the unpacked one only as rounding does under Adam
-    (attention runs per sample instead of over the row: other float32 sums), and from each other likewise."""
+    to each stage of a rank), over 2 data-parallel replicas (each of 2 of the step's 4 rows) and over 2
+    tensor-parallel ranks. The adapters differ from the unpacked one only as rounding does under Adam (attention
+    runs per sample instead of over the row: other float32 sums), and from each other likewise."""
     data = two_process_runs / MEETINGS  # the meetings the 2-process runs read
     reference = _run(tmp_path, "unpacked", data, "parallel.pp=1", "train.batch_size=8")
     single = _run(tmp_path, "single", data, "parallel.pp=1", *PACKED)
-    runs = [single, two_process_runs / "packed-pp2", two_process_runs / "packed-looped"]
+    runs = [single, *(two_process_runs / f"packed-{name}" for name in ("pp2", "looped", "ddp", "tp"))]
     for run_dir in runs:  # losses, gradient norms, adapters (tests/parity.py)
         assert_same_training(run_dir, reference, steps=2)
     for run_dir in runs[1:]:
