@@ -54,22 +54,36 @@ def assert_same_steps(run_dir: Path, reference: Path, steps: int | None = None) 
         torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=1e-5, atol=0, msg=column)
 
 
-def assert_adapter_matches(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], lrs: list[float]) -> None:
+TYPICAL = 2e-3
+"""99% of an adapter's elements agree within this share of one step (the mean lr)."""
+COMPILED_TYPICAL = 1e-2
+"""The same for compiled layers against eager ones: inductor also fuses and reassociates the elementwise float32
+work, not only the sums (measured at one thread per process: 99% within 2.1e-3 of a step, so 2e-3 failed)."""
+
+
+def assert_adapter_matches(
+    got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], lrs: list[float], typical_share: float = TYPICAL
+) -> None:
     """The adapter as the reference's, to what rounding can make of Adam's update (the module docstring says
-    why): in each tensor 99% of the elements within 2e-3 of one step (the mean lr), none beyond 2 x sum(lrs)."""
+    why): in each tensor 99% of the elements within `typical_share` of one step (the mean lr), none beyond
+    2 x sum(lrs)."""
     assert sorted(got) == sorted(expected)
     step, bound = sum(lrs) / len(lrs), 2 * sum(lrs)
     for name, reference in expected.items():
         off = (got[name] - reference).abs().flatten().double()
         typical = float(torch.quantile(off, 0.99)) if off.numel() > 1 else float(off.max())
-        assert typical <= 2e-3 * step, f"{name}: 99% of the elements within {typical:.2e}, over 2e-3 x lr {step:.1e}"
+        assert typical <= typical_share * step, (
+            f"{name}: 99% of the elements within {typical:.2e}, over {typical_share:g} x lr {step:.1e}"
+        )
         assert float(off.max()) <= bound, f"{name}: an element {float(off.max()):.2e} apart, beyond Adam's {bound:.1e}"
 
 
-def assert_same_training(run_dir: Path, reference: Path, steps: int | None = None) -> None:
+def assert_same_training(
+    run_dir: Path, reference: Path, steps: int | None = None, typical_share: float = TYPICAL
+) -> None:
     """Losses, gradient norms and the adapter as the reference run's (see the module docstring)."""
     assert_same_steps(run_dir, reference, steps)
-    assert_adapter_matches(adapter(run_dir), adapter(reference), learning_rates(reference))
+    assert_adapter_matches(adapter(run_dir), adapter(reference), learning_rates(reference), typical_share)
     # The adapters really trained: lora_B started at zero.
     assert any(t.abs().max() > 0 for name, t in adapter(run_dir).items() if "lora_B" in name)
 
