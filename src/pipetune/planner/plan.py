@@ -373,12 +373,15 @@ def _split(
     config: Config, model_config: PretrainedConfig, attention_share: float = 1.0
 ) -> tuple[StageCosts, list[range]]:
     """`run_split`, remembered: the costs depend on the sequence, the loss and the attention share, the ranges on
-    the stage count."""
+    the stage count (they are the run's own, which training balances with whole rows' costs)."""
     d, p = config.data, config.parallel
     key = (id(model_config), d.max_length, d.max_summary_tokens, config.train.fused_loss, p.n_stages, attention_share)
     key += tuple(p.layers_per_stage)
     if key not in _SPLITS or _SPLITS[key][0] is not model_config:
-        _SPLITS[key] = (model_config, run_split(config, model_config, attention_share))
+        costs, ranges = run_split(config, model_config)  # the run's own stages: training balances whole rows
+        if attention_share != 1.0:
+            costs = run_split(config, model_config, attention_share)[0]
+        _SPLITS[key] = (model_config, (costs, ranges))
     return _SPLITS[key][1]
 
 
