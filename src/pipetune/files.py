@@ -119,13 +119,23 @@ def _check_cache_dir(path: Path, variable: str, value: str) -> None:
             return
 
 
-def file_digest(path: Path) -> str:
-    """SHA-256 of the file's content, read in 16 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            digest.update(block)
-    return digest.hexdigest()
+def file_digest(path: Path, remember: bool = False) -> str:
+    """SHA-256 of the file's content, read in 16 MiB blocks. `remember`: an input's identity (a data file, which
+    the checkpoint settings and the token cache's key both hash; a GGUF, hashed by each resolve: ~3 s a GiB each
+    time on 2 cores) is remembered for the process while the file's inode, size and modification time stay the
+    same; a check for damage (verify_records) always reads the file."""
+    stat = Path(path).stat()
+    key = (str(Path(path).resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    if not remember or key not in _DIGESTS:
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(1 << 24):
+                digest.update(block)
+        _DIGESTS[key] = digest.hexdigest()
+    return _DIGESTS[key]
+
+
+_DIGESTS: dict[tuple[str, int, int, int], str] = {}
 
 
 def read_metrics_rows(path: Path) -> tuple[list[dict], list[str], int]:

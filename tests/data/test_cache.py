@@ -153,3 +153,26 @@ def test_batches_carry_labels_from_the_prompt_length_whatever_the_pad_id() -> No
     assert ids.tolist() == [[8, 9, 2, 2, 2, 2], [5, 6, 7, 2, 2, 2]]
     assert labels.tolist() == [[-100, 2, -100, -100, -100, -100], [-100, 7, 2, -100, -100, -100]]
     assert store.supervised.tolist() == [2, 1] and store.lengths.tolist() == [4, 3]
+
+
+def test_an_input_file_is_hashed_once_while_it_stays_the_same(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A data file or GGUF (file_digest(remember=True)) is read once a process while its inode, size and
+    modification time stay; a damage check (remember=False) always reads it; new content is a new digest."""
+    import builtins
+    import os
+
+    from pipetune.files import file_digest
+
+    path = tmp_path / "meetings.jsonl"
+    path.write_text("a" * 100)
+    first = file_digest(path, remember=True)
+    reads: list[object] = []
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda file, *a, **k: reads.append(file) or real_open(file, *a, **k))
+    assert file_digest(path, remember=True) == first and reads == []
+    assert file_digest(path) == first and reads == [path]
+    monkeypatch.undo()
+    mtime = path.stat().st_mtime_ns
+    path.write_text("b" * 100)  # the same size, other content
+    os.utime(path, ns=(mtime + 10**6, mtime + 10**6))  # a later time, as a write at least a clock tick later has
+    assert file_digest(path, remember=True) != first

@@ -148,7 +148,7 @@ def source_identity(data: DataConfig) -> Any:
     else:  # a hub dataset, or a path that does not exist: _raw_splits raises the clear error
         splits = sources._raw_splits(data.source)
         return ["hub", data.source, {name: getattr(rows, "_fingerprint", None) for name, rows in splits.items()}]
-    return [[str(f.relative_to(path)) if f != path else f.name, file_digest(f)] for f in files]
+    return [[str(f.relative_to(path)) if f != path else f.name, file_digest(f, remember=True)] for f in files]
 
 
 def _split_files(name: str) -> tuple[str, str, str]:

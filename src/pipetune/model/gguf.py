@@ -122,7 +122,7 @@ def converted_checkpoint(gguf: Path, cache_dir: Path | None = None) -> Path:
     """The checkpoint directory converted from `gguf`: made once (per content hash), found after; converted
     again, with a note, when it is found damaged."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / "models" / f"{gguf.stem}-{file_digest(gguf)[:16]}-v{CONVERSION_VERSION}"
+    target = root / "models" / f"{gguf.stem}-{file_digest(gguf, remember=True)[:16]}-v{CONVERSION_VERSION}"
     damage = conversion_damage(target)
     if damage is None:
         return target
