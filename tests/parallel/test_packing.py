@@ -216,3 +216,15 @@ def test_packed_runs_match_the_unpacked_run_on_the_same_samples(two_process_runs
 def _steps(run_dir: Path) -> list[dict[str, str]]:
     with open(run_dir / "metrics.csv") as f:
         return [row for row in csv.DictReader(f) if row["loss"]]
+
+
+@pytest.mark.slow
+def test_packed_rows_with_an_nf4_base_fused_loss_and_checkpointing(two_process_runs: Path, tmp_path: Path) -> None:
+    """The switches a long-row run sets, on packed rows in one process: an NF4 base, the fused loss and every layer
+    checkpointed (what "auto" turns on where memory is short) give the unpacked run's training with the same
+    switches (tests/parity.py), the pair of packed and unpacked as above."""
+    data = two_process_runs / MEETINGS
+    switches = ['model.quantize="nf4"', "train.fused_loss=true", "train.activation_checkpointing=true", "parallel.pp=1"]
+    reference = _run(tmp_path, "unpacked-switches", data, *switches, "train.batch_size=8")
+    packed = _run(tmp_path, "packed-switches", data, *switches, *PACKED)
+    assert_same_training(packed, reference, steps=2)
