@@ -93,6 +93,7 @@ def test_chunked_mlps_lengthen_the_longest_row() -> None:
 def test_mlp_chunk_auto_turns_on_at_long_rows_and_bad_values_are_refused(tmp_path: Path) -> None:
     config = tiny_config(tmp_path, 'train.mlp_chunk="auto"')
     assert mlp_chunk_tokens(config.train, 1024) == 0 and mlp_chunk_tokens(config.train, 131072) > 0
+    assert mlp_chunk_tokens(config.train, 131072, tp=2) == 0  # a tp rank holds a share of each token
     apply_override(config, "train.mlp_chunk=512")
     assert mlp_chunk_tokens(config.train, 1024) == 512
     from pipetune.config import validate

@@ -59,7 +59,7 @@ class Parallelism:
     """train.activation_checkpointing: true checkpoints every layer, "offload" also keeps their inputs in host
     memory; false and "auto" none (yet: "auto" is planned with the schedule, train.build_runners)."""
     mlp_chunk: int = 0
-    """Tokens per MLP chunk (train.mlp_chunk resolved; 0: whole rows). Not with tp: chunks need whole sequences."""
+    """Tokens per MLP chunk (config.mlp_chunk_tokens: train.mlp_chunk resolved, 0 under tp; 0: whole rows)."""
 
 
 def run_parallelism(config: Config, mesh: Mesh) -> Parallelism:
@@ -71,7 +71,7 @@ def run_parallelism(config: Config, mesh: Mesh) -> Parallelism:
         fsdp_mesh=mesh.dp_mesh if p.sharded else None,
         pipelined=p.pipelined,
         checkpointing=config.train.activation_checkpointing,
-        mlp_chunk=mlp_chunk_tokens(config.train, config.data.max_length),
+        mlp_chunk=mlp_chunk_tokens(config.train, config.data.max_length, p.tp),
     )
 
 
@@ -138,7 +138,7 @@ def parallelize(modules: list[StageModule], parallelism: Parallelism) -> None:
     for module in modules:
         layers = len(module.layers) if every else 0
         set_layer_modes(module, layers, layers if parallelism.checkpointing == "offload" else 0)
-        chunk_mlps(list(module.layers), parallelism.mlp_chunk if parallelism.tp_mesh is None else 0)
+        chunk_mlps(list(module.layers), parallelism.mlp_chunk)
     if parallelism.fsdp_mesh is not None:
         shard_stages(modules, parallelism.fsdp_mesh, pipelined=parallelism.pipelined)
 

@@ -252,7 +252,7 @@ def auto_checkpointing(
 def mlp_workspace_bytes(config: Config, model_config: PretrainedConfig, tokens: int) -> float:
     """What a layer's MLP briefly needs on top of what it keeps: [tokens, 3 x intermediate_size] (gate, up and
     their product), for a chunk of train.mlp_chunk tokens when chunked; split over parallel.tp."""
-    chunk = mlp_chunk_tokens(config.train, config.data.max_length) if config.parallel.tp == 1 else 0
+    chunk = mlp_chunk_tokens(config.train, config.data.max_length, config.parallel.tp)
     element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
     rows = min(tokens, chunk) if chunk else tokens
     return 3 * model_config.intermediate_size * rows * element / config.parallel.tp
@@ -294,8 +294,8 @@ def measure_layer_memory(
     part of it when split over `tp_mesh`; on the meta device: a shape-only copy, no memory, what a CUDA run would
     keep). Measured eagerly; a compiled layer keeps COMPILED_ACTIVATIONS of that."""
     shape_only = dataclasses.replace(resolved, weights_dir=None)  # values do not matter: no checkpoint read
-    # MLPs in chunks as the run's layers (not under tp: chunks need whole sequences).
-    chunk = mlp_chunk_tokens(config.train, config.data.max_length) if config.parallel.tp == 1 else 0
+    # MLPs in chunks as the run's layers.
+    chunk = mlp_chunk_tokens(config.train, config.data.max_length, config.parallel.tp)
     # PEFT draws its own adapter initialisation from the global generator: the run's streams stay untouched.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         built = build_stage_modules(
@@ -415,7 +415,7 @@ def row_costs(
     weights, adapters and optimizer; `last`: the rank holds the loss."""
     long = _long(config)
     microbatch = config.microbatch_size
-    chunked = mlp_chunk_tokens(config.train, ROW_PROBE) > 0 and config.parallel.tp == 1
+    chunked = mlp_chunk_tokens(config.train, ROW_PROBE, config.parallel.tp) > 0
     workspace = mlp_workspace_bytes(long, model_config, microbatch * ROW_PROBE)
     transient = 0.0 if chunked else workspace / ROW_PROBE
     fixed += workspace if chunked else 0.0

@@ -389,7 +389,7 @@ def _layer_memory(config: Config, resolved: ResolvedModel, seq: int) -> tuple[in
     """(activation bytes, input bytes) of one layer for one sequence: they grow with the microbatch in proportion."""
     key = (
         id(resolved.config),
-        mlp_chunk_tokens(config.train, seq) if config.parallel.tp == 1 else 0,
+        mlp_chunk_tokens(config.train, seq, config.parallel.tp),
         config.model.dtype,
         config.lora.r,
         tuple(config.lora.target_modules),
