@@ -99,10 +99,19 @@ def tokenize_split(examples: list[Example], builder: PromptBuilder, pad_id: int)
     return SampleStore.from_samples(samples).dense(builder.max_length, pad_id)
 
 
+def epoch_generator(seed: int, epoch: int) -> torch.Generator:
+    """The random stream of one epoch's order, the same for every way of batching it."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+
+
+def epoch_order(n_samples: int, seed: int, epoch: int) -> torch.Tensor:
+    """The samples of one epoch, shuffled by (seed, epoch)."""
+    return torch.randperm(n_samples, generator=epoch_generator(seed, epoch))
+
+
 def epoch_batches(n_samples: int, batch_size: int, seed: int, epoch: int) -> torch.Tensor:
     """[n_batches, batch_size] sample indices of one epoch, shuffled by (seed, epoch); the remainder is dropped."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    order = torch.randperm(n_samples, generator=generator)
+    order = epoch_order(n_samples, seed, epoch)
     n_batches = n_samples // batch_size
     return order[: n_batches * batch_size].view(n_batches, batch_size)
 
@@ -132,7 +141,7 @@ def bucketed_epoch_batches(
     Within each bucket samples are shuffled and cut into full batches (the remainder is dropped);
     then the batches of all buckets are shuffled together. Deterministic in (seed, epoch).
     """
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    generator = epoch_generator(seed, epoch)
     batches, batch_lengths = [], []
     for length in sorted(set(lengths.tolist())):
         members = (lengths == length).nonzero().flatten()

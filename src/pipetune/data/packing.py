@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipetune.data.batching import IGNORE, SampleStore
+from pipetune.data.batching import IGNORE, SampleStore, epoch_order
 
 
 def first_fit_rows(order: torch.Tensor, lengths: torch.Tensor, row_length: int, max_per_row: int) -> torch.Tensor:
@@ -52,14 +52,17 @@ def first_fit_rows(order: torch.Tensor, lengths: torch.Tensor, row_length: int, 
     return rows
 
 
+def epoch_rows(lengths: torch.Tensor, row_length: int, max_per_row: int, seed: int, epoch: int) -> torch.Tensor:
+    """first_fit_rows over one epoch's order (batching.epoch_order), every row kept."""
+    return first_fit_rows(epoch_order(len(lengths), seed, epoch), lengths, row_length, max_per_row)
+
+
 def packed_epoch_batches(
     lengths: torch.Tensor, batch_size: int, seed: int, epoch: int, row_length: int, max_per_row: int
 ) -> torch.Tensor:
     """[n_batches, batch_size, max_per_row] sample indices (-1: none) of one epoch's packed rows: the order of
     batching.epoch_batches (seed, epoch) packed by first fit; the rows that fill no whole batch are dropped."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-    order = torch.randperm(len(lengths), generator=generator)
-    rows = first_fit_rows(order, lengths, row_length, max_per_row)
+    rows = epoch_rows(lengths, row_length, max_per_row, seed, epoch)
     n_batches = len(rows) // batch_size
     return rows[: n_batches * batch_size].view(n_batches, batch_size, max_per_row)
 
@@ -98,16 +101,9 @@ def packed_batch(
     return input_ids, labels, position_ids
 
 
-def _epoch0_rows(lengths: torch.Tensor, row_length: int, max_per_row: int, seed: int) -> torch.Tensor:
-    """first_fit_rows over the order of epoch 0 (packed_epoch_batches' order), every row kept."""
-    generator = torch.Generator().manual_seed(seed * 1_000_003)
-    order = torch.randperm(len(lengths), generator=generator)
-    return first_fit_rows(order, lengths, row_length, max_per_row)
-
-
 def packed_rows_needed(lengths: torch.Tensor, row_length: int, max_per_row: int, seed: int = 0) -> int:
     """Rows that first fit packs `lengths` into, over the order of epoch 0 (for reports)."""
-    return len(_epoch0_rows(lengths, row_length, max_per_row, seed))
+    return len(epoch_rows(lengths, row_length, max_per_row, seed, 0))
 
 
 def packed_attention_share(lengths: torch.Tensor, row_length: int, max_per_row: int, seed: int = 0) -> float:
@@ -115,7 +111,7 @@ def packed_attention_share(lengths: torch.Tensor, row_length: int, max_per_row: 
     padded row costs): the sum of every packed sample's length squared over rows x row_length squared (1.0 for no
     samples). Flex attention skips the block mask's tiles outside every sample, so a packed row costs about this
     share of a whole row's attention (the tiles on a sample's edge are computed whole: a little more)."""
-    rows = _epoch0_rows(lengths, row_length, max_per_row, seed)
+    rows = epoch_rows(lengths, row_length, max_per_row, seed, 0)
     if not len(rows):
         return 1.0
     sizes = lengths.clamp(max=row_length).double()
