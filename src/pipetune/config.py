@@ -169,6 +169,11 @@ class TrainConfig:
     stays on the GPU; docs/long-context.md); "auto": per layer keep, recompute or recompute-and-offload, only as
     much as each stage's memory needs (measured per layer, with the microbatches the schedule keeps in flight
     on that stage: the first stages of 1F1B hold more), planned for the GPU's memory or train.memory_gb."""
+    keep_attention: bool = False
+    """A checkpointed layer keeps its attention's output and log-sum-exp (as many bytes as its input, and 4 a
+    token and head), so its recomputation skips attention, most of a layer's forward at long rows (Qwen3-8B at
+    131,072 tokens: 1.07 of 1.46 GFLOP a token); offloaded layers keep them in host memory too. Causal,
+    unmasked attention in eager layers: not with train.compile or data.packing (model/kept_attention.py)."""
     mlp_chunk: int | str = field(default=0, metadata={"also": ("auto",)})
     """Tokens per chunk of each decoder layer's MLP: its [tokens, 3 x intermediate_size] gate/up/activation
     workspace is computed (and recomputed in backward) a chunk of the sequence at a time, so it stops growing
@@ -542,7 +547,7 @@ def validate(config: Config, world_size: int) -> None:
     _check_model(config.model, config.parallel)
     _check_data(config.data)
     _check_lora(config.lora, config.parallel)
-    _check_train(config.train)
+    _check_train(config.train, config.data)
     _check_parallel(config.parallel, config.train, config.data, world_size)
     _check_output(config.output)
 
@@ -627,7 +632,7 @@ def _check_lora(lora: LoraConfig, p: ParallelConfig) -> None:
     )
 
 
-def _check_train(t: TrainConfig) -> None:
+def _check_train(t: TrainConfig, d: DataConfig) -> None:
     _at_least_one(
         ("train.batch_size", t.batch_size),
         ("train.grad_accum", t.grad_accum),
@@ -657,6 +662,22 @@ def _check_train(t: TrainConfig) -> None:
         f"train.activation_checkpointing = {t.activation_checkpointing!r} is unknown; "
         'use true, false, "offload" or "auto"',
     )
+    if t.keep_attention:
+        _check(
+            t.activation_checkpointing is not False,
+            "train.keep_attention = true keeps attention's output through a checkpointed layer's recomputation: "
+            'set train.activation_checkpointing to true, "offload" or "auto" as well',
+        )
+        _check(
+            not t.compile,
+            "train.keep_attention = true runs flash attention's own operators in eager layers: set train.compile "
+            "= false (or train.keep_attention = false)",
+        )
+        _check(
+            not d.packing,
+            "train.keep_attention = true keeps causal, unmasked attention, but data.packing = true masks each "
+            "row's samples (flex attention): set one of them to false",
+        )
     _check(
         t.mlp_chunk == "auto" or (isinstance(t.mlp_chunk, int) and t.mlp_chunk >= 0),
         f'train.mlp_chunk = {t.mlp_chunk!r} must be "auto" or a number of tokens >= 0 (0: off; e.g. 8192)',

@@ -44,7 +44,6 @@ from pipetune.metrics import MetricsLog, PhaseLog, host_peak_gb, peak_memory_gb,
 from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory, graphs_untried
 from pipetune.model.load import DTYPES
 from pipetune.model.lora import adapter_state, save_adapter
-from pipetune.model.offload import set_layer_modes
 from pipetune.model.split import StageCosts, run_split, stage_costs
 from pipetune.model.stage import StageModule
 from pipetune.parallel.assemble import StagePart, build_stage_modules, compile_stages, run_parallelism
@@ -421,7 +420,7 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
     if t.activation_checkpointing == "auto":
         plan = auto_checkpointing(modules, stages.ids, mesh.pp_rank, config, prepared.model, device, mesh.tp_mesh)
         for module, count, offloaded in zip(modules, plan.layers, plan.offloaded_layers(), strict=True):
-            set_layer_modes(module, count, offloaded)
+            module.set_layer_modes(count, offloaded)
         print(f"rank {env.rank}: {plan.describe(stages.ids, [len(m.layers) for m in modules])}", flush=True)
     cuda_graphs = t.compile and t.cuda_graphs and device.type == "cuda"
     if cuda_graphs:

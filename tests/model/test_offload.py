@@ -17,9 +17,9 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 """On a GPU machine the same tests run the CUDA path: pinned host copies on a side stream, events, prefetch."""
 
 
-def _stage(dropout: float = 0.0) -> StageModule:
+def _stage(dropout: float = 0.0, dtype: torch.dtype = torch.float32) -> StageModule:
     resolved = resolve_model(ModelConfig(name="tiny-qwen3", init="random"))
-    model, _ = build_model(resolved, torch.float32, DEVICE, layers=range(4), seed=0)
+    model, _ = build_model(resolved, dtype, DEVICE, layers=range(4), seed=0)
     return StageModule(apply_lora(model, LoraConfig(dropout=dropout), "tiny-qwen3", seed=0)).train()
 
 
@@ -84,3 +84,36 @@ def test_chunked_mlp_equals_the_whole_one_and_keeps_only_its_input() -> None:
     chunk_mlps(list(stage.layers), 0)  # back to whole MLPs, parameter names untouched throughout
     assert {name for name, _ in stage.named_parameters()} == names
     assert stage.layer_memory(2, 32)[0] == whole
+
+
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_kept_attention_skips_attention_in_the_recomputation(offloaded: bool, monkeypatch) -> None:
+    """train.keep_attention: every layer checkpointed (its input on the host or not), attention computed once
+    per layer, its output taken back in the recomputation; loss and adapter gradients as the plain stage's
+    (float32 on the CPU; on a GPU bfloat16, flash attention's dtype, the same kernels as the plain stage's SDPA)."""
+    from pipetune.model import kept_attention
+    from pipetune.model.attention import DOCUMENT_ATTENTION
+
+    dtype = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
+    stage, tokens = _stage(dtype=dtype), torch.randint(0, 1000, (2, 32), device=DEVICE)
+    plain_loss, plain = _loss_and_grads(stage, tokens)
+    stage.layers[0].self_attn.config._attn_implementation = DOCUMENT_ATTENTION  # the layers' shared config
+    n = len(stage.layers)
+    stage.keep_attention = True
+    stage.set_layer_modes(n, n if offloaded else 0)
+    computed = []
+    forward = kept_attention._forward
+    monkeypatch.setattr(kept_attention, "_forward", lambda *a: computed.append(1) or forward(*a))
+    loss, grads = _loss_and_grads(stage, tokens)
+    assert len(computed) == n and stage.kept.held() == 0  # once a layer; every kept output was taken back
+    tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-3)
+    torch.testing.assert_close(loss, plain_loss, **tolerance)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, plain[name], **tolerance)
+    config, size = stage.rotary.config, dtype.itemsize
+    hidden = 2 * 32 * config.hidden_size * size
+    attention = 2 * 32 * config.num_attention_heads * (config.head_dim * size + 4)  # output, float32 log-sum-exp
+    assert stage.layer_memory(2, 32)[1] == hidden + attention
+    stage.keep_attention = False  # a checkpointed layer keeps its input alone
+    stage.set_layer_modes(n, 0)
+    assert stage.kept is None and stage.layer_memory(2, 32)[1] == hidden

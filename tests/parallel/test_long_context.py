@@ -107,6 +107,13 @@ def test_mlp_chunk_auto_turns_on_at_long_rows_and_bad_values_are_refused(tmp_pat
     apply_override(offload, "train.cuda_graphs=true")
     with pytest.raises(ConfigError, match=r'does not combine with train.activation_checkpointing = "offload"'):
         validate(offload, 2)
+    kept = tiny_config(tmp_path, "train.keep_attention=true")
+    with pytest.raises(ConfigError, match=r"train.keep_attention = true .* set train.activation_checkpointing"):
+        validate(kept, 2)
+    for setting, fix in (("train.compile=true", "set train.compile = false"), ("data.packing=true", "data.packing")):
+        bad = tiny_config(tmp_path, "train.keep_attention=true", "train.activation_checkpointing=true", setting)
+        with pytest.raises(ConfigError, match=rf"train.keep_attention = true .*{fix}"):
+            validate(bad, 2)
 
 
 def test_a_row_that_fits_no_layer_mode_is_refused_with_the_longest_that_would(tmp_path: Path) -> None:
@@ -166,8 +173,15 @@ def test_offloaded_training_is_the_plain_run(reference: Path, tmp_path: Path) ->
 
 @pytest.mark.slow
 def test_chunked_mlp_training_matches_the_plain_run(reference: Path, tmp_path: Path) -> None:
-    """Offloaded and MLPs in chunks of 32 of 128 tokens: the losses to 1e-6; the adapter to rounding, as a
-    parallel run's (tests/parity.py): the chunks sum each weight gradient over the tokens in another order."""
-    chunked = _train(tmp_path, "chunked", 'train.activation_checkpointing="offload"', "train.mlp_chunk=32")
+    """Offloaded, MLPs in chunks of 32 of 128 tokens and attention kept through the recomputation: the losses to
+    1e-6; the adapter to rounding, as a parallel run's (tests/parity.py): the chunks sum each weight gradient over
+    the tokens in another order."""
+    chunked = _train(
+        tmp_path,
+        "chunked",
+        'train.activation_checkpointing="offload"',
+        "train.mlp_chunk=32",
+        "train.keep_attention=true",
+    )
     torch.testing.assert_close(torch.tensor(losses(chunked)), torch.tensor(losses(reference)), rtol=1e-6, atol=0)
     assert_same_training(chunked, reference)

@@ -31,6 +31,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from pipetune.model.kept_attention import keeps, kept_attention
+
 DOCUMENT_ATTENTION = "pipetune_document"
 """The attention implementation name a packed run's model config carries."""
 BLOCK = 128
@@ -144,7 +146,11 @@ def document_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """A transformers attention function: within documents under a document mask (flex attention with a
-    BlockMask, SDPA per span with DocumentSpans), transformers' SDPA otherwise."""
+    BlockMask, SDPA per span with DocumentSpans); inside a checkpointed layer that keeps attention
+    (train.keep_attention), flash attention with its output kept (model/kept_attention.py); transformers' SDPA
+    otherwise."""
+    if keeps(module, query, attention_mask, dropout, kwargs):
+        return kept_attention(module, query, key, value, scaling), None
     if not isinstance(attention_mask, (BlockMask, DocumentSpans)):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
@@ -164,6 +170,7 @@ AttentionInterface.register(DOCUMENT_ATTENTION, document_attention)
 
 
 def use_document_attention(model: nn.Module) -> None:
-    """Switch a (PEFT-wrapped) HF model's attention to `document_attention`: packed microbatches, with a mask."""
+    """Switch a (PEFT-wrapped) HF model's attention to `document_attention`: packed microbatches, with a mask,
+    or attention kept through recomputation."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.config._attn_implementation = DOCUMENT_ATTENTION

@@ -17,7 +17,6 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 
 @dataclass
@@ -47,8 +46,12 @@ class ActivationOffload:
     def saving(self, index: int) -> contextlib.AbstractContextManager:
         """Hooks for the checkpoint call of layer `index`; layer 0 starts a new forward's chain."""
         if index == 0:
-            self._last = None
+            self.start()
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def start(self) -> None:
+        """A new forward begins: its first saved tensor is the last backward unpacks (no one to fetch after it)."""
+        self._last = None
 
     def _copy_stream(self, device: torch.device) -> torch.cuda.Stream:
         if self._stream is None or self._stream.device != device:
@@ -63,7 +66,7 @@ class ActivationOffload:
             stream = self._copy_stream(tensor.device)
             stream.wait_stream(compute)  # the input is written before it is copied
             with torch.cuda.stream(stream):
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                host = torch.empty_like(tensor, device="cpu", pin_memory=True)  # same strides: one plain copy
                 host.copy_(tensor, non_blocking=True)
             tensor.record_stream(stream)  # its memory is reused only after the copy
         else:
@@ -92,7 +95,7 @@ class ActivationOffload:
             return
         compute = torch.cuda.current_stream(saved.device)
         # Allocated on the compute stream, which waits for `ready` before any use: no record_stream needed.
-        saved.fetched = torch.empty(saved.host.shape, dtype=saved.host.dtype, device=saved.device)
+        saved.fetched = torch.empty_like(saved.host, device=saved.device)
         stream = self._copy_stream(saved.device)
         stream.wait_stream(compute)
         with torch.cuda.stream(stream):
@@ -106,10 +109,3 @@ def offloading(offload: ActivationOffload | None, index: int) -> contextlib.Abst
     if offload is None or index >= offload.layers:
         return contextlib.nullcontext()
     return offload.saving(index)
-
-
-def set_layer_modes(module: nn.Module, checkpointed: int, offloaded: int) -> None:
-    """A stage's first `checkpointed` layers recompute in backward, the first `offloaded` of those with their
-    input in host memory; the rest keep their activations."""
-    module.checkpoint_layers = checkpointed
-    module.offload = ActivationOffload(min(offloaded, checkpointed)) if offloaded else None

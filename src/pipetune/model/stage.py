@@ -10,6 +10,7 @@ stage is given alongside (a [batch, seq] int tensor, not a mask); each stage bui
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,7 @@ from transformers import PreTrainedModel
 from pipetune.config import ConfigError
 from pipetune.model.attention import document_mask
 from pipetune.model.families import Family, LayerInputs, family_of
+from pipetune.model.kept_attention import KeptAttention
 from pipetune.model.offload import ActivationOffload, offloading
 
 
@@ -171,6 +173,10 @@ class StageModule(nn.Module):
         their activations (train.activation_checkpointing: all, none, or as many as memory needs)."""
         self.offload: ActivationOffload | None = None
         """Moves the inputs of the first `offload.layers` checkpointed layers to host memory (model/offload.py)."""
+        self.keep_attention = False
+        """Checkpointed layers keep their attention's output through recomputation (train.keep_attention)."""
+        self.kept: KeptAttention | None = None
+        """Those outputs while they wait for backward (model/kept_attention.py); None: attention is recomputed."""
         self.head_in_loss = False
         """The last stage returns normed hidden states; the loss applies lm_head (train.fused_loss)."""
         self.own_boundary_memory = False
@@ -179,6 +185,15 @@ class StageModule(nn.Module):
         self.sequence_shards = 1
         """Ranks the hidden states' sequence positions are split over (tensor parallelism's sequence parallelism):
         this rank's share of them is hidden.shape[1] (parallel/tp.py sets it)."""
+
+    def set_layer_modes(self, checkpointed: int, offloaded: int) -> None:
+        """The first `checkpointed` layers recompute in backward, the first `offloaded` of those with their input
+        in host memory; the rest keep their activations. With `keep_attention` the checkpointed layers keep
+        their attention outputs, in host memory where they offload."""
+        offloaded = min(offloaded, checkpointed)
+        self.checkpoint_layers = checkpointed
+        self.offload = ActivationOffload(offloaded) if offloaded else None
+        self.kept = KeptAttention(offloaded) if checkpointed and self.keep_attention else None
 
     def compile_layers(self, cuda_graphs: bool = False, per_graph: int = 1) -> None:
         """torch.compile the decoder layers in place, `per_graph` consecutive layers traced as one graph (0: all
@@ -203,7 +218,8 @@ class StageModule(nn.Module):
     def layer_memory(self, batch: int, seq: int) -> tuple[int, int]:
         """Bytes one decoder layer keeps for backward per microbatch of [batch, seq] (measured by running one
         forward of the first layer, eagerly, leaving the random streams as they were) and bytes of its input,
-        which is all a checkpointed layer keeps. A layer split over tensor-parallel ranks (parallel/tp.py) counts this
+        which is all a checkpointed layer keeps (with `keep_attention`: and its attention's output and log-sum-exp,
+        counted with the input). A layer split over tensor-parallel ranks (parallel/tp.py) counts this
         rank's part (all ranks measure together). On the meta device the forward allocates and computes nothing
         (a plan for any size, on any machine) and saves what CUDA's kernels save (`CudaKernelsOnMeta`)."""
         layer = self.layers[0]
@@ -234,11 +250,13 @@ class StageModule(nn.Module):
         kwargs = layer_call_kwargs(self.family, self.rotary, hidden, position_ids)[self.family.layer_kind(layer)]
         devices = [device] if device.type == "cuda" else []
         kernels = CudaKernelsOnMeta() if device.type == "meta" else contextlib.nullcontext()
-        with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"), kernels:
+        kept = KeptAttention()
+        keeping = kept.contexts(0)[0] if self.keep_attention else contextlib.nullcontext()
+        with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"), kernels, keeping:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):  # dropout draws
                 out = layer(hidden, **kwargs)
         del out
-        return sum(saved.values()), hidden.numel() * hidden.element_size()
+        return sum(saved.values()), hidden.numel() * hidden.element_size() + kept.release()
 
     @property
     def is_first(self) -> bool:
@@ -269,8 +287,9 @@ class StageModule(nn.Module):
             kwargs = dict(inputs=inputs) if isinstance(run, LayerGroup) else inputs[self.family.layer_kind(run)]
             if index < self.checkpoint_layers and torch.is_grad_enabled():
                 # Non-reentrant, with the RNG state restored for the recomputation: same dropout masks, same math.
+                contexts = {} if self.kept is None else dict(context_fn=functools.partial(self.kept.contexts, index))
                 with offloading(self.offload, index):
-                    out = checkpoint(run, hidden, use_reentrant=False, **kwargs)
+                    out = checkpoint(run, hidden, use_reentrant=False, **contexts, **kwargs)
             else:
                 out = run(hidden, **kwargs)
             hidden = hidden_states(out)

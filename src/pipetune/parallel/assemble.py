@@ -25,7 +25,6 @@ from pipetune.model.attention import use_document_attention
 from pipetune.model.chunked import chunk_mlps
 from pipetune.model.load import LoadStats, build_meta, materialize
 from pipetune.model.lora import apply_lora, use_fast_path
-from pipetune.model.offload import set_layer_modes
 from pipetune.model.quantize import quantize_linears
 from pipetune.model.shapes import ResolvedModel
 from pipetune.model.stage import StageModule
@@ -58,6 +57,8 @@ class Parallelism:
     checkpointing: bool | str = False
     """train.activation_checkpointing: true checkpoints every layer, "offload" also keeps their inputs in host
     memory; false and "auto" none (yet: "auto" is planned with the schedule, train.build_runners)."""
+    keep_attention: bool = False
+    """train.keep_attention: checkpointed layers keep attention's output (model/kept_attention.py)."""
     mlp_chunk: int = 0
     """Tokens per MLP chunk (config.mlp_chunk_tokens: train.mlp_chunk resolved, 0 under tp; 0: whole rows)."""
 
@@ -71,6 +72,7 @@ def run_parallelism(config: Config, mesh: Mesh) -> Parallelism:
         fsdp_mesh=mesh.dp_mesh if p.sharded else None,
         pipelined=p.pipelined,
         checkpointing=config.train.activation_checkpointing,
+        keep_attention=config.train.keep_attention,
         mlp_chunk=mlp_chunk_tokens(config.train, config.data.max_length, p.tp),
     )
 
@@ -118,7 +120,7 @@ def build_stage_modules(
     if lora.fast_path:
         use_fast_path(peft_model, lora.shared_dropout, tp, grouped)
     peft_model.train()
-    if packing:
+    if packing or parallelism.keep_attention:
         use_document_attention(peft_model)
     modules = [StageModule(peft_model, list(part.layers), first=part.first, last=part.last) for part in parts]
     parallelize(modules, parallelism)
@@ -137,7 +139,8 @@ def parallelize(modules: list[StageModule], parallelism: Parallelism) -> None:
     every = parallelism.checkpointing in (True, "offload")
     for module in modules:
         layers = len(module.layers) if every else 0
-        set_layer_modes(module, layers, layers if parallelism.checkpointing == "offload" else 0)
+        module.keep_attention = parallelism.keep_attention
+        module.set_layer_modes(layers, layers if parallelism.checkpointing == "offload" else 0)
         chunk_mlps(list(module.layers), parallelism.mlp_chunk)
     if parallelism.fsdp_mesh is not None:
         shard_stages(modules, parallelism.fsdp_mesh, pipelined=parallelism.pipelined)

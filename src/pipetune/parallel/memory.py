@@ -304,7 +304,9 @@ def measure_layer_memory(
             config.lora,
             [StagePart([0])],
             device,
-            Parallelism(tp_mesh, config.parallel.sequence_parallel, mlp_chunk=chunk),
+            Parallelism(
+                tp_mesh, config.parallel.sequence_parallel, keep_attention=config.train.keep_attention, mlp_chunk=chunk
+            ),
             # A quantized weight is saved as itself, never as activations: on the meta device the same count.
             quantize=config.model.quantize if device.type != "meta" else "none",
             tp=config.parallel.tp,

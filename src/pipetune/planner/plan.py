@@ -54,6 +54,7 @@ from pipetune.planner.speed import (
     head_seconds,
     layer_seconds,
     link_seconds,
+    recompute_seconds,
     replay_schedule,
 )
 from pipetune.preflight import check_data_source, linear_layer_names
@@ -272,7 +273,7 @@ def predict(
         )
         for stage, n, recomputed in zip(p.stage_ids(rank), layers, k, strict=True):
             forward[stage] = n * f + (head if stage == len(ranges) - 1 else 0.0)
-            backward[stage] = n * b + recomputed * f
+            backward[stage] = n * b + recomputed * recompute_seconds(work, rates, f, t.keep_attention)
     if mode == "graphs" and "graphs" not in rank_modes:
         mode = "compiled"
     replay = _replay_step(p, forward, backward, link_seconds(hidden_bytes, rates))

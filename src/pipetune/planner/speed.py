@@ -139,7 +139,7 @@ def layer_seconds(work: LayerWork, rates: GpuRates, mode: str) -> tuple[float, f
         return measured
     c, t = work.costs, work.tokens
     matmul = t * (c.layer - c.attention) / 2 / rates.matmul_flops
-    attention = t * c.attention / 3 / rates.attention_flops
+    attention = _attention_forward(work, rates)
     other = t * work.hidden * rates.other_seconds[mode]
     dequantize = work.nf4_weights * rates.nf4_weight_seconds
     host, kernels = rates.host_seconds[mode], rates.kernel_seconds[mode]
@@ -152,6 +152,16 @@ def layer_seconds(work: LayerWork, rates: GpuRates, mode: str) -> tuple[float, f
         rates.layer_scale * (kernels + matmul + 2 * attention + rates.backward_other * other + dequantize), host
     )
     return forward, backward
+
+
+def _attention_forward(work: LayerWork, rates: GpuRates) -> float:
+    return work.tokens * work.costs.attention / 3 / rates.attention_flops
+
+
+def recompute_seconds(work: LayerWork, rates: GpuRates, forward: float, keep_attention: bool) -> float:
+    """A checkpointed layer's recomputation in backward: its `forward` again, less attention's forward where the
+    layer keeps attention's output (train.keep_attention)."""
+    return max(0.0, forward - rates.layer_scale * _attention_forward(work, rates)) if keep_attention else forward
 
 
 def head_seconds(costs: StageCosts, forward: float, backward: float) -> float:
