@@ -149,7 +149,7 @@ def document_attention(
     BlockMask, SDPA per span with DocumentSpans); inside a checkpointed layer that keeps attention
     (train.keep_attention), flash attention with its output kept (model/kept_attention.py); transformers' SDPA
     otherwise."""
-    if keeps(module, query, attention_mask, dropout, kwargs):
+    if keeps(module, query, key, value, attention_mask, dropout, kwargs):
         return kept_attention(module, query, key, value, scaling), None
     if not isinstance(attention_mask, (BlockMask, DocumentSpans)):
         return sdpa_attention_forward(

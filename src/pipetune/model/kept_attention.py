@@ -7,11 +7,14 @@ attention's backward recomputes the scores itself. So a layer that keeps those t
 as the layer's input; the log-sum-exp: 4 bytes a token and head) recomputes everything but attention.
 
 How: the checkpoint's `context_fn` marks the layer's first forward (`recording`) and its recomputation
-(`replaying`). Under the first, each causal, unmasked attention call runs flash attention's own operator and
-queues its output, log-sum-exp and the operator's other outputs per attention module; under the second the same
-call takes them back from the queue instead of computing (first in, first out: every schedule runs a stage's
-backwards in the order of its forwards). Both go through `_FlashKept`, whose backward is flash attention's own
-backward operator on the recomputed query, key and value and the kept output: the same gradients as SDPA's.
+(`replaying`). Under the first, each causal, unmasked attention call runs the fused kernel SDPA itself picks for
+it (`torch._fused_sdp_choice`: cuDNN's on an H200 with torch 2.11, flash attention's elsewhere and on the CPU) as
+its own operator, and queues its output, log-sum-exp and the operator's other outputs per attention module; under
+the second the same call takes them back from the queue instead of computing (first in, first out: every
+schedule runs a stage's backwards in the order of its forwards). Both go through `_Kept`'s autograd function,
+whose backward is that kernel's own backward operator on the recomputed query, key and value and the kept output:
+SDPA's gradients. (Forcing flash attention where SDPA picks cuDNN costs more than the recomputation saves: at
+131,072 tokens on an H200 cuDNN's forward took 246 ms a layer, flash attention's 429.)
 Where the layer offloads its input (model/offload.py), the output goes to pinned host memory the same way, one
 layer ahead in backward; the log-sum-exp stays on the GPU.
 
@@ -23,14 +26,20 @@ kernel, so tests run the same code path.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend
 
 from pipetune.model.offload import ActivationOffload
+
+FLASH, CUDNN = SDPBackend.FLASH_ATTENTION.value, SDPBackend.CUDNN_ATTENTION.value
+KERNELS = (FLASH, CUDNN)
+"""The SDPA kernels whose operators `kept_attention` runs (both return the log-sum-exp their backward needs)."""
 
 
 @dataclass
@@ -40,6 +49,8 @@ class _Kept:
     out: torch.Tensor | object
     """The output ([b, heads, s, d]), or its host copy's handle (ActivationOffload.pack)."""
     logsumexp: torch.Tensor
+    backend: int
+    """The SDPA kernel (torch.nn.attention.SDPBackend's value) that computed it, whose backward runs."""
     extra: tuple
     """The CUDA operator's other outputs its backward takes (sequence tables, maxima, RNG state); () on the CPU."""
 
@@ -112,16 +123,31 @@ _ACTIVE: KeptAttention | None = None
 """The stage whose checkpointed layer is being run or recomputed right now (set by `KeptAttention.contexts`)."""
 
 
-def keeps(module: nn.Module, query: torch.Tensor, attention_mask: object, dropout: float, kwargs: dict) -> bool:
-    """Whether this attention call goes through `kept_attention`: inside a keeping layer's checkpoint, causal
-    and unmasked, no dropout, sliding window or soft-capping, flash attention's dtypes, not being compiled."""
+def keeps(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: object,
+    dropout: float,
+    kwargs: dict,
+) -> bool:
+    """Whether this attention call goes through `kept_attention`: inside a keeping layer's checkpoint, not being
+    compiled, causal and unmasked, no dropout, sliding window or soft-capping, and SDPA would run one of KERNELS."""
     if _ACTIVE is None or _ACTIVE._mode is None or torch.compiler.is_compiling():
         return False
     if attention_mask is not None or dropout > 0 or not getattr(module, "is_causal", True) or query.shape[2] < 2:
         return False
     if kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
         return False
-    return query.device.type == "cpu" or query.dtype in (torch.float16, torch.bfloat16)
+    return _backend(query, key, value) in KERNELS
+
+
+def _backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
+    """The kernel SDPA picks for causal, unmasked attention of these tensors (SDPBackend's value)."""
+    if query.device.type == "meta":  # the memory probe: what CUDA's kernels keep, flash attention's being one
+        return FLASH if query.dtype in (torch.float16, torch.bfloat16) else -1
+    return torch._fused_sdp_choice(query, key, value, None, 0.0, True, scale=None, enable_gqa=True)
 
 
 def kept_attention(
@@ -130,23 +156,46 @@ def kept_attention(
     """[b, s, heads, d] causal attention of [b, heads, s, d] query and [b, kv heads, s, d] key and value, its
     output kept by the active stage in the first forward and taken back in the recomputation."""
     assert _ACTIVE is not None
-    out = _FlashKept.apply(query, key, value, scaling, _ACTIVE, module)
+    out = _KeptAttention.apply(query, key, value, scaling, _ACTIVE, module)
     return out.transpose(1, 2).contiguous()
 
 
 def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> _Kept:
+    aten = torch.ops.aten
     if query.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, True, scale=scale)
-        return _Kept(out, lse, ())
-    out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
-        query, key, value, 0.0, True, False, scale=scale
+        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, True, scale=scale)
+        return _Kept(out, lse, FLASH, ())
+    backend = _backend(query, key, value)
+    if backend == CUDNN:
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
+            query, key, value, None, True, 0.0, True, False, scale=scale
+        )
+    else:
+        out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+            query, key, value, 0.0, True, False, scale=scale
+        )
+    return _Kept(out, lse, backend, (cum_q, cum_k, max_q, max_k, seed, offset))
+
+
+def _backward(grad: torch.Tensor, query, key, value, out, lse, kept: _Kept, scale: float | None) -> tuple:
+    aten = torch.ops.aten
+    if query.device.type == "cpu":
+        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad, query, key, value, out, lse, 0.0, True, scale=scale
+        )
+    cum_q, cum_k, max_q, max_k, seed, offset = kept.extra
+    if kept.backend == CUDNN:
+        return aten._scaled_dot_product_cudnn_attention_backward(
+            grad, query, key, value, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale
+        )
+    return aten._scaled_dot_product_flash_attention_backward(
+        grad, query, key, value, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=scale
     )
-    return _Kept(out, lse, (cum_q, cum_k, max_q, max_k, seed, offset))
 
 
-class _FlashKept(torch.autograd.Function):
-    """Flash attention that computes (first forward) or takes back (recomputation) its output; its backward is
-    the flash backward operator."""
+class _KeptAttention(torch.autograd.Function):
+    """Fused attention that computes (first forward) or takes back (recomputation) its output; its backward is
+    its kernel's backward operator."""
 
     @staticmethod
     def forward(ctx, query, key, value, scale, stage: KeptAttention, module: nn.Module):
@@ -158,7 +207,7 @@ class _FlashKept(torch.autograd.Function):
         else:
             kept = stage.replay(module)
             out = kept.out
-        ctx.scale, ctx.extra = scale, kept.extra
+        ctx.scale, ctx.kept = scale, dataclasses.replace(kept, out=None, logsumexp=None)  # the tensors are saved
         ctx.save_for_backward(query, key, value, out, kept.logsumexp)
         return out
 
@@ -166,13 +215,5 @@ class _FlashKept(torch.autograd.Function):
     def backward(ctx, grad):
         query, key, value, out, lse = ctx.saved_tensors
         grad = grad.contiguous() if grad.stride(-1) != 1 else grad
-        if query.device.type == "cpu":
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                grad, query, key, value, out, lse, 0.0, True, scale=ctx.scale
-            )
-        else:
-            cum_q, cum_k, max_q, max_k, seed, offset = ctx.extra
-            dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-                grad, query, key, value, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, seed, offset, scale=ctx.scale
-            )
+        dq, dk, dv = _backward(grad, query, key, value, out, lse, ctx.kept, ctx.scale)
         return dq, dk, dv, None, None, None
