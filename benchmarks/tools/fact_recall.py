@@ -15,11 +15,14 @@ scored at both lengths). A last row gives the cut-trained model the whole meetin
 training on whole meetings taught from what reading them gives. Fact recall: the share of each meeting's
 decisions, action items and figures its summary states (evaluate.py); beside it, the share its prompt states at
 each length ("facts in view": the most a summary of that prompt can recall). train.max_steps ends both runs (the
-cut one goes round its meetings again), and the tool exits 1 when their step counts differ. On one H200, 300 steps
-train in ~3.5 min together, and each scored model generated for ~80 s per 24 meetings 8 at a time (now 32 at a
-time by default on a GPU: a 135M model's decoding step is launch-bound, so 32 rows should cost about what 8
-did; not yet measured). Prints the table, writes under --out the two runs (whole/, cut/, each with its eval.json)
-and result.json; exits 1 when the whole model's fact recall is not at least --target times the cut one's (2x).
+cut one goes round its meetings again), and the tool exits 1 when their step counts differ. On one H200 each run
+of 300 steps takes ~6 min with its start (measured: the whole run 5 min 53 s), and each scored model generated for
+~80 s per 24 meetings 8 at a time (now 32 at a time by default on a GPU: a 135M model's decoding step is
+launch-bound, so 32 rows should cost about what 8 did; not yet measured): more than one 10-minute device call, so
+split it over calls on a warm machine: `--only whole`, then `--only cut --reuse`, then `--reuse` (which keeps the
+runs finished under --out with the same steps, trains none, and scores both). Prints the table, writes under
+--out the two runs (whole/, cut/, each with its eval.json) and result.json; exits 1 when the whole model's fact
+recall is not at least --target times the cut one's (2x).
 
 A CPU smoke run with the tiny random model (what tests/benchmarks/test_fact_recall.py runs):
 
@@ -84,6 +87,14 @@ def steps_done(config) -> int:
     return max(int(row["step"]) for row in read_metrics_rows(Path(config.output.dir) / "metrics.csv")[0])
 
 
+def finished(config) -> bool:
+    """Whether a run under its output.dir trained all of its train.max_steps and saved its adapter."""
+    metrics = Path(config.output.dir) / "metrics.csv"
+    if not metrics.is_file() or not (Path(config.output.dir) / "adapter").is_dir():
+        return False
+    return steps_done(config) == config.train.max_steps
+
+
 def facts_in_view(config, n_meetings: int) -> float:
     """Share of each held-out meeting's facts its prompt states as the model reads it (the transcript cut to
     data.max_length, head and tail kept): the most a summary of that prompt can recall without guessing."""
@@ -111,6 +122,10 @@ def main() -> int:
     parser.add_argument("--nproc", type=int, default=1, help="pipeline stages / processes per run (default: 1)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override a key")
     parser.add_argument("--target", type=float, default=TARGET, help="required ratio of fact recalls (default: 2)")
+    parser.add_argument("--only", choices=("whole", "cut"), help="train this run alone and stop (no scores)")
+    parser.add_argument(
+        "--reuse", action="store_true", help="keep runs under --out that finished their steps instead of training again"
+    )
     parser.add_argument(
         "--batch-size",
         type=int,
@@ -124,13 +139,20 @@ def main() -> int:
 
     rouge_scorer()  # fail before training when rouge-score is missing
     whole, cut = run_configs(args)
-    shutil.rmtree(args.out, ignore_errors=True)
+    if not args.reuse:
+        shutil.rmtree(args.out, ignore_errors=True)
     started = time.perf_counter()
     seconds: dict[str, float] = {}
     for name, config in (("whole", whole), ("cut", cut)):
-        if run_train(config, args.nproc, quiet=True) != 0:
+        if args.only not in (None, name):
+            continue
+        if args.reuse and finished(config):
+            print(f"fact_recall: {name}: reusing {config.output.dir} ({config.train.max_steps} steps)")
+        elif run_train(config, args.nproc, quiet=True) != 0:
             return 1
         seconds[f"train_{name}"] = round(time.perf_counter() - started - sum(seconds.values()), 1)
+    if args.only:
+        return 0
     steps = {name: steps_done(config) for name, config in (("whole", whole), ("cut", cut))}
     if steps["whole"] != steps["cut"] or steps["whole"] != whole.train.max_steps:
         print(f"fact_recall: the runs made {steps} optimizer steps, not {whole.train.max_steps} each", file=sys.stderr)

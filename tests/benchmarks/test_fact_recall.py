@@ -14,13 +14,19 @@ from tests.benchmarks.test_tools import run_tool
 def test_fact_recall_benchmark_trains_both_runs_and_compares_them(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """As its command line runs it, in this process (its runs train in the process that calls it either way)."""
+    """As its command line runs it, in this process (its runs train in the process that calls it either way), in
+    two calls as on a GPU machine: the whole run alone, then the cut run and the scores, reusing the whole run."""
     out = tmp_path / "fact-recall"
     args = ["--model", "tiny-qwen3", "--out", str(out), "--steps", "1", "--train-meetings", "4", "--meetings", "2"]
     args += ["--max-length", "256", "--cut-length", "128", "--max-new-tokens", "4", "--target", "0"]
     with pytest.raises(SystemExit) as ended:
-        run_tool("fact_recall", *args, monkeypatch=monkeypatch)
+        run_tool("fact_recall", *args, "--only", "whole", monkeypatch=monkeypatch)
+    assert ended.value.code == 0 and (out / "whole" / "adapter").is_dir() and not (out / "cut").exists()
+    trained = (out / "whole" / "metrics.csv").stat().st_mtime_ns
+    with pytest.raises(SystemExit) as ended:
+        run_tool("fact_recall", *args, "--reuse", monkeypatch=monkeypatch)
     printed = capsys.readouterr()
+    assert "whole: reusing" in printed.out and (out / "whole" / "metrics.csv").stat().st_mtime_ns == trained
     assert ended.value.code == 0, printed.out + printed.err
     assert "2 held-out whole meetings" in printed.out and "trained on cut meetings" in printed.out
     result = json.loads((out / "result.json").read_text())
