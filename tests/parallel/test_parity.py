@@ -42,7 +42,9 @@ def test_pipeline_with_tensor_parallel_stages_matches_single_process(reference: 
 
 # Every torch schedule: one stage a rank (gpipe), looped placements (interleaved_1f1b, looped_bfs), looped with
 # the backward split in two (interleaved_zero_bubble), V-shaped with the split backward and no forward-only mode
-# (dualpipev; zbv, the same placement, runs end to end in tests/parallel/test_quantized.py).
+# (dualpipev; zbv, the same placement, runs end to end in tests/parallel/test_quantized.py). The gpipe run also
+# checkpoints every layer and keeps attention's output (train.keep_attention: the same math, and torch's stages
+# run one forward without a backward to infer their shapes, which must leave no kept output behind).
 SCHEDULE_RUNS = [
     ("gpipe", 1),
     ("interleaved_1f1b", 2),
@@ -57,8 +59,14 @@ def two_process_configs(tmp: Path) -> dict[str, Config]:
     """This file's runs that tests/parallel/conftest.py trains with other files' 2-process runs: each schedule's
     (2 ranks; with 2 stages each, 4 stages of one layer: looped, rank r: r, r + 2, or V-shaped, rank r: r, 3 - r)
     and tiny-gemma3's 2 stages."""
+    kept = ["train.activation_checkpointing=true", "train.keep_attention=true"]
     configs = {
-        schedule: tiny_config(tmp / schedule, f'parallel.schedule="{schedule}"', f"parallel.stages_per_rank={per_rank}")
+        schedule: tiny_config(
+            tmp / schedule,
+            f'parallel.schedule="{schedule}"',
+            f"parallel.stages_per_rank={per_rank}",
+            *(kept if schedule == "gpipe" else []),
+        )
         for schedule, per_rank in SCHEDULE_RUNS
     }
     return {**configs, "gemma3": tiny_config(tmp / "gemma3", GEMMA)}

@@ -6,20 +6,22 @@ the projections and the MLP), which the backward then needs only for its output 
 attention's backward recomputes the scores itself. So a layer that keeps those two (the output: as many bytes
 as the layer's input; the log-sum-exp: 4 bytes a token and head) recomputes everything but attention.
 
-How: the checkpoint's `context_fn` marks the layer's first forward (`recording`) and its recomputation
-(`replaying`). Under the first, each causal, unmasked attention call runs the fused kernel SDPA itself picks for
-it (`torch._fused_sdp_choice`: cuDNN's on an H200 with torch 2.11, flash attention's elsewhere and on the CPU) as
-its own operator, and queues its output, log-sum-exp and the operator's other outputs per attention module; under
-the second the same call takes them back from the queue instead of computing (first in, first out: every
-schedule runs a stage's backwards in the order of its forwards). Both go through `_Kept`'s autograd function,
-whose backward is that kernel's own backward operator on the recomputed query, key and value and the kept output:
+How: the checkpoint's `context_fn` gives each checkpoint call of a layer two contexts bound to one `_Call`: its
+first forward's (`record`) and its recomputation's (`replay`). Under the first, each causal, unmasked attention
+call runs the fused kernel SDPA itself picks for it (`torch._fused_sdp_choice`: cuDNN's on an H200 with torch
+2.11, flash attention's elsewhere and on the CPU) as its own operator, and the call keeps its output, log-sum-exp
+and the operator's other outputs; under the second the same attention calls take them back in order instead of
+computing. No queue spans calls, so no schedule's order matters, and a forward whose backward never comes (torch's
+pipeline stages infer their shapes with one) leaves nothing behind. Both passes go through `_KeptAttention`, whose
+backward is that kernel's own backward operator on the recomputed query, key and value and the kept output:
 SDPA's gradients. (Forcing flash attention where SDPA picks cuDNN costs more than the recomputation saves: at
 131,072 tokens on an H200 cuDNN's forward took 246 ms a layer, flash attention's 429.)
+
 Where the layer offloads its input (model/offload.py), the output goes to pinned host memory the same way, one
 layer ahead in backward; the log-sum-exp stays on the GPU.
 
-Any other attention call (a mask, a sliding window, soft-capping, dropout, float32 on a GPU, a compiled layer)
-takes transformers' SDPA path in both passes, unchanged. On the CPU the operator is flash attention's CPU
+Any other attention call (a mask, a sliding window, soft-capping, dropout, a compiled layer, a kernel other than
+those two, such as float32 on a GPU) takes transformers' SDPA path in both passes, unchanged. On the CPU the operator is flash attention's CPU
 kernel, so tests run the same code path.
 """
 
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -55,72 +56,76 @@ class _Kept:
     """The CUDA operator's other outputs its backward takes (sequence tables, maxima, RNG state); () on the CPU."""
 
 
-@dataclass
 class KeptAttention:
-    """One stage's kept attention: per attention module, the queue of its calls' results awaiting recomputation.
+    """One stage's kept attention: makes each checkpoint call of its layers a `_Call`, which holds what that call's
+    first forward kept until the call's recomputation takes it back.
 
     `offloaded`: how many of the stage's first checkpointed layers keep the output in host memory."""
 
-    offloaded: int = 0
-    _queues: dict[int, deque[_Kept]] = field(default_factory=dict)
-    _host: ActivationOffload | None = None
-    _mode: str | None = None
-    _layer: int = 0
-
-    def __post_init__(self) -> None:
-        self._host = ActivationOffload(self.offloaded) if self.offloaded else None
+    def __init__(self, offloaded: int = 0) -> None:
+        self.offloaded = offloaded
+        self.host = ActivationOffload(offloaded) if offloaded else None
 
     def contexts(self, index: int) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        """The checkpoint's `context_fn` result for layer `index`: (its first forward's, its recomputation's)."""
-        if index == 0 and self._host is not None:
-            self._host.start()
-        return self._active("record", index), self._active("replay", index)
+        """The checkpoint's `context_fn` result for a call of layer `index`: (its first forward's, its
+        recomputation's), both bound to one `_Call`."""
+        call = self.call(index)
+        return call.active("record"), call.active("replay")
+
+    def call(self, index: int) -> _Call:
+        """A new checkpoint call of layer `index` (layer 0 begins a forward: a new chain of host copies)."""
+        if index == 0 and self.host is not None:
+            self.host.start()
+        return _Call(self.host if index < self.offloaded else None)
+
+
+@dataclass
+class _Call:
+    """One checkpoint call of a layer: its attention calls' results, in call order. It lives as long as the
+    checkpoint's recomputation context, i.e. the autograd graph of that forward: a forward whose backward never
+    comes (torch's pipeline stages infer their shapes with one) leaves nothing behind and shifts nothing."""
+
+    host: ActivationOffload | None
+    """Where the outputs go while they wait (None: they stay where they are)."""
+    kept: list[_Kept] = field(default_factory=list)
+    mode: str | None = None
+    taken: int = 0
 
     @contextlib.contextmanager
-    def _active(self, mode: str, index: int) -> Iterator[None]:
+    def active(self, mode: str) -> Iterator[None]:
         global _ACTIVE
         before, _ACTIVE = _ACTIVE, self
-        self._mode, self._layer = mode, index
+        self.mode, self.taken = mode, 0  # a second recomputation (another backward pass) reads from the start
         try:
             yield
         finally:
-            _ACTIVE, self._mode = before, None
+            _ACTIVE, self.mode = before, None
 
-    def held(self) -> int:
-        """Attention calls whose results await their recomputation (0 between steps)."""
-        return sum(len(queue) for queue in self._queues.values())
+    def record(self, kept: _Kept) -> None:
+        if self.host is not None:
+            kept.out = self.host.pack(kept.out)
+        self.kept.append(kept)
 
-    def release(self) -> int:
-        """Forget every result held (a forward with no backward: the memory probe); their bytes on the GPU."""
-        held = sum(
-            kept.out.nbytes + kept.logsumexp.nbytes
-            for queue in self._queues.values()
-            for kept in queue
-            if isinstance(kept.out, torch.Tensor)
-        )
-        self._queues.clear()
-        return held
-
-    def record(self, module: nn.Module, kept: _Kept) -> None:
-        if self._host is not None and self._layer < self.offloaded:
-            kept.out = self._host.pack(kept.out)
-        self._queues.setdefault(id(module), deque()).append(kept)
-
-    def replay(self, module: nn.Module) -> _Kept:
-        queue = self._queues.get(id(module))
-        if not queue:
+    def replay(self) -> _Kept:
+        if self.taken >= len(self.kept):
             raise RuntimeError(
-                "train.keep_attention: a layer's recomputation found no kept attention output (its forward ran "
-                "outside a checkpoint, or a schedule ran backwards out of order); set train.keep_attention = false"
+                f"train.keep_attention: a layer's recomputation made attention call {self.taken + 1}, its forward "
+                f"{len(self.kept)}; set train.keep_attention = false"
             )
-        kept = queue.popleft()
-        if self._host is not None and not isinstance(kept.out, torch.Tensor):
-            kept.out = self._host.unpack(kept.out)
-        return kept
+        kept = self.kept[self.taken]
+        self.taken += 1
+        if isinstance(kept.out, torch.Tensor):
+            return kept
+        # Fetched anew for this recomputation, held by it alone: freed with the layer's backward.
+        return dataclasses.replace(kept, out=self.host.unpack(kept.out))
+
+    def device_bytes(self) -> int:
+        """Bytes of the kept results that stay on the device (the memory probe's count)."""
+        return sum(k.out.nbytes + k.logsumexp.nbytes for k in self.kept if isinstance(k.out, torch.Tensor))
 
 
-_ACTIVE: KeptAttention | None = None
-"""The stage whose checkpointed layer is being run or recomputed right now (set by `KeptAttention.contexts`)."""
+_ACTIVE: _Call | None = None
+"""The checkpoint call being run or recomputed right now (set by `_Call.active`)."""
 
 
 def keeps(
@@ -134,7 +139,7 @@ def keeps(
 ) -> bool:
     """Whether this attention call goes through `kept_attention`: inside a keeping layer's checkpoint, not being
     compiled, causal and unmasked, no dropout, sliding window or soft-capping, and SDPA would run one of KERNELS."""
-    if _ACTIVE is None or _ACTIVE._mode is None or torch.compiler.is_compiling():
+    if _ACTIVE is None or _ACTIVE.mode is None or torch.compiler.is_compiling():
         return False
     if attention_mask is not None or dropout > 0 or not getattr(module, "is_causal", True) or query.shape[2] < 2:
         return False
@@ -156,7 +161,7 @@ def kept_attention(
     """[b, s, heads, d] causal attention of [b, heads, s, d] query and [b, kv heads, s, d] key and value, its
     output kept by the active stage in the first forward and taken back in the recomputation."""
     assert _ACTIVE is not None
-    out = _KeptAttention.apply(query, key, value, scaling, _ACTIVE, module)
+    out = _KeptAttention.apply(query, key, value, scaling, _ACTIVE)
     return out.transpose(1, 2).contiguous()
 
 
@@ -198,14 +203,14 @@ class _KeptAttention(torch.autograd.Function):
     its kernel's backward operator."""
 
     @staticmethod
-    def forward(ctx, query, key, value, scale, stage: KeptAttention, module: nn.Module):
-        if stage._mode == "record":
+    def forward(ctx, query, key, value, scale, call: _Call):
+        if call.mode == "record":
             kept = _forward(query, key, value, scale)
             out = kept.out
             kept.out = out.detach()  # an alias of its own: the returned tensor gets this call's history
-            stage.record(module, kept)
+            call.record(kept)
         else:
-            kept = stage.replay(module)
+            kept = call.replay()
             out = kept.out
         ctx.scale, ctx.kept = scale, dataclasses.replace(kept, out=None, logsumexp=None)  # the tensors are saved
         ctx.save_for_backward(query, key, value, out, kept.logsumexp)
@@ -216,4 +221,4 @@ class _KeptAttention(torch.autograd.Function):
         query, key, value, out, lse = ctx.saved_tensors
         grad = grad.contiguous() if grad.stride(-1) != 1 else grad
         dq, dk, dv = _backward(grad, query, key, value, out, lse, ctx.kept, ctx.scale)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None

@@ -250,13 +250,13 @@ class StageModule(nn.Module):
         kwargs = layer_call_kwargs(self.family, self.rotary, hidden, position_ids)[self.family.layer_kind(layer)]
         devices = [device] if device.type == "cuda" else []
         kernels = CudaKernelsOnMeta() if device.type == "meta" else contextlib.nullcontext()
-        kept = KeptAttention()
-        keeping = kept.contexts(0)[0] if self.keep_attention else contextlib.nullcontext()
+        kept = KeptAttention().call(0)
+        keeping = kept.active("record") if self.keep_attention else contextlib.nullcontext()
         with torch.random.fork_rng(devices=devices), torch.compiler.set_stance("force_eager"), kernels, keeping:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):  # dropout draws
                 out = layer(hidden, **kwargs)
         del out
-        return sum(saved.values()), hidden.numel() * hidden.element_size() + kept.release()
+        return sum(saved.values()), hidden.numel() * hidden.element_size() + kept.device_bytes()
 
     @property
     def is_first(self) -> bool:
