@@ -21,8 +21,8 @@ Where the layer offloads its input (model/offload.py), the output goes to pinned
 layer ahead in backward; the log-sum-exp stays on the GPU.
 
 Any other attention call (a mask, a sliding window, soft-capping, dropout, a compiled layer, a kernel other than
-those two, such as float32 on a GPU) takes transformers' SDPA path in both passes, unchanged. On the CPU the operator is flash attention's CPU
-kernel, so tests run the same code path.
+those two, such as float32 on a GPU) takes transformers' SDPA path in both passes, unchanged. On the CPU the
+operator is flash attention's CPU kernel, so tests run the same code path.
 """
 
 from __future__ import annotations
