@@ -82,6 +82,8 @@ class Prediction:
     (parallel/memory.py's LAYER_MODES): the fewest over the pipeline ranks."""
     mode: str = "compiled"
     """How the layers run (planner/speed.py's MODES): "graphs" where CUDA graphs pay off."""
+    offloaded: list[list[int]] = field(default_factory=list)
+    """Of the checkpointed layers, those whose input waits in host memory, per stage of each pipeline rank."""
     work: LayerWork | None = None
     """One layer's work per microbatch (what --calibrate times)."""
 
@@ -92,10 +94,14 @@ class Prediction:
     def checkpointing(self) -> str:
         if not any(map(any, self.checkpointed)):
             return "off"
+        offloaded = sum(map(sum, self.offloaded))
+        host = f", {offloaded} on host" if offloaded else ""
         if self.checkpointed == self.stage_layers:
-            return "all"
-        return "auto " + " ".join(
-            f"{sum(k)}/{sum(n)}" for k, n in zip(self.checkpointed, self.stage_layers, strict=True)
+            return "all" + host
+        return (
+            "auto "
+            + " ".join(f"{sum(k)}/{sum(n)}" for k, n in zip(self.checkpointed, self.stage_layers, strict=True))
+            + host
         )
 
 
@@ -223,7 +229,13 @@ def predict(
     vocab = (shape.config if t.fused_loss else resolved.config).vocab_size
 
     # ------------------------------------------------------------------ memory, rank by rank
-    peaks, checkpointed, stage_layers, longest = [], [], [], []  # longest: the longest row of each rank's modes
+    peaks, checkpointed, stage_layers, longest, offloaded_layers = (
+        [],
+        [],
+        [],
+        [],
+        [],
+    )  # longest: the longest row of each rank's modes
     for rank in range(p.pp):
         layers = [len(ranges[s]) for s in p.stage_ids(rank)]
         trainable = sum(layers) * shape.trainable_per_layer / (p.dp if fsdp else 1)
@@ -238,6 +250,7 @@ def predict(
         k, offloaded = _layer_modes(variant, layers, timeline, (layer_bytes, input_bytes), fixed, budget, costs)
         peaks.append(fixed + activation_peak(layers, k, timeline, layer_bytes, input_bytes, offloaded)[0])
         checkpointed.append(k)
+        offloaded_layers.append(list(offloaded or [0] * len(layers)))
         stage_layers.append(layers)
 
     # ------------------------------------------------------------------ time: each stage's work per microbatch
@@ -283,7 +296,20 @@ def predict(
     tokens_per_sec = t.batch_size * p.dp * t.grad_accum * seq / step
     bubble = replay.bubble if p.pipelined else []
     rows = {mode: min(ranks[mode] for ranks in longest) for mode in LAYER_MODES}
-    return Prediction(layout, peaks, checkpointed, stage_layers, tokens_per_sec, step, bubble, budget, rows, mode, work)
+    return Prediction(
+        layout,
+        peaks,
+        checkpointed,
+        stage_layers,
+        tokens_per_sec,
+        step,
+        bubble,
+        budget,
+        rows,
+        mode,
+        work=work,
+        offloaded=offloaded_layers,
+    )
 
 
 def _layer_modes(
