@@ -670,8 +670,8 @@ def _check_train(t: TrainConfig, d: DataConfig) -> None:
         )
         _check(
             not t.compile,
-            "train.keep_attention = true runs flash attention's own operators in eager layers: set train.compile "
-            "= false (or train.keep_attention = false)",
+            "train.keep_attention = true runs the attention kernels' own operators in eager layers: set "
+            "train.compile = false (or train.keep_attention = false)",
         )
         _check(
             not d.packing,

@@ -105,7 +105,7 @@ def test_nothing_fits_names_the_smallest_change_that_would() -> None:
     message = str(refused.value)
     assert message.startswith("parallel.strategy = 'auto': nothing fits 1 GPU of 151 GB"), message
     # The closest: every layer checkpointed (some inputs in host memory, as much as half this machine's holds).
-    assert re.search(r"checkpointing all(, \d+ on host)?\), which needs", message), message
+    assert re.search(r"checkpointing all(, \d+ offloaded)?\), which needs", message), message
     assert "it would fit with 2 GPUs (pp=2" in message, message
 
 
@@ -187,8 +187,8 @@ def test_without_a_gpu_the_plan_says_whose_predictions_and_what_auto_runs_here(
 def test_a_plan_that_offloads_says_so_and_is_listed_beside_all_recomputed(monkeypatch: pytest.MonkeyPatch) -> None:
     """Qwen3-8B at 400,000 tokens with an NF4 base on one H200, 60 GB of host memory for inputs: every layer
     recomputed does not fit, "auto" recomputes every layer too but keeps some inputs on the host, and fits. The
-    plan lists both and says how many inputs wait on the host (it had listed "all" once, the offloading plan
-    dropped as the same)."""
+    plan lists both and says how many inputs are offloaded (it had listed "all" once, the offloading plan dropped
+    as the same)."""
     monkeypatch.setattr("pipetune.planner.plan.host_budget", lambda world_size: 60e9)
     config = load_config(REPO / "configs" / "bench-qwen3-8b-long.toml")
     config.data.max_length, config.model.quantize = 400_000, "nf4"
@@ -196,5 +196,5 @@ def test_a_plan_that_offloads_says_so_and_is_listed_beside_all_recomputed(monkey
     recomputed, auto = rows[True], rows["auto"]
     assert recomputed.checkpointing() == "all" and not recomputed.fits
     on_host = sum(map(sum, auto.offloaded))
-    assert auto.checkpointing() == f"all, {on_host} on host" and 0 < on_host < 36 and auto.fits
+    assert auto.checkpointing() == f"all, {on_host} offloaded" and 0 < on_host < 36 and auto.fits
     assert on_host * 400_000 * 4096 * 2 <= 60e9  # each offloaded input: 400,000 tokens x 4,096 x 2 bytes

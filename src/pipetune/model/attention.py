@@ -147,8 +147,8 @@ def document_attention(
 ) -> tuple[torch.Tensor, None]:
     """A transformers attention function: within documents under a document mask (flex attention with a
     BlockMask, SDPA per span with DocumentSpans); inside a checkpointed layer that keeps attention
-    (train.keep_attention), flash attention with its output kept (model/kept_attention.py); transformers' SDPA
-    otherwise."""
+    (train.keep_attention), SDPA's fused kernel with its output kept (model/kept_attention.py); transformers'
+    SDPA otherwise."""
     if keeps(module, query, key, value, attention_mask, dropout, kwargs):
         return kept_attention(module, query, key, value, scaling), None
     if not isinstance(attention_mask, (BlockMask, DocumentSpans)):

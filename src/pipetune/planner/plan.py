@@ -95,7 +95,7 @@ class Prediction:
         if not any(map(any, self.checkpointed)):
             return "off"
         offloaded = sum(map(sum, self.offloaded))
-        host = f", {offloaded} on host" if offloaded else ""
+        host = f", {offloaded} offloaded" if offloaded else ""  # as the run's own plan says it
         if self.checkpointed == self.stage_layers:
             return "all" + host
         return (
@@ -229,13 +229,8 @@ def predict(
     vocab = (shape.config if t.fused_loss else resolved.config).vocab_size
 
     # ------------------------------------------------------------------ memory, rank by rank
-    peaks, checkpointed, stage_layers, longest, offloaded_layers = (
-        [],
-        [],
-        [],
-        [],
-        [],
-    )  # longest: the longest row of each rank's modes
+    peaks, checkpointed, offloaded_layers, stage_layers = [], [], [], []
+    longest = []  # the longest row of each rank's modes
     for rank in range(p.pp):
         layers = [len(ranges[s]) for s in p.stage_ids(rank)]
         trainable = sum(layers) * shape.trainable_per_layer / (p.dp if fsdp else 1)
