@@ -90,7 +90,7 @@ def test_chunked_mlp_equals_the_whole_one_and_keeps_only_its_input() -> None:
 def test_kept_attention_skips_attention_in_the_recomputation(offloaded: bool, monkeypatch) -> None:
     """train.keep_attention: every layer checkpointed (its input on the host or not), attention computed once
     per layer, its output taken back in the recomputation; loss and adapter gradients as the plain stage's
-    (float32 on the CPU; on a GPU bfloat16, flash attention's dtype, the same kernels as the plain stage's SDPA)."""
+    (float32 on the CPU; on a GPU bfloat16, the fused kernels' dtype, the same kernels as the plain stage's SDPA)."""
     from pipetune.model import kept_attention
     from pipetune.model.attention import DOCUMENT_ATTENTION
 
