@@ -16,7 +16,7 @@ from pipetune.model.shapes import resolve_model
 from pipetune.parallel.memory import GB, MARGIN
 from pipetune.planner.plan import format_plan, make_plan, resolve_auto
 from pipetune.preflight import linear_layer_names
-from tests.conftest import REPO, run_cli
+from tests.conftest import REPO, run_cli, tiny_config
 
 QWEN3_4B = REPO / "configs" / "bench-qwen3-4b.toml"
 QWEN25_72B = REPO / "configs" / "bench-qwen2.5-72b.toml"
@@ -184,17 +184,22 @@ def test_without_a_gpu_the_plan_says_whose_predictions_and_what_auto_runs_here(
     assert f"pick: {pick}," in said
 
 
-def test_a_plan_that_offloads_says_so_and_is_listed_beside_all_recomputed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Qwen3-8B at 400,000 tokens with an NF4 base on one H200, 60 GB of host memory for inputs: every layer
-    recomputed does not fit, "auto" recomputes every layer too but keeps some inputs on the host, and fits. The
-    plan lists both and says how many inputs are offloaded (it had listed "all" once, the offloading plan dropped
-    as the same)."""
-    monkeypatch.setattr("pipetune.planner.plan.host_budget", lambda world_size: 60e9)
-    config = load_config(REPO / "configs" / "bench-qwen3-8b-long.toml")
-    config.data.max_length, config.model.quantize = 400_000, "nf4"
-    rows = {p.layout.checkpointing: p for p in make_plan(config, 1, search=False).predictions}
-    recomputed, auto = rows[True], rows["auto"]
+def test_a_plan_that_offloads_says_so_and_is_listed_beside_all_recomputed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One long row on a GPU where every layer recomputed just misses and 1 GB of host memory takes inputs: "auto"
+    recomputes every layer too but offloads some inputs, and fits. The plan lists both and says how many inputs
+    are offloaded (it had listed "all" once, the offloading plan dropped as the same: at 400,000 tokens of
+    Qwen3-8B with an NF4 base it said nothing fits one H200)."""
+    monkeypatch.setattr("pipetune.planner.plan.host_budget", lambda world_size: 1e9)
+    one_row = ["parallel.n_microbatches=1", "train.batch_size=1", "train.grad_accum=1", "train.fused_loss=true"]
+    config = tiny_config(tmp_path, "parallel.pp=1", "data.max_length=65536", *one_row)
+
+    def rows(budget: float) -> dict:
+        return {p.layout.checkpointing: p for p in make_plan(config, 1, budget=budget, search=False).predictions}
+
+    budget = max(rows(1e12)[True].peaks) / (1 - MARGIN) * 0.98  # every layer recomputed: 2% short
+    recomputed, auto = rows(budget)[True], rows(budget)["auto"]
     assert recomputed.checkpointing() == "all" and not recomputed.fits
-    on_host = sum(map(sum, auto.offloaded))
-    assert auto.checkpointing() == f"all, {on_host} offloaded" and 0 < on_host < 36 and auto.fits
-    assert on_host * 400_000 * 4096 * 2 <= 60e9  # each offloaded input: 400,000 tokens x 4,096 x 2 bytes
+    offloaded = sum(map(sum, auto.offloaded))
+    assert auto.checkpointing() == f"all, {offloaded} offloaded" and offloaded > 0 and auto.fits
