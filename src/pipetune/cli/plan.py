@@ -37,8 +37,9 @@ def run(args: argparse.Namespace) -> int:
     """Print the plan: every layout's predicted peak memory per rank and tokens/s, ranked, and the pick."""
     if args.gpu_memory is not None and not 0 < args.gpu_memory < math.inf:
         raise ConfigError(f"--gpu-memory {args.gpu_memory} must be a positive, finite number (GB per GPU, e.g. 141)")
+    from pipetune.data.inspect import training_attention_share
     from pipetune.parallel.memory import GB
-    from pipetune.planner.plan import attention_share_of, available_gpus, format_plan, make_plan, no_gpu_line
+    from pipetune.planner.plan import available_gpus, format_plan, make_plan, no_gpu_line
 
     config = load_config(args.config, args.set, "pipetune plan")
     gpus = args.gpus if args.gpus is not None else available_gpus(config)
@@ -50,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
         from pipetune.planner.calibrate import calibrate
 
         rates = calibrate(config, gpus, budget)
-    plan = make_plan(config, gpus, budget, rates, attention_share=attention_share_of(config))
+    plan = make_plan(config, gpus, budget, rates, attention_share=training_attention_share(config))
     print(format_plan(plan, top=None if args.all else 15))
     note = no_gpu_line(config, plan)
     if note:

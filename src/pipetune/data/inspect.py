@@ -157,14 +157,20 @@ def split_report(
     )
 
 
-def training_attention_share(config: Config, prompts: PromptBuilder) -> float:
+def training_attention_share(config: Config, prompts: PromptBuilder | None = None) -> float:
     """The attention work of a training row against causal attention over the whole row: with data.packing, that
     of the training split's packed rows (packing.packed_attention_share, over the token cache's lengths: the
-    cache training reads, built here if missing), else 1.0 (a padded row is attended whole). The speed models
-    (the plan, `strategy = "auto"`, the bench's MFU) scale attention's FLOPs by it."""
+    cache training reads, built here if missing; `prompts`: the run's prompt builder, made here if None), else
+    1.0 (a padded row is attended whole). The speed models (the plan, `strategy = "auto"`, the bench's MFU) scale
+    attention's FLOPs by it."""
     if not config.data.packing:
         return 1.0
     from pipetune.data.cache import tokenized_data
+
+    if prompts is None:
+        from pipetune.preflight import prepare
+
+        prompts = prepare(config).prompts
 
     store = tokenized_data(config.data, prompts, config.train.seed).splits.get("train")
     lengths = store.lengths if store is not None else torch.empty(0, dtype=torch.long)

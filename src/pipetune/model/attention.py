@@ -31,7 +31,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from pipetune.model.kept_attention import keeps, kept_attention
+from pipetune.model.kept_attention import kept_attention, kept_kernel
 
 DOCUMENT_ATTENTION = "pipetune_document"
 """The attention implementation name a packed run's model config carries."""
@@ -149,8 +149,9 @@ def document_attention(
     BlockMask, SDPA per span with DocumentSpans); inside a checkpointed layer that keeps attention
     (train.keep_attention), SDPA's fused kernel with its output kept (model/kept_attention.py); transformers'
     SDPA otherwise."""
-    if keeps(module, query, key, value, attention_mask, dropout, kwargs):
-        return kept_attention(module, query, key, value, scaling), None
+    kernel = kept_kernel(module, query, key, value, attention_mask, dropout, kwargs)
+    if kernel is not None:
+        return kept_attention(query, key, value, scaling, kernel), None
     if not isinstance(attention_mask, (BlockMask, DocumentSpans)):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs

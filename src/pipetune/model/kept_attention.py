@@ -128,7 +128,7 @@ _ACTIVE: _Call | None = None
 """The checkpoint call being run or recomputed right now (set by `_Call.active`)."""
 
 
-def keeps(
+def kept_kernel(
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -136,16 +136,18 @@ def keeps(
     attention_mask: object,
     dropout: float,
     kwargs: dict,
-) -> bool:
-    """Whether this attention call goes through `kept_attention`: inside a keeping layer's checkpoint, not being
-    compiled, causal and unmasked, no dropout, sliding window or soft-capping, and SDPA would run one of KERNELS."""
+) -> int | None:
+    """The kernel (one of KERNELS) with which this attention call goes through `kept_attention`, or None: inside a
+    keeping layer's checkpoint, not being compiled, causal and unmasked, no dropout, sliding window or
+    soft-capping, and SDPA would run one of KERNELS."""
     if _ACTIVE is None or _ACTIVE.mode is None or torch.compiler.is_compiling():
-        return False
+        return None
     if attention_mask is not None or dropout > 0 or not getattr(module, "is_causal", True) or query.shape[2] < 2:
-        return False
+        return None
     if kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
-        return False
-    return _backend(query, key, value) in KERNELS
+        return None
+    backend = _backend(query, key, value)
+    return backend if backend in KERNELS else None
 
 
 def _backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
@@ -156,21 +158,21 @@ def _backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int
 
 
 def kept_attention(
-    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None, kernel: int
 ) -> torch.Tensor:
-    """[b, s, heads, d] causal attention of [b, heads, s, d] query and [b, kv heads, s, d] key and value, its
-    output kept by the active stage in the first forward and taken back in the recomputation."""
+    """[b, s, heads, d] causal attention of [b, heads, s, d] query and [b, kv heads, s, d] key and value by
+    `kernel` (kept_kernel's), its output kept by the active call in the first forward and taken back in the
+    recomputation."""
     assert _ACTIVE is not None
-    out = _KeptAttention.apply(query, key, value, scaling, _ACTIVE)
+    out = _KeptAttention.apply(query, key, value, scaling, _ACTIVE, kernel)
     return out.transpose(1, 2).contiguous()
 
 
-def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None) -> _Kept:
+def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, backend: int) -> _Kept:
     aten = torch.ops.aten
     if query.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, True, scale=scale)
         return _Kept(out, lse, FLASH, ())
-    backend = _backend(query, key, value)
     if backend == CUDNN:
         out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
             query, key, value, None, True, 0.0, True, False, scale=scale
@@ -203,9 +205,9 @@ class _KeptAttention(torch.autograd.Function):
     its kernel's backward operator."""
 
     @staticmethod
-    def forward(ctx, query, key, value, scale, call: _Call):
+    def forward(ctx, query, key, value, scale, call: _Call, kernel: int):
         if call.mode == "record":
-            kept = _forward(query, key, value, scale)
+            kept = _forward(query, key, value, scale, kernel)
             out = kept.out
             kept.out = out.detach()  # an alias of its own: the returned tensor gets this call's history
             call.record(kept)
@@ -221,4 +223,4 @@ class _KeptAttention(torch.autograd.Function):
         query, key, value, out, lse = ctx.saved_tensors
         grad = grad.contiguous() if grad.stride(-1) != 1 else grad
         dq, dk, dv = _backward(grad, query, key, value, out, lse, ctx.kept, ctx.scale)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None

@@ -23,6 +23,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from pipetune.config import Config, ConfigError, ParallelConfig, mlp_chunk_tokens
+from pipetune.data.inspect import training_attention_share
 from pipetune.model.graphs import choose_cuda_graphs, graphs_untried
 from pipetune.model.shapes import ResolvedModel, one_layer_model, resolve_model
 from pipetune.model.split import StageCosts, run_split
@@ -578,7 +579,7 @@ def resolve_auto(config: Config, gpus: int, announce: bool = True) -> Config:
     """`parallel.strategy = "auto"`: the config as its plan's pick on `gpus` GPUs, and one line saying what and why
     (printed by the first process only)."""
     check_data_source(config.data)  # a missing data file fails before the plan resolves the model
-    plan = make_plan(config, gpus, attention_share=attention_share_of(config))
+    plan = make_plan(config, gpus, attention_share=training_attention_share(config))
     if plan.pick is None:
         raise ConfigError(f"parallel.strategy = 'auto': {no_fit_message(plan)}")
     if announce and os.environ.get("RANK", "0") == "0":
@@ -590,16 +591,6 @@ def resolve_auto(config: Config, gpus: int, announce: bool = True) -> Config:
             )
         print(f"pipetune: parallel.strategy = auto: {elsewhere}{pick_line(plan)}", flush=True)
     return plan.pick.layout.apply(config)
-
-
-def attention_share_of(config: Config) -> float:
-    """make_plan's attention_share for `config`: with data.packing, its training rows' (data/inspect), else 1.0."""
-    if not config.data.packing:
-        return 1.0
-    from pipetune.data.inspect import training_attention_share
-    from pipetune.preflight import prepare
-
-    return training_attention_share(config, prepare(config).prompts)
 
 
 def no_gpu_line(config: Config, plan: Plan) -> str | None:
