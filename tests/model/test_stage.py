@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -53,17 +55,27 @@ def test_own_boundary_memory_copies_what_is_sent_and_changes_no_value() -> None:
 
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-gemma3"])  # gemma3's first layer: a sliding-window mask
 def test_layer_memory_counts_activations_not_weights(name: str) -> None:
-    """What a layer keeps for backward grows with the tokens; the weights its matmuls save are not counted."""
+    """What a layer keeps for backward grows with the tokens; the weights its matmuls save are not counted; and
+    the measurement leaves nothing behind (its graph once outlived it, holding a layer's activations)."""
     resolved = resolve_model(ModelConfig(name=name, init="random"))
     model, _ = build_model(resolved, torch.float32, torch.device("cpu"), layers=range(1), first=False, last=False)
     stage = StageModule(apply_lora(model, LoraConfig(dropout=0.1), name, seed=0)).train()
     state = torch.get_rng_state()
+    gc.collect()
+    graphs = _tensors_with_history()
     short, short_input = stage.layer_memory(1, 64)
+    gc.collect()
+    assert _tensors_with_history() == graphs
     long, long_input = stage.layer_memory(2, 64)
     assert torch.equal(torch.get_rng_state(), state)  # the run's dropout stream is untouched
     assert short_input == 64 * 256 * 4 and long_input == 2 * short_input
     weights = sum(p.numel() * p.element_size() for p in stage.layers[0].parameters())
     assert long == pytest.approx(2 * short, rel=0.02), (short, long, weights)
+
+
+def _tensors_with_history() -> int:
+    """Python tensors alive with an autograd history (a graph whose backward may still run)."""
+    return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.grad_fn is not None)
 
 
 @pytest.mark.parametrize(
