@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call: the steps named on the command line, in order, within a time budget, under the environment
 # every device run needs (benchmarks/h200_common.sh: NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-# NVSHMEM_DISABLE_NVLS=1, the wheels carried in .whl/, $OUT/env.txt, the compile cache carried in .carry/); at the
-# end every bench.json is merged into $OUT/bench_<tag>.json (printed as a table) and the runs' small files go to
+# NVSHMEM_DISABLE_NVLS=1, the wheels carried in .whl/, $OUT/env.txt, the compile cache carried in .carry/); each
+# bench's output and JSON are copied to $OUT/NAME.out and $OUT/bench-NAME.json as soon as it ends; at the end every
+# bench.json is merged into $OUT/bench_<tag>.json (printed as a table) and the runs' small files go to
 # $OUT/runs_<tag>.tar.gz.
 #
 #   OUT=dir bash benchmarks/device.sh [--budget S] [--tag TAG] [--tiny] [--dry-run] STEP [:: STEP ...]

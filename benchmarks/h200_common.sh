@@ -55,7 +55,10 @@ bench() {  # name, timeout s, config, args... (then $BENCH_ARGS): one `pipetune 
   fi
   echo "== $name ($(date +%T), limit $limit s): $*"
   python3 -m pipetune bench --config $config --out $W/$name --timeout $((limit - 15)) "$@" ${BENCH_ARGS:-} 2>&1 | \
-    grep -v -i warn | tee $W/$name.out | grep -E "^bench: .*(ready|step 1/|timed step 1 |done|timed out|exit code)|│|┃|error"
+    grep -v -i warn | tee $W/$name.out "$OUT/$name.out" | grep -E "^bench: .*(ready|step 1/|timed step 1 |done|timed out|exit code)|│|┃|error"
+  # its output (above) and its JSON kept in $OUT at once: a call the device stops at its limit never reaches `collect`
+  cp $W/$name/bench.json "$OUT/bench-$name.json" 2>/dev/null
+  return 0
 }
 collect() {  # tag: every bench.json under $W merged into $OUT/bench_<tag>.json and printed as a table; the runs'
   # small files (metrics, logs, configs, timelines, charts) in $OUT/runs_<tag>.tar.gz; the compile cache
