@@ -48,7 +48,7 @@ from pipetune.model.split import StageCosts, run_split, stage_costs
 from pipetune.model.stage import StageModule
 from pipetune.parallel.assemble import StagePart, build_stage_modules, compile_stages, run_parallelism
 from pipetune.parallel.gradients import GradientSync, bad_ranks, clip_global_grad_norm
-from pipetune.parallel.memory import auto_checkpointing
+from pipetune.parallel.memory import auto_checkpointing, check_plans_fit
 from pipetune.parallel.mesh import Mesh, build_mesh
 from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, evaluate_validation
 from pipetune.parallel.process_group import (
@@ -422,6 +422,7 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
         for module, count, offloaded in zip(modules, plan.layers, plan.offloaded_layers(), strict=True):
             module.set_layer_modes(count, offloaded)
         print(f"rank {env.rank}: {plan.describe(stages.ids, [len(m.layers) for m in modules])}", flush=True)
+        check_plans_fit(plan, config, device)
     cuda_graphs = t.compile and t.cuda_graphs and device.type == "cuda"
     if cuda_graphs:
         checkpointed = any(module.checkpoint_layers for module in modules)

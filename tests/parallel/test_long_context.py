@@ -4,6 +4,7 @@ checks that refuse or warn about a row before any GPU work, and a training run t
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,6 +15,7 @@ from pipetune.config import ConfigError, apply_override, mlp_chunk_tokens
 from pipetune.model.shapes import resolve_model
 from pipetune.model.split import run_split
 from pipetune.parallel.memory import (
+    BACKWARD_INPUTS,
     LAYER_MODES,
     OFFLOAD_STAGING,
     RowCosts,
@@ -23,6 +25,7 @@ from pipetune.parallel.memory import (
     long_row_memory,
     longest_rows,
     plan_checkpointing,
+    refuse_unfit,
     row_costs,
 )
 from pipetune.planner.plan import format_plan, make_plan
@@ -35,8 +38,9 @@ def test_offloaded_layers_hold_nothing_on_the_gpu_but_the_staged_inputs() -> Non
     layers, timeline = [4], [[2]]  # one stage of 4 layers, 2 microbatches in flight
     recomputed = activation_peak(layers, [4], timeline, 10.0, 1.0)[0]
     offloaded = activation_peak(layers, [4], timeline, 10.0, 1.0, offloaded=[4])[0]
-    assert recomputed == 2 * 4 * 1.0 + 10.0  # every input, and the layer being recomputed
-    assert offloaded == 10.0 + OFFLOAD_STAGING * 1.0  # no input: the host holds them
+    # every input, the layer being recomputed, and the backward's working set
+    assert recomputed == 2 * 4 * 1.0 + 10.0 + BACKWARD_INPUTS * 1.0
+    assert offloaded == 10.0 + OFFLOAD_STAGING * 1.0 + BACKWARD_INPUTS * 1.0  # no input: the host holds them
     assert host_bytes(timeline, [4], 1.0) == 2 * 4 * 1.0
 
 
@@ -127,6 +131,34 @@ def test_a_row_that_fits_no_layer_mode_is_refused_with_the_longest_that_would(tm
     assert 0 < longest < 1 << 24
     fitting = dataclasses.replace(config, data=dataclasses.replace(config.data, max_length=longest))
     check_row_fits(fitting, resolved, ranges)
+
+
+def test_a_run_whose_own_plan_cannot_fit_its_row_stops_before_step_1(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Preflight's count on the meta device can let a row through that the run's "auto" plan, from a layer measured
+    on its own device, cannot fit (here preflight's check is switched off, and a CPU plan has no host memory to
+    offload to): the run stops before step 1 with the longest row that would fit, which then trains."""
+    from pipetune.cli import main
+    from tests.conftest import write_config
+
+    monkeypatch.setattr("pipetune.parallel.memory.check_row_fits", lambda *args: None)
+    budget = ('train.activation_checkpointing="auto"', "train.memory_gb=0.045", "train.max_steps=1")
+    config = tiny_config(tmp_path / "run", "parallel.pp=1", "data.max_length=512", *budget)
+    with pytest.raises(SystemExit) as stopped:  # a run in one process: its worker's exit, here
+        main(["train", "--config", str(write_config(config, tmp_path / "c.toml")), "--quiet"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    said = re.search(r"data.max_length = 512 does not fit rank 0's 0.045 GB .* about (\d+) tokens", err)
+    assert said, err
+    assert not (tmp_path / "run" / "metrics.csv").exists() or losses(tmp_path / "run") == []
+    longest = int(said.group(1))
+    assert 128 <= longest < 512
+    fitting = tiny_config(tmp_path / "fits", "parallel.pp=1", f"data.max_length={longest}", *budget)
+    assert main(["train", "--config", str(write_config(fitting, tmp_path / "f.toml")), "--quiet"]) == 0
+    assert len(losses(tmp_path / "fits")) == 1
+    # Of several ranks (peak, budget, longest row each), the one with the shortest row that fits is named.
+    refuse_unfit([[1e9, 2e9, 512], [2e9, 2e9, 512]], config)  # every rank fits: nothing said
+    with pytest.raises(ConfigError, match=r"rank 2's 2 GB .* predicts 5 GB .* about 40 tokens"):
+        refuse_unfit([[1e9, 2e9, 512], [3e9, 2e9, 60], [5e9, 2e9, 40]], config)
 
 
 def test_rows_past_the_trained_positions_warn_and_name_rope_scaling(tmp_path: Path, capsys) -> None:

@@ -7,9 +7,11 @@ at a time, always on the stage that holds the most microbatches at the rank's pe
 fits the budget:
 
     peak = fixed + max over the schedule of sum_s inflight_s x (k_s x input + (L_s - k_s) x layer) + layer
+           + BACKWARD_INPUTS x input
 
 (`fixed`: weights, adapters with their gradients and AdamW moments, the loss's workspace and a margin; the
-last `layer`: the activations of the one layer being recomputed in backward). An offloaded layer (checkpointed,
+last `layer`: the activations of the one layer being recomputed in backward; then the backward's own working
+set). An offloaded layer (checkpointed,
 its input in pinned host memory: model/offload.py) holds nothing on the GPU between its forward and backward;
 while any is, two inputs are staged (the one in use, the one fetched ahead), and the host holds
 sum_s inflight_s x o_s x input. Offloading costs host bandwidth, not compute: "auto" offloads a checkpointed
@@ -51,6 +53,12 @@ OPTIMIZER_BYTES = 12
 """Per trainable parameter besides the parameter itself: its float32 gradient and two AdamW moments."""
 OFFLOAD_STAGING = 2
 """Layer inputs on the GPU at once while offloading: the one backward uses, the one fetched ahead."""
+BACKWARD_INPUTS = 8
+"""Layer inputs' worth of memory a layer's backward needs beside what the layer keeps: the gradients of its output
+and input, the norms' float32 gradients, attention's gradients. Negligible at short rows; at long ones the largest
+term after the kept inputs. Measured on one H200 (Qwen3-8B, one row: 131,072 and 262,144 tokens every layer
+offloaded, 400,000 with an NF4 base under "auto"): the runs peaked 8.1, 8.4 and 7.5 inputs above the rest of
+this model (benchmarks/journal/2026-12-01-late-400k-and-fact-recall-one-h200.md)."""
 HOST_BANDWIDTH = 20e9
 """Bytes per second of a pinned copy in one direction, as planned for (PCIe gen5 x16 measures ~50, shared by the
 node's GPUs)."""
@@ -71,10 +79,20 @@ class CheckpointPlan:
     """Of the checkpointed layers, how many (the first ones) keep their input in host memory, per stage."""
     host_bytes: float = 0.0
     """Predicted peak of the offloaded inputs in host memory."""
+    fixed_bytes: float = 0.0
+    """The part of `peak_bytes` that does not grow with the row: weights, optimizer, workspaces, the margin."""
 
     @property
     def fits(self) -> bool:
         return self.peak_bytes <= self.budget_bytes
+
+    def longest_row(self, tokens: int) -> int:
+        """About the longest row that would fit, from this plan for rows of `tokens`: what grows with the row
+        scaled down to the budget, with the same layers recomputed and offloaded."""
+        grows = self.peak_bytes - self.fixed_bytes
+        if grows <= 0 or self.budget_bytes <= self.fixed_bytes:
+            return 0
+        return min(tokens, int(tokens * (self.budget_bytes - self.fixed_bytes) / grows))
 
     def offloaded_layers(self) -> list[int]:
         return list(self.offloaded) if self.offloaded is not None else [0] * len(self.layers)
@@ -144,7 +162,8 @@ def activation_peak(
     offloaded: Sequence[int] | None = None,
 ) -> tuple[float, Sequence[int]]:
     """The peak of `activation_bytes` over the schedule (plus one layer's activations while a checkpointed layer
-    is recomputed in backward, and the staged inputs while any is offloaded), and the moment it happens."""
+    is recomputed in backward, the staged inputs while any is offloaded, and the backward's working set), and the
+    moment it happens."""
 
     def held(m: Sequence[int]) -> float:
         return activation_bytes(stage_layers, checkpointed, m, layer_bytes, input_bytes, offloaded)
@@ -152,7 +171,7 @@ def activation_peak(
     moment = max(timeline, key=held)
     recompute = layer_bytes if any(checkpointed) else 0.0
     staging = OFFLOAD_STAGING * input_bytes if offloaded and any(offloaded) else 0.0
-    return held(moment) + recompute + staging, moment
+    return held(moment) + recompute + staging + BACKWARD_INPUTS * input_bytes, moment
 
 
 def host_bytes(timeline: Sequence[Sequence[int]], offloaded: Sequence[int], input_bytes: float) -> float:
@@ -196,7 +215,7 @@ def plan_checkpointing(
             break
         total, moment = peak()
     host = host_bytes(timeline, offloaded, input_bytes)
-    return CheckpointPlan(checkpointed, total, budget_bytes, offloaded if any(offloaded) else None, host)
+    return CheckpointPlan(checkpointed, total, budget_bytes, offloaded if any(offloaded) else None, host, fixed_bytes)
 
 
 def offload_hides(input_bytes: float, layer_flops: float) -> bool:
@@ -247,6 +266,40 @@ def auto_checkpointing(
     hides = offload_hides(input_bytes, estimate_costs(resolved.config, seq).layer / 2 * microbatch * seq)
     host = host_budget() if device.type == "cuda" else 0.0  # a CPU has no host memory apart to move to
     return plan_checkpointing(stage_layers, timeline, layer_bytes, input_bytes, fixed, budget, host, hides)
+
+
+def check_plans_fit(plan: CheckpointPlan, config: Config, device: torch.device) -> None:
+    """Stop every rank before step 1 when any rank's "auto" plan, made from a layer measured on its own device,
+    predicts more than its budget even with every layer recomputed and offloaded as far as the host holds: each
+    rank's verdict is gathered (a ConfigError is said by rank 0 alone, and every rank must stop), and the message
+    names the rank with the shortest row that fits. Preflight's check (`check_row_fits`, on the meta device)
+    refuses most such rows before any process starts; this one catches what only the device shows."""
+    import torch.distributed as dist
+
+    mine = torch.tensor(
+        [plan.peak_bytes, plan.budget_bytes, plan.longest_row(config.data.max_length)], dtype=torch.float64
+    )
+    verdicts = [mine]
+    if dist.is_available() and dist.is_initialized():
+        verdicts = [torch.empty(3, dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
+        dist.all_gather(verdicts, mine.to(device))
+    refuse_unfit([v.tolist() for v in verdicts], config)
+
+
+def refuse_unfit(verdicts: Sequence[Sequence[float]], config: Config) -> None:
+    """`check_plans_fit`'s decision from each rank's (predicted peak, budget, longest row that fits) bytes."""
+    unfit = [(rank, v) for rank, v in enumerate(verdicts) if v[0] > v[1]]
+    if not unfit:
+        return
+    rank, (peak, budget, longest) = min(unfit, key=lambda item: item[1][2])
+    raise ConfigError(
+        f"data.max_length = {config.data.max_length} does not fit rank {rank}'s {budget / GB:.3g} GB "
+        '(train.memory_gb, else the GPU\'s): "auto", with a layer measured on the device, predicts '
+        f"{peak / GB:.3g} GB with the margin even with every layer recomputed and as many inputs in host memory as "
+        f"it holds; the longest row that would fit is about {int(longest)} tokens with {config.microbatch_size} "
+        "sequence(s) a microbatch; lower data.max_length or the microbatch (train.batch_size / "
+        "parallel.n_microbatches), or spread the layers over more GPUs (parallel.pp)"
+    )
 
 
 def mlp_workspace_bytes(config: Config, model_config: PretrainedConfig, tokens: int) -> float:
@@ -447,10 +500,11 @@ def longest_rows(
     them (the rest stay on the GPU, as "auto" plans)."""
     layers_held = max(sum(held * n for held, n in zip(moment, stage_layers, strict=True)) for moment in timeline)
     free = max(0.0, budget - row.fixed)
-    recompute = layers_held * row.input + row.layer + row.transient
-    offloaded = OFFLOAD_STAGING * row.input + row.layer + row.transient
+    during = row.transient + BACKWARD_INPUTS * row.input  # while a layer runs, beside what the layers keep
+    recompute = layers_held * row.input + row.layer + during
+    offloaded = OFFLOAD_STAGING * row.input + row.layer + during
     tokens = {
-        "keep": free / (layers_held * row.layer + row.transient),
+        "keep": free / (layers_held * row.layer + during),
         "recompute": free / recompute,
         # All on the host, or the host full and the rest on the GPU: the first bound that binds.
         "offload": min(free / offloaded, (free + host) / (recompute + OFFLOAD_STAGING * row.input)),
