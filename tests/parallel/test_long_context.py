@@ -18,6 +18,7 @@ from pipetune.parallel.memory import (
     BACKWARD_INPUTS,
     LAYER_MODES,
     OFFLOAD_STAGING,
+    CheckpointPlan,
     RowCosts,
     activation_peak,
     check_row_fits,
@@ -155,6 +156,8 @@ def test_a_run_whose_own_plan_cannot_fit_its_row_stops_before_step_1(tmp_path: P
     fitting = tiny_config(tmp_path / "fits", "parallel.pp=1", f"data.max_length={longest}", *budget)
     assert main(["train", "--config", str(write_config(fitting, tmp_path / "f.toml")), "--quiet"]) == 0
     assert len(losses(tmp_path / "fits")) == 1
+    # A plan that fits (a CPU's has no limit) keeps its row.
+    assert CheckpointPlan([0], 64e6, float("inf"), fixed_bytes=28e6).longest_row(256) == 256
     # Of several ranks (peak, budget, longest row each), the one with the shortest row that fits is named.
     refuse_unfit([[1e9, 2e9, 512], [2e9, 2e9, 512]], config)  # every rank fits: nothing said
     with pytest.raises(ConfigError, match=r"rank 2's 2 GB .* predicts 5 GB .* about 40 tokens"):

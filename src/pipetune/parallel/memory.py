@@ -88,11 +88,11 @@ class CheckpointPlan:
 
     def longest_row(self, tokens: int) -> int:
         """About the longest row that would fit, from this plan for rows of `tokens`: what grows with the row
-        scaled down to the budget, with the same layers recomputed and offloaded."""
+        scaled down to the budget, with the same layers recomputed and offloaded (`tokens` when it fits)."""
+        if self.fits:
+            return tokens
         grows = self.peak_bytes - self.fixed_bytes
-        if grows <= 0 or self.budget_bytes <= self.fixed_bytes:
-            return 0
-        return min(tokens, int(tokens * (self.budget_bytes - self.fixed_bytes) / grows))
+        return max(0, int(tokens * (self.budget_bytes - self.fixed_bytes) / grows)) if grows > 0 else 0
 
     def offloaded_layers(self) -> list[int]:
         return list(self.offloaded) if self.offloaded is not None else [0] * len(self.layers)
