@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -55,20 +56,66 @@ SHARED_RUNS = {
     # tests/test_summarize.py: a non-default seed, so that a base rebuilt with the default seed would differ
     "seed-7": ("train.seed=7",),
 }
-"""The 2-stage runs (tiny_config's pp = 2) that tests only read, by name: the run directory's."""
+"""The 2-stage runs (tiny_config's pp = 2) that tests only read, by name: the run directory's. They are trained
+with the other 2-process runs of the session (two_process_runs), by the same start of the workers."""
 
 
 @pytest.fixture(scope="session")
-def shared_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SHARED_RUNS trained in turn by one start of the workers (train_in_turn): the directory holding their run
-    directories."""
-    tmp = tmp_path_factory.mktemp("shared")
-    train_in_turn(
-        *(
-            write_config(tiny_config(tmp / name, *overrides), tmp / f"{name}.toml")
-            for name, overrides in SHARED_RUNS.items()
-        )
-    )
+def shared_runs(two_process_runs: Path) -> Path:
+    """SHARED_RUNS trained (by two_process_runs, with the session's other 2-process runs): the directory holding
+    their run directories."""
+    return two_process_runs
+
+
+@pytest.fixture(scope="session")
+def two_process_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Multi-process runs that tests only read are trained together: a test file lists its own in a function
+    `two_process_configs(tmp) -> {name: Config}` (or `four_process_configs`; for a run that resumes from an
+    earlier run's checkpoint, `{name: (Config, {source: destination})}`: copied into place by rank 0 once the runs
+    before it have ended), and this fixture (four_process_runs) trains the runs of every selected test file that
+    asks for it, and SHARED_RUNS when a selected test reads shared_runs, in turn by one start of the workers
+    (train_in_turn). Each run after the first saves a start of the workers: ~6 s of imports on 2 cores for 2
+    workers, ~11 s for 4. Run names are unique over the files. The directory holding their run directories, and
+    output.log: what all of them printed."""
+    tmp = tmp_path_factory.mktemp("two-processes")
+    shared = any("shared_runs" in getattr(item, "fixturenames", ()) for item in request.session.items)
+    configs = {name: tiny_config(tmp / name, *overrides) for name, overrides in SHARED_RUNS.items()} if shared else {}
+    return _train_listed(request, tmp, "two_process", configs)
+
+
+@pytest.fixture(scope="session")
+def four_process_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The runs of the selected test files' `four_process_configs`, trained in turn by one start of 4 workers."""
+    return _train_listed(request, tmp_path_factory.mktemp("four-processes"), "four_process", {})
+
+
+def _train_listed(request: pytest.FixtureRequest, tmp: Path, kind: str, configs: dict[str, Config]) -> Path:
+    """Train, in tmp, `configs` and the runs that the test files of this session's tests using the `{kind}_runs`
+    fixture list in their `{kind}_configs(tmp)`, file by file in name order, except that compiled runs go last
+    (the runs before them share their workers and must not find anything compiled). The workers log the
+    compiler's recompilations (TORCH_LOGS, read when torch is imported); what all the runs printed (stdout, then
+    stderr) is written to tmp / "output.log"."""
+    from tests.faults import COPIES_SUFFIX
+
+    users = {item.module for item in request.session.items if f"{kind}_runs" in getattr(item, "fixturenames", ())}
+    copies: dict[str, dict[Path, Path]] = {}
+    for module in sorted(users, key=lambda module: module.__name__):
+        listed = getattr(module, f"{kind}_configs", None)  # None: a file that reads only shared_runs
+        for name, config in (listed(tmp) if listed else {}).items():
+            if isinstance(config, tuple):  # (config, {source: destination}): copied into place before the run
+                config, copies[name] = config
+            assert name not in configs and Path(config.output.dir) == tmp / name, (module.__name__, name)
+            configs[name] = config
+    ordered = sorted(configs, key=lambda name: configs[name].train.compile)  # stable: compiled runs last
+    assert ordered[0] not in copies, "the first run copies nothing: it starts the workers"
+    files = [write_config(configs[name], tmp / f"{name}.toml") for name in ordered]
+    for name, pairs in copies.items():
+        listed_pairs = [[str(source), str(destination)] for source, destination in pairs.items()]
+        (tmp / f"{name}.toml{COPIES_SUFFIX}").write_text(json.dumps(listed_pairs))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCH_LOGS", "recompiles")
+        result = train_in_turn(*files)
+    (tmp / "output.log").write_text(result.stdout + result.stderr)
     return tmp
 
 

@@ -12,12 +12,15 @@ local workers it starts too. Each fault is read from the environment and off unl
 
 And one that is not a fault: PIPETUNE_TEST_THEN=FILE[:FILE...] has each worker train these configs too, one after
 another, once the command's own run is done: several runs of one world size for one start of the workers
-(tests/conftest.py: train_in_turn).
+(tests/conftest.py: train_in_turn). A FILE beside which FILE + COPIES_SUFFIX lists [source, destination] pairs
+(JSON) has them copied first, once every rank is done with the runs before it: a checkpoint to resume from.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -32,6 +35,7 @@ from pipetune.parallel.process_group import exit_finished, restart_count, under_
 from pipetune.run_lock import TOKEN_ENV
 
 THEN_ENV = "PIPETUNE_TEST_THEN"
+COPIES_SUFFIX = ".copies.json"
 
 
 class FaultInjection(train.TrainHooks):
@@ -91,9 +95,27 @@ def train_in_turn(config_files: list[str]) -> None:
             break
         if os.environ.get("RANK") == "0":  # which run a failure below belongs to
             print(f"tests.faults: next: pipetune train --config {config_file} --quiet", flush=True)
+        _copy_before(config_file)
         code = cli.main(["train", "--config", config_file, "--quiet"])
     leave()
     exit_finished(code)
+
+
+def _copy_before(config_file: str) -> None:
+    """Copy what config_file + COPIES_SUFFIX lists (rank 0), between barriers: after every rank has ended the
+    runs before, and before any starts this one."""
+    copies = Path(config_file + COPIES_SUFFIX)
+    if not copies.exists():
+        return
+    torch.distributed.barrier()
+    if os.environ.get("RANK") == "0":
+        for source, destination in json.loads(copies.read_text()):
+            Path(destination).parent.mkdir(parents=True, exist_ok=True)
+            if Path(source).is_dir():
+                shutil.copytree(source, destination)
+            else:
+                shutil.copy(source, destination)
+    torch.distributed.barrier()
 
 
 if __name__ == "__main__":

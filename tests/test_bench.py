@@ -78,14 +78,14 @@ def test_bench_runs_strategies_and_reports_bubble(tmp_path: Path) -> None:
 def test_bench_reports_a_strategy_past_its_timeout_and_runs_the_next(tmp_path: Path) -> None:
     config = write_config(tiny_config(tmp_path / "unused"), tmp_path / "c.toml")
     out = tmp_path / "bench"
-    # 3 s: no strategy gets past its start; each is ended and reported, and the next one still runs.
+    # 1 s: no strategy gets past its start; each is ended and reported, and the next one still runs.
     args = ["bench", "--config", str(config), "--strategies", "pp,single", "--steps", "1", "--warmup", "1"]
-    result = run_cli(*args, "--out", str(out), "--timeout", "3", check=False)
+    result = run_cli(*args, "--out", str(out), "--timeout", "1", check=False)
     assert result.returncode == 1
     rows = json.loads((out / "bench.json").read_text())
     assert [r["strategy"] for r in rows] == ["pp", "single"]
-    assert all(r["error"].startswith("timed out after 3 s in ") and r["last_phase"] for r in rows), rows
-    assert "bench: single: timed out after 3 s in " in result.stdout
+    assert all(r["error"].startswith("timed out after 1 s in ") and r["last_phase"] for r in rows), rows
+    assert "bench: single: timed out after 1 s in " in result.stdout
 
 
 def test_a_strategy_timed_out_after_timed_steps_keeps_their_figures(tmp_path: Path) -> None:

@@ -9,8 +9,8 @@ PIPETUNE_TEST_KILL_AT_STEP makes the highest rank SIGKILL itself (the tests' ent
 from __future__ import annotations
 
 import csv
+import json
 import logging
-import shutil
 from pathlib import Path
 
 import pytest
@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from pipetune.checkpoint import MARKER, committed_checkpoints
-from pipetune.config import load_config
+from pipetune.config import Config, load_config
 from pipetune.parallel.torch_compat import keep_rng_out_of_no_grad_forwards
 from tests.conftest import TWO_EPOCHS, run_cli, tiny_config, write_config
 from tests.parity import assert_adapter_matches, learning_rates
@@ -99,8 +99,23 @@ def test_max_restarts_finishes_a_run_whose_rank_was_killed(
     assert _adapter_bytes(tmp_path / "run") == _adapter_bytes(reference)
 
 
+INTERLEAVED = ['parallel.schedule="interleaved_1f1b"', "parallel.stages_per_rank=2"]
+
+
+def two_process_configs(tmp: Path) -> dict[str, tuple[Config, dict[Path, Path]]]:
+    """The run that tests/conftest.py trains after the shared ones (tmp holds both): the pp=2 run without dropout
+    as it stood at step 6 (its checkpoint there, metrics.csv, trimmed on resume), resumed under 4 stages."""
+    reference, resumed = tmp / "two-epochs-no-dropout", tmp / "four-stages"
+    copies = {
+        reference / "metrics.csv": resumed / "metrics.csv",
+        reference / "checkpoints" / "step-6": resumed / "checkpoints" / "step-6",
+    }
+    config = tiny_config(resumed, *TWO_EPOCHS, "lora.dropout=0.0", *INTERLEAVED, 'train.resume="auto"')
+    return {"four-stages": (config, copies)}
+
+
 @pytest.mark.slow
-def test_checkpoint_of_two_stages_resumes_under_four(shared_runs: Path, tmp_path: Path) -> None:
+def test_checkpoint_of_two_stages_resumes_under_four(shared_runs: Path, two_process_runs: Path) -> None:
     """Adapter and optimizer state are keyed by full-model names: the layout may change on resume. Here from
     layers 0-1 and 2-3 on ranks 0 and 1 to one layer a stage, two stages a rank (interleaved: layers 0 and 2 on
     rank 0), on the same two processes.
@@ -112,14 +127,9 @@ def test_checkpoint_of_two_stages_resumes_under_four(shared_runs: Path, tmp_path
     assert load_config(reference / "config.toml").lora.dropout == 0.0
     assert [c.step for c in committed_checkpoints(reference)] == [6, 8]
 
-    # The pp=2 run as it stood at step 6: its checkpoint there, metrics.csv (trimmed on resume).
-    resumed = tmp_path / "four-stages"
-    resumed.mkdir()
-    shutil.copy(reference / "metrics.csv", resumed / "metrics.csv")
-    shutil.copytree(reference / "checkpoints" / "step-6", resumed / "checkpoints" / "step-6")
-    interleaved = ['parallel.schedule="interleaved_1f1b"', "parallel.stages_per_rank=2"]
-    config_file = _config_file(tmp_path, "four-stages", "lora.dropout=0.0", *interleaved)
-    _train(config_file, "--resume")
+    # The pp=2 run as it stood at step 6 (its checkpoint there, metrics.csv), resumed: two_process_configs.
+    resumed = two_process_runs / "four-stages"
+    assert json.loads((resumed / "run.json").read_text())["resumed_from_step"] == 6
     assert load_config(resumed / "config.toml").parallel.n_stages == 4
 
     expected = [float(loss) for _, step, loss in _metrics(reference) if int(step) > 6]

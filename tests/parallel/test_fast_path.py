@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from pipetune.config import Config
 from pipetune.parallel.memory import plan_checkpointing
-from tests.conftest import TWO_EPOCHS, tiny_config, train_in_turn, write_config
+from tests.conftest import TWO_EPOCHS, tiny_config
 from tests.parity import COMPILED_TYPICAL, assert_same_training
 from tests.parity import adapter as _adapter
 from tests.parity import losses as _losses
@@ -27,28 +28,17 @@ SWITCH_RUNS = {
     # "auto" checkpoints where memory is short: under 1F1B stage 0 holds two microbatches' activations, stage 1 one,
     # so with the same budget only stage 0 recomputes layers. With dropout on (TWO_EPOCHS), 8 steps long.
     "ckpt": [*TWO_EPOCHS, 'train.activation_checkpointing="auto"', "train.memory_gb=0.026"],
-    # Compiled, with train.layers_per_graph = 0: each stage's layers traced as one graph. Last: the runs before it
-    # share its workers and must not find anything compiled.
+    # Compiled, with train.layers_per_graph = 0: each stage's layers traced as one graph. Trained after every other
+    # run of its start of the workers (tests/conftest.py: two_process_runs), which must not find anything compiled.
     "compiled": ["lora.fast_path=true", "train.compile=true", "train.layers_per_graph=0"],
 }
 """The 2-stage runs of this file (tiny_config's pp = 2), each with one speed switch on."""
 
 
-@pytest.fixture(scope="module")
-def switch_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """SWITCH_RUNS trained in turn by one start of the workers (tests/conftest.py: train_in_turn), which log the
-    compiler's recompilations (TORCH_LOGS, read when torch is imported). The directory holding their run
-    directories, and output.log: what all of them printed (stdout, then stderr)."""
-    tmp = tmp_path_factory.mktemp("switches")
-    files = [
-        write_config(tiny_config(tmp / name, *overrides), tmp / f"{name}.toml")
-        for name, overrides in SWITCH_RUNS.items()
-    ]
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TORCH_LOGS", "recompiles")
-        result = train_in_turn(*files)
-    (tmp / "output.log").write_text(result.stdout + result.stderr)
-    return tmp
+def two_process_configs(tmp: Path) -> dict[str, Config]:
+    """SWITCH_RUNS, which tests/conftest.py trains with the other 2-process runs (its workers log the compiler's
+    recompilations into output.log, with what all those runs printed)."""
+    return {name: tiny_config(tmp / name, *overrides) for name, overrides in SWITCH_RUNS.items()}
 
 
 def _val_loss(run_dir: Path) -> float:
@@ -56,34 +46,36 @@ def _val_loss(run_dir: Path) -> float:
         return float(list(csv.DictReader(f))[-1]["val_loss"])
 
 
-def test_fast_path_pipeline_matches_plain_single_process(reference: Path, switch_runs: Path) -> None:
-    assert_same_training(switch_runs / "fast", reference)
+def test_fast_path_pipeline_matches_plain_single_process(reference: Path, two_process_runs: Path) -> None:
+    assert_same_training(two_process_runs / "fast", reference)
 
 
-def test_fused_loss_pipeline_matches_plain_single_process(reference: Path, switch_runs: Path) -> None:
+def test_fused_loss_pipeline_matches_plain_single_process(reference: Path, two_process_runs: Path) -> None:
     # Gradients agree to ~1e-6 (float32 sums in another order: tests/model/test_loss.py): the same training as
     # every parity test defines it (tests/parity.py: losses, gradient norms, the adapter within Adam's rounding).
-    assert_same_training(switch_runs / "fused", reference)
+    assert_same_training(two_process_runs / "fused", reference)
 
 
-def test_compiled_fast_path_matches_plain(reference: Path, switch_runs: Path) -> None:
+def test_compiled_fast_path_matches_plain(reference: Path, two_process_runs: Path) -> None:
     """Compiled, in a 2-stage pipeline, with train.layers_per_graph = 0: each stage's layers traced as one graph."""
-    compiled = switch_runs / "compiled"
+    compiled = two_process_runs / "compiled"
     # Inductor fuses and reassociates float32 work: the same training to its rounding (tests/parity.py).
     assert_same_training(compiled, reference, typical_share=COMPILED_TYPICAL)
     # Validation runs the compiled layers eagerly: the same loss, and no second compilation for no_grad.
     assert _val_loss(compiled) == pytest.approx(_val_loss(reference), rel=1e-4)
-    assert "grad_mode" not in (switch_runs / "output.log").read_text()
+    assert "grad_mode" not in (two_process_runs / "output.log").read_text()
 
 
-def test_activation_checkpointing_changes_nothing_but_memory(two_epoch_run: Path, switch_runs: Path) -> None:
+def test_activation_checkpointing_changes_nothing_but_memory(two_epoch_run: Path, two_process_runs: Path) -> None:
     """ "auto" checkpoints where memory is short: under 1F1B stage 0 holds two microbatches' activations, stage 1
     one, so with the same budget only stage 0 recomputes layers. With dropout on (TWO_EPOCHS): the recomputation
     must draw the same masks as the first forward, 8 steps long, as the same run without it (tests/conftest.py)."""
-    recomputed = switch_runs / "ckpt"
-    log = (switch_runs / "output.log").read_text()  # only this run checkpoints "auto": the plan is its, per rank
-    planned = {int(stage): int(k) for stage, k in re.findall(r"stage (\d): (\d) of 2 layers", log)}
-    assert planned[0] >= 1 and planned[1] == 0, log
+    recomputed = two_process_runs / "ckpt"
+    # Only this run of its start of the workers checkpoints "auto": the plan is its, one line per rank.
+    log = (two_process_runs / "output.log").read_text()
+    plans = re.findall(r"stage (\d): (\d) of 2 layers", log)
+    planned = {int(stage): int(k) for stage, k in plans}
+    assert len(plans) == 2 and planned[0] >= 1 and planned[1] == 0, log
     expected = _losses(two_epoch_run)
     assert len(expected) == 8
     torch.testing.assert_close(torch.tensor(_losses(recomputed)), torch.tensor(expected), rtol=1e-6, atol=0)

@@ -8,7 +8,7 @@ Checkpoints hold whole tensors, cut back into shards on load.
 from __future__ import annotations
 
 import csv
-import shutil
+import json
 from pathlib import Path
 
 import pytest
@@ -44,10 +44,19 @@ def _train(tmp: Path, name: str, *overrides: str, nproc: int, resume: bool = Fal
     return run_cli("train", "--config", config_file, "--nproc", str(nproc), *args).stdout
 
 
-def two_process_configs(tmp: Path) -> dict[str, Config]:
-    """This file's runs that tests/parallel/conftest.py trains with other files' 2-process runs: FSDP2 with a
-    checkpoint every step."""
-    return {"fsdp2": tiny_config(tmp / "fsdp2", *EFFECTIVE_16, *FSDP2, "train.save_every=1")}
+def two_process_configs(tmp: Path) -> dict[str, Config | tuple[Config, dict[Path, Path]]]:
+    """This file's runs that tests/conftest.py trains with other files' 2-process runs: FSDP2 with a checkpoint
+    every step, then the same run resumed from its step-2 checkpoint (with its metrics.csv, trimmed on resume),
+    copied into a new run directory."""
+    run, resumed = tmp / "fsdp2", tmp / "fsdp2-resumed"
+    copies = {
+        run / "metrics.csv": resumed / "metrics.csv",
+        run / "checkpoints" / "step-2": resumed / "checkpoints" / "step-2",
+    }
+    return {
+        "fsdp2": tiny_config(run, *EFFECTIVE_16, *FSDP2, "train.save_every=1"),
+        "fsdp2-resumed": (tiny_config(resumed, *EFFECTIVE_16, *FSDP2, 'train.resume="auto"'), copies),
+    }
 
 
 def four_process_configs(tmp: Path) -> dict[str, Config]:
@@ -59,17 +68,13 @@ def four_process_configs(tmp: Path) -> dict[str, Config]:
 
 
 @pytest.mark.slow
-def test_fsdp_matches_single_process_and_resumes_exactly(single: Path, two_process_runs: Path, tmp_path: Path) -> None:
+def test_fsdp_matches_single_process_and_resumes_exactly(single: Path, two_process_runs: Path) -> None:
     run = two_process_runs / "fsdp2"
     _assert_same_run(run, single)
 
     # Its step-2 checkpoint holds whole adapters and AdamW moments; each rank cuts its shards back out.
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copy(run / "metrics.csv", resumed / "metrics.csv")
-    shutil.copytree(run / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")
-    printed = _train(tmp_path, "resumed", *FSDP2, nproc=2, resume=True)
-    assert f"resumed from {resumed / 'checkpoints' / 'step-2'} at step 2" in printed
+    resumed = two_process_runs / "fsdp2-resumed"  # two_process_configs: step-2 and metrics.csv copied, resumed
+    assert json.loads((resumed / "run.json").read_text())["resumed_from_step"] == 2
     assert _metrics(resumed) == _metrics(run)  # step 3 bit for bit
     assert (resumed / ADAPTER).read_bytes() == (run / ADAPTER).read_bytes()
 
