@@ -9,16 +9,15 @@ fits the budget:
     peak = fixed + max over the schedule of sum_s inflight_s x (k_s x input + (L_s - k_s) x layer) + layer
            + BACKWARD_INPUTS x input
 
-(`fixed`: weights, adapters with their gradients and AdamW moments, the loss's workspace and a margin; the
-last `layer`: the activations of the one layer being recomputed in backward; then the backward's own working
-set). An offloaded layer (checkpointed,
-its input in pinned host memory: model/offload.py) holds nothing on the GPU between its forward and backward;
-while any is, two inputs are staged (the one in use, the one fetched ahead), and the host holds
-sum_s inflight_s x o_s x input. Offloading costs host bandwidth, not compute: "auto" offloads a checkpointed
-layer before recomputing another when copying its input takes less time than the layer's forward (then the
-copy hides behind it), else only once every layer is recomputed (docs/long-context.md). The microbatches in
-flight come from the schedule's own actions (`schedule_actions`); a layer's activations are measured on a
-throwaway copy, on the run's device or, for `pipetune plan`, on the meta device, which needs no memory.
+(`fixed`: weights, adapters with their gradients and AdamW moments, the loss's workspace and a margin; the last
+`layer`: the activations of the one layer being recomputed in backward; then the backward's own working set). An
+offloaded layer (checkpointed, its input in pinned host memory: model/offload.py) holds nothing on the GPU between
+its forward and backward; while any is, two inputs are staged (the one in use, the one fetched ahead), and the host
+holds sum_s inflight_s x o_s x input. Offloading costs host bandwidth, not compute: "auto" offloads a checkpointed
+layer before recomputing another when copying its input takes less time than the layer's forward (then the copy
+hides behind it), else only once every layer is recomputed (docs/long-context.md). The microbatches in flight come
+from the schedule's own actions (`schedule_actions`); a layer's activations are measured on a throwaway copy, on
+the run's device or, for `pipetune plan`, on the meta device, which needs no memory.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig
 
@@ -274,8 +274,6 @@ def check_plans_fit(plan: CheckpointPlan, config: Config, device: torch.device) 
     rank's verdict is gathered (a ConfigError is said by rank 0 alone, and every rank must stop), and the message
     names the rank with the shortest row that fits. Preflight's check (`check_row_fits`, on the meta device)
     refuses most such rows before any process starts; this one catches what only the device shows."""
-    import torch.distributed as dist
-
     mine = torch.tensor(
         [plan.peak_bytes, plan.budget_bytes, plan.longest_row(config.data.max_length)], dtype=torch.float64
     )
@@ -287,7 +285,8 @@ def check_plans_fit(plan: CheckpointPlan, config: Config, device: torch.device) 
 
 
 def refuse_unfit(verdicts: Sequence[Sequence[float]], config: Config) -> None:
-    """`check_plans_fit`'s decision from each rank's (predicted peak, budget, longest row that fits) bytes."""
+    """`check_plans_fit`'s decision from each rank's (predicted peak bytes, budget bytes, tokens of the longest row
+    that fits)."""
     unfit = [(rank, v) for rank, v in enumerate(verdicts) if v[0] > v[1]]
     if not unfit:
         return
