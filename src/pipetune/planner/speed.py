@@ -37,8 +37,8 @@ graphs (train.cuda_graphs, where it pays off)."""
 class GpuRates:
     """What one GPU and its link to the others do per second, for the step-time model.
 
-    The defaults are an H200's. The matmul rate was measured (profile); the attention rate is flash attention's
-    published order of magnitude; the link is NVLink's. The per-mode constants (other, host, kernel, FSDP) were
+    The defaults are an H200's. The matmul rate was measured (profile), the attention rate too (one layer's
+    attention at a long row); the link is NVLink's. The per-mode constants (other, host, kernel, FSDP) were
     fitted, by least squares on log tokens/s, to the 32 timed pipetune runs on 2x H200 in
     benchmarks/journal/results (benchmarks/journal/plan-check.md has each run beside its prediction): they describe
     those runs, and a GPU of another kind needs `pipetune plan --calibrate`."""
@@ -46,8 +46,12 @@ class GpuRates:
     name: str = "H200, fitted to the benchmarks' runs (uncalibrated here)"
     matmul_flops: float = 775e12
     """Base-weight matmuls: the profile of a Qwen3-4B stage measured ~775 TFLOP/s (2026-11-29-speed-h200.md)."""
-    attention_flops: float = 400e12
-    """Causal flash attention, forward and backward (not fitted: the runs cannot tell it from `other_seconds`)."""
+    attention_flops: float = 470e12
+    """Causal attention, forward and backward, as SDPA runs it (cuDNN's kernel on an H200 with torch 2.11): at
+    131,072 tokens of Qwen3-8B a layer's forward took 246 ms and forward with backward 913 ms, 462-486 TFLOP/s as
+    this model counts them (2026-12-01-keep-attention-and-2048-one-h200.md). Short rows cannot tell it from
+    `other_seconds`; the long rows can: with it the three on one H200 land within 5% (400e12, flash attention's
+    published order of magnitude used before, put them 9-17% slow; plan-check.md)."""
     other_seconds: dict[str, float] = field(
         default_factory=lambda: {"plain": 2.3e-10, "eager": 1.0e-10, "compiled": 0.9e-10, "graphs": 0.9e-10}
     )
