@@ -14,7 +14,6 @@ replayed graphs keep tensors in pools that `max_memory_allocated` stops counting
 from __future__ import annotations
 
 import argparse
-import contextlib
 import csv
 import json
 import statistics
@@ -26,10 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "journal" / "results"
 sys.path.insert(0, str(ROOT / "src"))
 
-import pipetune.planner.plan as plan_module  # noqa: E402
 from pipetune.bench import strategy_config  # noqa: E402
 from pipetune.config import load_config  # noqa: E402
-from pipetune.parallel.memory import GB, HOST_SHARE  # noqa: E402
+from pipetune.parallel.memory import GB  # noqa: E402
 from pipetune.planner.layouts import Layout  # noqa: E402
 from pipetune.planner.plan import H200_MEMORY, make_plan  # noqa: E402
 from pipetune.planner.speed import GpuRates  # noqa: E402
@@ -643,20 +641,6 @@ def measured(run: Run) -> dict:
     }
 
 
-@contextlib.contextmanager
-def host_of(run: Run):
-    """The planner's host memory as the machine's the run ran on (Run.host_gib), else this machine's."""
-    if not run.host_gib:
-        yield
-        return
-    original = plan_module.host_budget
-    plan_module.host_budget = lambda gpus=None: HOST_SHARE * run.host_gib * 2**30 / max(1, gpus or 1)
-    try:
-        yield
-    finally:
-        plan_module.host_budget = original
-
-
 def rebuild(run: Run):
     config = load_config(ROOT / run.config, run.overrides)
     if run.strategy != config.parallel.strategy or run.strategy in ("ddp", "fsdp"):
@@ -692,8 +676,8 @@ def main() -> int:
         p = config.parallel
         gpus = p.pp * p.dp * getattr(p, "tp", 1)
         budget = None if config.train.memory_gb > 0 else H200_MEMORY  # None: train.memory_gb
-        with host_of(run):
-            plan = make_plan(config, gpus, budget, rates, layouts=[Layout.of(config)])
+        host = run.host_gib * 2**30 if run.host_gib else None  # None: this machine's
+        plan = make_plan(config, gpus, budget, rates, layouts=[Layout.of(config)], host_memory=host)
         prediction = plan.predictions[0]
         graphs = prediction.mode == "graphs"
         figure = seen["reserved"] if graphs else seen["peak"]

@@ -13,7 +13,7 @@ import torch
 from pipetune.cli import main
 from pipetune.config import ConfigError, ParallelConfig, load_config, validate, validate_against_model
 from pipetune.model.shapes import resolve_model
-from pipetune.parallel.memory import GB, MARGIN
+from pipetune.parallel.memory import GB, HOST_SHARE, MARGIN
 from pipetune.planner.plan import format_plan, make_plan, resolve_auto
 from pipetune.preflight import linear_layer_names
 from tests.conftest import REPO, run_cli, tiny_config
@@ -184,22 +184,22 @@ def test_without_a_gpu_the_plan_says_whose_predictions_and_what_auto_runs_here(
     assert f"pick: {pick}," in said
 
 
-def test_a_plan_that_offloads_says_so_and_is_listed_beside_all_recomputed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_plan_that_offloads_says_so_and_is_listed_beside_all_recomputed(tmp_path: Path) -> None:
     """One long row on a GPU where every layer recomputed just misses and 1 GB of host memory takes inputs: "auto"
     recomputes every layer too but offloads some inputs, and fits. The plan lists both and says how many inputs
     are offloaded (it had listed "all" once, the offloading plan dropped as the same: at 400,000 tokens of
     Qwen3-8B with an NF4 base it said nothing fits one H200)."""
-    monkeypatch.setattr("pipetune.planner.plan.host_budget", lambda world_size: 1e9)
     one_row = ["parallel.n_microbatches=1", "train.batch_size=1", "train.grad_accum=1", "train.fused_loss=true"]
     config = tiny_config(tmp_path, "parallel.pp=1", "data.max_length=65536", *one_row)
 
-    def rows(budget: float) -> dict:
-        return {p.layout.checkpointing: p for p in make_plan(config, 1, budget=budget, search=False).predictions}
+    def rows(budget: float, host: float = 1e9) -> dict:
+        plan = make_plan(config, 1, budget=budget, search=False, host_memory=host / HOST_SHARE)  # host: a rank's
+        return {p.layout.checkpointing: p for p in plan.predictions}
 
     budget = max(rows(1e12)[True].peaks) / (1 - MARGIN) * 0.98  # every layer recomputed: 2% short
     recomputed, auto = rows(budget)[True], rows(budget)["auto"]
     assert recomputed.checkpointing() == "all" and not recomputed.fits
     offloaded = sum(map(sum, auto.offloaded))
     assert auto.checkpointing() == f"all, {offloaded} offloaded" and offloaded > 0 and auto.fits
+    # The host memory is the training machine's, as given: none, and no layout offloads ("auto" is "all" then).
+    assert not any(sum(map(sum, p.offloaded)) for p in rows(budget, host=0.0).values())

@@ -145,11 +145,13 @@ def make_plan(
     layouts: Sequence[Layout] | None = None,
     search: bool = True,
     attention_share: float = 1.0,
+    host_memory: float | None = None,
 ) -> Plan:
     """Predict every candidate layout (or `layouts`) of `config` on `gpus` GPUs with `budget` bytes each (None:
     train.memory_gb, the GPU's, else an H200's). `search`: when nothing fits, look for the changes that would.
     `attention_share`: a row's attention work against whole-row causal attention (packed rows: less; memory does
-    not change, flex attention's is linear in the row like SDPA's)."""
+    not change, flex attention's is linear in the row like SDPA's). `host_memory`: bytes of host memory of the
+    machine that trains, which offloaded inputs fill (None: this machine's)."""
     rates = rates or GpuRates()
     budget = default_budget(config) if budget is None else budget
     resolved = resolve_model(dataclasses.replace(config.model, init="random"))  # its config only, no weights
@@ -161,7 +163,8 @@ def make_plan(
     for layout in layouts:
         if layout.tp not in shapes:
             shapes[layout.tp] = _shape(config, resolved, layout.tp)
-        predictions.append(predict(layout, config, resolved, shapes[layout.tp], budget, rates, attention_share))
+        shape = shapes[layout.tp]
+        predictions.append(predict(layout, config, resolved, shape, budget, rates, attention_share, host_memory))
     if enumerated:
         predictions = _distinct(predictions)
     predictions.sort(key=lambda p: (not p.fits, -p.tokens_per_sec if p.fits else max(p.peaks), _order(p.layout)))
@@ -169,7 +172,7 @@ def make_plan(
     seq = config.data.max_length
     plan = Plan(config.model.name, gpus, budget, rates, sequences, seq, predictions, attention_share=attention_share)
     if plan.pick is None and search and enumerated and predictions:
-        plan.changes = changes_that_fit(config, gpus, budget, rates)
+        plan.changes = changes_that_fit(config, gpus, budget, rates, host_memory)
     return plan
 
 
@@ -179,14 +182,16 @@ def default_budget(config: Config) -> float:
     return H200_MEMORY if budget == float("inf") else budget
 
 
-def changes_that_fit(config: Config, gpus: int, budget: float, rates: GpuRates) -> list[str]:
+def changes_that_fit(
+    config: Config, gpus: int, budget: float, rates: GpuRates, host_memory: float | None = None
+) -> list[str]:
     """The fewest GPUs (up to 8 times as many), and the longest data.max_length (down to a quarter), with which
     some layout fits. Checkpointing and the smallest microbatches are layouts of their own, already tried."""
     changes = []
     for more in (2 * gpus, 4 * gpus, 8 * gpus):
         if more > 64:
             break
-        plan = make_plan(config, more, budget, rates, search=False)
+        plan = make_plan(config, more, budget, rates, search=False, host_memory=host_memory)
         if plan.pick is not None:
             changes.append(f"{more} GPUs ({pick_summary(plan.pick)})")
             break
@@ -195,7 +200,7 @@ def changes_that_fit(config: Config, gpus: int, budget: float, rates: GpuRates) 
         shorter = copy.deepcopy(config)
         shorter.data.max_length = length
         shorter.data.max_summary_tokens = min(config.data.max_summary_tokens, length // 2)
-        plan = make_plan(shorter, gpus, budget, rates, search=False)
+        plan = make_plan(shorter, gpus, budget, rates, search=False, host_memory=host_memory)
         if plan.pick is not None:
             changes.append(f"data.max_length = {length} ({pick_summary(plan.pick)})")
             break
@@ -215,8 +220,9 @@ def predict(
     budget: float,
     rates: GpuRates,
     attention_share: float = 1.0,
+    host_memory: float | None = None,
 ) -> Prediction:
-    """Peak memory of every pipeline rank and tokens/s of `config` run as `layout`."""
+    """Peak memory of every pipeline rank and tokens/s of `config` run as `layout` (`host_memory`: make_plan's)."""
     variant = layout.apply(config)
     p, t = variant.parallel, variant.train
     costs, ranges = _split(variant, resolved.config, attention_share)
@@ -228,6 +234,7 @@ def predict(
     fsdp = p.sharded and not p.pipelined  # layers gathered one at a time; in a pipeline they stay gathered all step
     # Under tp the fused loss works on this rank's vocabulary columns; the plain one on gathered, whole logits.
     vocab = (shape.config if t.fused_loss else resolved.config).vocab_size
+    host = host_budget(p.world_size, host_memory)  # what a rank's offloaded inputs may fill
 
     # ------------------------------------------------------------------ memory, rank by rank
     peaks, checkpointed, offloaded_layers, stage_layers = [], [], [], []
@@ -241,9 +248,9 @@ def predict(
         timeline = rank_timeline(p, rank)
         last = len(ranges) - 1 in p.stage_ids(rank)
         row = row_costs(variant, shape.config, _layer_memory(variant, shape.resolved, ROW_PROBE), fixed, last, vocab)
-        longest.append(longest_rows(layers, timeline, row, (1 - MARGIN) * budget, host_budget(p.world_size)))
+        longest.append(longest_rows(layers, timeline, row, (1 - MARGIN) * budget, host))
         fixed += loss_bytes(variant, vocab) if last else 0.0
-        k, offloaded = _layer_modes(variant, layers, timeline, (layer_bytes, input_bytes), fixed, budget, costs)
+        k, offloaded = _layer_modes(variant, layers, timeline, (layer_bytes, input_bytes), fixed, budget, host, costs)
         peaks.append(fixed + activation_peak(layers, k, timeline, layer_bytes, input_bytes, offloaded)[0])
         checkpointed.append(k)
         offloaded_layers.append(list(offloaded or [0] * len(layers)))
@@ -315,13 +322,14 @@ def _layer_modes(
     memory: tuple[float, float],
     fixed: float,
     budget: float,
+    host: float,
     costs: StageCosts,
 ) -> tuple[list[int], list[int] | None]:
     """Recomputed and offloaded layers per stage of one rank, as the run would choose them (`auto_checkpointing`);
-    `memory`: one layer's activation and input bytes for the microbatch."""
+    `memory`: one layer's activation and input bytes for the microbatch; `host`: what its offloaded inputs may
+    fill."""
     t, (layer_bytes, input_bytes) = config.train, memory
     if t.activation_checkpointing == "auto":
-        host = host_budget(config.parallel.world_size)
         tokens = config.microbatch_size * config.data.max_length
         hides = offload_hides(input_bytes, costs.layer / 2 * tokens)  # a LoRA layer's forward: half its count
         margin = fixed + MARGIN * budget
