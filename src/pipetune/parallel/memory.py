@@ -59,6 +59,11 @@ and input, the norms' float32 gradients, attention's gradients. Negligible at sh
 term after the kept inputs. Measured on one H200 (Qwen3-8B, one row: 131,072 and 262,144 tokens every layer
 offloaded, 400,000 with an NF4 base under "auto"): the runs peaked 8.1, 8.4 and 7.5 inputs above the rest of
 this model (benchmarks/journal/2026-12-01-late-400k-and-fact-recall-one-h200.md)."""
+ROW_REMEDY = (
+    "lower data.max_length or the microbatch (train.batch_size / parallel.n_microbatches), or spread the layers "
+    "over more GPUs (parallel.pp)"
+)
+"""What a row that does not fit can change: the end of check_row_fits' and check_plans_fit's errors."""
 HOST_BANDWIDTH = 20e9
 """Bytes per second of a pinned copy in one direction, as planned for (PCIe gen5 x16 measures ~50, shared by the
 node's GPUs)."""
@@ -297,8 +302,7 @@ def refuse_unfit(verdicts: Sequence[Sequence[float]], config: Config) -> None:
         '(train.memory_gb, else the GPU\'s): "auto", with a layer measured on the device, predicts '
         f"{peak / GB:.3g} GB with the margin even with every layer recomputed and as many inputs in host memory as "
         f"it holds; the longest row that would fit is about {int(longest)} tokens with {config.microbatch_size} "
-        "sequence(s) a microbatch; lower data.max_length or the microbatch (train.batch_size / "
-        "parallel.n_microbatches), or spread the layers over more GPUs (parallel.pp)"
+        f"sequence(s) a microbatch; {ROW_REMEDY}"
     )
 
 
@@ -539,9 +543,7 @@ def check_row_fits(config: Config, resolved: ResolvedModel, ranges: Sequence[ran
                 f"data.max_length = {d.max_length} does not fit pipeline rank {rank}'s {budget / GB:.0f} GB "
                 f"(train.memory_gb, else the GPU's, less {MARGIN:.0%}){host_note} even with every layer recomputed "
                 'and its input in host memory (train.activation_checkpointing = "offload"): the longest row that '
-                f"would is {longest} tokens with {config.microbatch_size} sequence(s) a microbatch; lower "
-                "data.max_length or the microbatch (train.batch_size / parallel.n_microbatches), or spread the "
-                "layers over more GPUs (parallel.pp)"
+                f"would is {longest} tokens with {config.microbatch_size} sequence(s) a microbatch; {ROW_REMEDY}"
             )
 
 
