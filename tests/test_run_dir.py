@@ -139,6 +139,38 @@ def test_a_lock_path_that_is_a_directory_is_named(tmp_path: Path) -> None:
     )
 
 
+def test_a_stop_signal_that_torch_turns_into_another_error_is_still_a_stop(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """SIGTERM on the first line of torch's metrics wrapper surfaces as an UnboundLocalError raised while handling
+    the agent's SignalException: still one line and exit 128 + 15. Any other error is not taken for a stop."""
+    import torch.distributed.launcher.api as launcher_api
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from pipetune.launch import launch_local
+
+    def agent(stopped: bool):
+        def run(*argv: str) -> None:
+            try:
+                if stopped:
+                    raise SignalException("stopped", signal.SIGTERM)
+                raise KeyError("a worker's own failure")
+            finally:
+                raise UnboundLocalError("cannot access local variable 'start'")
+
+        return lambda *config: run
+
+    config = tiny_config(tmp_path / "run")
+    monkeypatch.setattr(launcher_api, "elastic_launch", agent(stopped=True))
+    assert launch_local(config, 2) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == (
+        "pipetune: error: stopped by SIGTERM; no checkpoint was committed: continue with --resume\n"
+    )
+    monkeypatch.setattr(launcher_api, "elastic_launch", agent(stopped=False))
+    with pytest.raises(UnboundLocalError):
+        launch_local(config, 2)
+
+
 @pytest.mark.parametrize("fault", ["SIGTERM", "disk full"])
 def test_a_launcher_ended_while_it_tokenizes_says_the_run_had_not_started(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, fault: str

@@ -154,12 +154,27 @@ def launch_local(
         for line in lines:
             print(line, file=sys.stderr)
         return code
-    except SignalException as e:  # the elastic agent stopped the workers (SIGTERM first) before raising this
-        print(f"pipetune: error: {stopped_message(e.sigval.name, run_dir)}", file=sys.stderr)
-        return 128 + int(e.sigval)
+    except Exception as e:  # a stop signal may surface as another exception (signal_exception_in)
+        stop = signal_exception_in(e, SignalException)
+        if stop is None:
+            raise
+        # the elastic agent stopped the workers (SIGTERM first) before raising this
+        print(f"pipetune: error: {stopped_message(stop.sigval.name, run_dir)}", file=sys.stderr)
+        return 128 + int(stop.sigval)
     finally:
         del os.environ[LAUNCHER_ENV]
     return 0
+
+
+def signal_exception_in(error: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The stop signal's exception in error's chain. A signal that lands on the first line of torch's metrics
+    wrapper (`start = time.time()` inside its try) ends in an UnboundLocalError raised while handling it."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, kind):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def stopped_message(signal_name: str, run_dir: Path, ranks: list[int] | None = None) -> str:
