@@ -177,12 +177,15 @@ def test_rows_past_the_trained_positions_warn_and_name_rope_scaling(tmp_path: Pa
 
 def test_plan_prints_the_longest_row_of_each_layout(tmp_path: Path) -> None:
     config = tiny_config(tmp_path, "train.fused_loss=true")
-    plan = make_plan(config, 2, budget=4e9)
+    plan = make_plan(config, 2, budget=4e9, host_memory=64e9)  # the training machine's (pipetune plan --host-memory)
     text = format_plan(plan)
-    assert "longest row per layout" in text
+    assert "longest row per layout" in text and "offload: within 50% of 64 GB of host memory" in text
     for prediction in plan.predictions:
         keep, recompute, offload = (prediction.longest[mode] for mode in LAYER_MODES)
-        assert 0 < keep <= recompute <= offload
+        assert 0 < keep <= recompute < offload
+    # No host memory: offloading gains nothing, and an offloaded input still needs its staging copies.
+    for prediction in make_plan(config, 2, budget=4e9, host_memory=0.0).predictions:
+        assert prediction.longest["offload"] <= prediction.longest["recompute"]
     pick = plan.predictions[0]
     lines = text.splitlines()
     rows = lines[next(i for i, line in enumerate(lines) if line.startswith("longest row")) + 1 :]

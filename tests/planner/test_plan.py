@@ -112,10 +112,12 @@ def test_nothing_fits_names_the_smallest_change_that_would() -> None:
 def test_plan_arguments_and_an_unresolved_auto_are_refused(capsys: pytest.CaptureFixture) -> None:
     assert main(["plan", "--config", str(QWEN3_4B), "--gpus", "0"]) == 2
     assert main(["plan", "--config", str(QWEN3_4B), "--gpu-memory", "-1"]) == 2
+    assert main(["plan", "--config", str(QWEN3_4B), "--host-memory", "nan"]) == 2
     if not torch.cuda.is_available():
         assert main(["plan", "--config", str(QWEN3_4B), "--calibrate"]) == 2
     errors = capsys.readouterr().err
     assert "--gpus 0 must be at least 1" in errors and "--gpu-memory -1.0 must be a positive" in errors, errors
+    assert "--host-memory nan must be a finite number of GB, 0 or more" in errors, errors
     config = load_config(QWEN3_4B, ['parallel.strategy="auto"'])
     with pytest.raises(ConfigError, match="'auto' is chosen by pipetune train and pipetune bench"):
         validate(config, 2)

@@ -229,14 +229,18 @@ def offload_hides(input_bytes: float, layer_flops: float) -> bool:
     return input_bytes / HOST_BANDWIDTH <= layer_flops / LAYER_FLOPS_PER_SECOND
 
 
+def physical_host_memory() -> float:
+    """This machine's physical memory in bytes (0 where the system does not say)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
 def host_budget(gpus: int | None = None, physical: float | None = None) -> float:
     """Host memory a rank may fill with offloaded inputs: HOST_SHARE of the machine's (`physical` bytes, else this
     machine's), split over its GPUs (`gpus`, else the ones here)."""
-    if physical is None:
-        try:
-            physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            return 0.0
+    physical = physical_host_memory() if physical is None else physical
     if gpus is None:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 1
     return HOST_SHARE * physical / max(1, gpus)

@@ -29,6 +29,7 @@ from pipetune.model.shapes import ResolvedModel, one_layer_model, resolve_model
 from pipetune.model.split import StageCosts, run_split
 from pipetune.parallel.memory import (
     GB,
+    HOST_SHARE,
     LAYER_MODES,
     MARGIN,
     OPTIMIZER_BYTES,
@@ -40,6 +41,7 @@ from pipetune.parallel.memory import (
     measure_layer_memory,
     memory_budget,
     offload_hides,
+    physical_host_memory,
     plan_checkpointing,
     rank_timeline,
     rank_weight_bytes,
@@ -120,6 +122,8 @@ class Plan:
     """When nothing fits: the smallest changes that would make a layout fit."""
     attention_share: float = 1.0
     """A row's attention work against causal attention over the whole row (below 1: packed rows)."""
+    host_memory: float = 0.0
+    """Bytes of host memory of the machine that trains (HOST_SHARE of it holds offloaded inputs)."""
 
     @property
     def pick(self) -> Prediction | None:
@@ -170,7 +174,18 @@ def make_plan(
     predictions.sort(key=lambda p: (not p.fits, -p.tokens_per_sec if p.fits else max(p.peaks), _order(p.layout)))
     sequences = config.train.batch_size * config.parallel.dp * config.train.grad_accum
     seq = config.data.max_length
-    plan = Plan(config.model.name, gpus, budget, rates, sequences, seq, predictions, attention_share=attention_share)
+    host = physical_host_memory() if host_memory is None else host_memory
+    plan = Plan(
+        config.model.name,
+        gpus,
+        budget,
+        rates,
+        sequences,
+        seq,
+        predictions,
+        attention_share=attention_share,
+        host_memory=host,
+    )
     if plan.pick is None and search and enumerated and predictions:
         plan.changes = changes_that_fit(config, gpus, budget, rates, host_memory)
     return plan
@@ -519,8 +534,9 @@ def longest_row_lines(plan: Plan, rows: Sequence[Prediction], width: int) -> lis
     """The longest row each shown layout trains, from the memory model: every layer kept, recomputed, or recomputed
     with its input in host memory (train.activation_checkpointing = true / "offload")."""
     lines = [
-        f"longest row per layout (tokens a sequence at its microbatch; {MARGIN:.0%} margin; offload: within half "
-        "the host's memory): " + " / ".join(LAYER_MODES)
+        f"longest row per layout (tokens a sequence at its microbatch; {MARGIN:.0%} margin; offload: within "
+        f"{HOST_SHARE:.0%} of {plan.host_memory / GB:,.0f} GB of host memory, --host-memory): "
+        + " / ".join(LAYER_MODES)
     ]
     for prediction in rows:
         rank = plan.predictions.index(prediction) + 1
