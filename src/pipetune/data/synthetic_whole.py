@@ -108,6 +108,16 @@ def date_forms(date: str) -> tuple[str, ...]:
     return (date, f"{month} {day}", f"{month} {day}{suffix}", f"the {day}{suffix} of {month}")
 
 
+def date_keys(date: str) -> tuple[str, ...]:
+    """The forms a summary may write a deadline in: date_forms' and 14th March, 14th of March, Mar 14, 14 Mar,
+    Mar 14th."""
+    day, month = date.split()
+    ordinal = date_forms(date)[2].split()[1]
+    short = month[:3]
+    extra = (f"{ordinal} {month}", f"{ordinal} of {month}", f"{short} {day}", f"{day} {short}", f"{short} {ordinal}")
+    return (*date_forms(date), *extra)
+
+
 def figure_fact(figure: Figure) -> Fact:
     """A figure is stated by its subject and its value (separators and trailing zeros aside)."""
     text = f"The {figure.subject} is {figure.value} {figure.unit}".rstrip() + "."
@@ -392,7 +402,7 @@ def _render_summary(plan: WholeMeetingPlan, rng: random.Random, date_form: int) 
 
 def whole_meeting_facts(plan: WholeMeetingPlan) -> tuple[Fact, ...]:
     """Every fact of the meeting: its decisions, action items (any date form) and figures."""
-    actions = [action_fact(item, date_forms(item.deadline)) for item in plan.action_items]
+    actions = [action_fact(item, date_keys(item.deadline)) for item in plan.action_items]
     return (*map(decision_fact, plan.decisions), *actions, *map(figure_fact, plan.figures))
 
 
