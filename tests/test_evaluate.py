@@ -77,11 +77,39 @@ def _evaluate_with_a_stand_in_model(monkeypatch: pytest.MonkeyPatch, config: Con
     monkeypatch.setattr(evaluate_module, "tokenize_split", lambda examples, prompts, pad_id: examples)
     monkeypatch.setattr(evaluate_module, "mean_token_loss", lambda model, split, batch: 1.0 if model.adapter else 2.0)
 
-    def summarize(model, prepared, transcripts, max_new_tokens, batch_size, progress=None):
+    def summarize(model, prepared, transcripts, max_new_tokens, batch_size, progress=None, systems=None):
         return [model.references[t] if model.adapter else "The team met." for t in transcripts]
 
     monkeypatch.setattr(evaluate_module, "summarize", summarize)
     return evaluate(config, tmp_path / "adapter")
+
+
+def test_bad_eval_settings_are_refused_before_the_model_loads(tmp_path: Path) -> None:
+    """Counts below 1 are named; an empty synthetic validation split names the setting that draws one."""
+    config = Config()
+    config.data.source, config.data.synthetic_train, config.data.synthetic_validation = "synthetic", 2, 0
+    with pytest.raises(ConfigError, match=r"--batch-size 0 must be at least 1"):
+        evaluate(config, tmp_path, batch_size=0)
+    with pytest.raises(ConfigError, match=r"--max-new-tokens 0 must be at least 1 \(or left out"):
+        evaluate(config, tmp_path, max_new_tokens=0)
+    with pytest.raises(ConfigError, match=r"no such split .* draw validation meetings with data.synthetic_validation"):
+        evaluate(config, tmp_path)
+
+
+def test_cached_base_scores_are_those_of_the_same_meetings() -> None:
+    """The base scores' settings hold a digest of the scored meetings: a data file edited under the same name
+    scores the base again."""
+    import dataclasses
+
+    from pipetune.evaluate import base_settings
+
+    config = Config()
+    config.data.source, config.data.synthetic_train, config.data.synthetic_validation = "synthetic", 2, 2
+    examples = load_dataset(config.data, seed=config.train.seed).splits["validation"]
+    settings = base_settings(config, "validation", None, 8, examples)
+    assert settings == base_settings(config, "validation", None, 8, list(examples))
+    edited = [dataclasses.replace(examples[0], summary="Another summary."), *examples[1:]]
+    assert settings != base_settings(config, "validation", None, 8, edited)
 
 
 def test_fact_recall_of_whole_meetings_reaches_the_table_and_eval_json(

@@ -239,14 +239,16 @@ def words_filling(prompts, budget: int) -> str:
 def test_jsonl_and_chat_rows_are_read_as_training_reads_them(tmp_path: Path, meetings) -> None:
     """A JSONL row's summarize prompt is the prompt training built from the same row: the transcript stripped (a
     row at the budget is not cut for trailing whitespace), chat `messages` rows read as train and eval read them;
-    the field the transcript came from is left out of the output, every other field kept."""
+    with a chat row's own system message as training keeps it; the field the transcript came from is left out of
+    the output, every other field kept."""
     from pipetune.data.sources import load_dataset
     from pipetune.preflight import prepare
 
     config = tiny_config(tmp_path, "data.validation_fraction=0.0")
     prompts = prepare(config).prompts
     at_budget = words_filling(prompts, prompts.transcript_room)
-    user = [{"role": "system", "content": "ignored"}, {"role": "user", "content": " " + meetings[1][:90] + "\n"}]
+    system = {"role": "system", "content": "Answer in one line."}
+    user = [system, {"role": "user", "content": " " + meetings[1][:90] + "\n"}]
     rows = [
         {"id": 0, "dialogue": "\n  " + meetings[0][:150] + "  \n", "summary": "s"},
         {"id": 1, "dialogue": at_budget + "\n\n\n\n\n\n", "summary": "s"},
@@ -256,10 +258,13 @@ def test_jsonl_and_chat_rows_are_read_as_training_reads_them(tmp_path: Path, mee
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     config.data.source = str(path)
-    trained = [prompts.build(e.transcript, e.summary) for e in load_dataset(config.data).splits["train"]]
+    trained = [prompts.build(e.transcript, e.summary, e.system) for e in load_dataset(config.data).splits["train"]]
     read = read_transcripts(str(path), config.data)
     assert not read.skipped and len(trained) == len(rows)
-    assert [prompts.prompt_ids(t) for t in read.transcripts] == [s.input_ids[: s.n_prompt] for s in trained]
+    assert read.systems == [None, None, "Answer in one line.", "Answer in one line."]
+    read_ids = [prompts.prompt_ids(t, system) for t, system in zip(read.transcripts, read.systems, strict=True)]
+    assert read_ids == [s.input_ids[: s.n_prompt] for s in trained]
+    assert read_ids[2] != prompts.prompt_ids(read.transcripts[2])  # the row's system prompt, not the default
     # row 1 fits once stripped; as given, its trailing newlines would have taken it over the budget and cut it
     room = prompts.transcript_room
     assert len(prompts.encode_text(rows[1]["dialogue"])) > room >= len(prompts.encode_text(at_budget))

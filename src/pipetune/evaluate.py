@@ -14,6 +14,7 @@ whitespace, thousands separators). Real data has no facts and reports no recall 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -22,7 +23,8 @@ from typing import Any
 
 from pipetune.config import Config, ConfigError
 from pipetune.data.batching import tokenize_split
-from pipetune.data.facts import fact_recall, mean_fact_recall, states
+from pipetune.data.example import Example
+from pipetune.data.facts import MAX_GAP, fact_recall, mean_fact_recall, states
 from pipetune.data.sources import load_dataset
 from pipetune.files import write_atomic
 from pipetune.generate import load_finetuned, mean_token_loss, summarize
@@ -123,9 +125,15 @@ class EvalResult:
         return path
 
 
-def base_settings(config: Config, split: str, limit: int | None, max_new_tokens: int) -> dict[str, Any]:
+def base_settings(
+    config: Config, split: str, limit: int | None, max_new_tokens: int, examples: list[Example]
+) -> dict[str, Any]:
     """Everything the base model's scores depend on: the model, the data and prompt settings, the seed (random
-    init, synthetic data, hold-out), the split, its length and the generation cap."""
+    init, synthetic data, hold-out), the split, its length, the generation cap, the scored examples themselves
+    (a data file edited under the same name) and how facts are matched."""
+    digest = hashlib.sha256()
+    for e in examples:
+        digest.update(json.dumps([e.transcript, e.summary, e.system, [f.keys for f in e.facts]]).encode())
     return {
         "model": asdict(config.model),
         "data": asdict(config.data),
@@ -133,6 +141,8 @@ def base_settings(config: Config, split: str, limit: int | None, max_new_tokens:
         "split": split,
         "limit": limit,
         "max_new_tokens": max_new_tokens,
+        "examples_sha256": digest.hexdigest(),
+        "fact_matching": f"keys in one clause, at most {MAX_GAP} words apart",
     }
 
 
@@ -166,18 +176,29 @@ def evaluate(
     same settings are reused either way: the base model does not change between runs."""
     if limit is not None and limit < 1:
         raise ConfigError(f"--limit {limit} must be at least 1 (or left out for the whole split)")
-    max_new_tokens = max_new_tokens or config.data.max_summary_tokens
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size {batch_size} must be at least 1 (meetings generated together, e.g. 8)")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise ConfigError(
+            f"--max-new-tokens {max_new_tokens} must be at least 1 (or left out: data.max_summary_tokens)"
+        )
+    max_new_tokens = config.data.max_summary_tokens if max_new_tokens is None else max_new_tokens
     progress = progress or TaskProgress(enabled=False)
     dataset = load_dataset(config.data, seed=config.train.seed)
     if split not in dataset.splits or not dataset.splits[split]:
         available = ", ".join(name for name, rows in dataset.splits.items() if rows) or "none"
+        hold_out = (  # synthetic data draws its validation meetings apart; other sources split theirs off
+            "draw validation meetings with data.synthetic_validation (e.g. 16)"
+            if config.data.source == "synthetic"
+            else "hold out a validation split with data.validation_fraction"
+        )
         raise ConfigError(
             f"--split {split!r}: data.source = {config.data.source!r} has no such split (splits: {available}); "
-            "choose one of those, or hold out a validation split with data.validation_fraction"
+            f"choose one of those, or {hold_out}"
         )
     examples = dataset.splits[split][:limit]
     scorer = rouge_scorer()  # a missing rouge-score fails here, before the model is built
-    settings = base_settings(config, split, limit, max_new_tokens)
+    settings = base_settings(config, split, limit, max_new_tokens, examples)
     reused = cached_base(cache, settings) if cache is not None else None
 
     progress.note(f"eval: loading {config.model.name} + adapter {adapter_dir}")
@@ -191,7 +212,13 @@ def evaluate(
         progress.note(f"eval: {name} model: token loss, then summaries of {len(examples)} {split} meetings")
         loss = mean_token_loss(model, tokenized, batch_size)
         generated = summarize(
-            model, prepared, transcripts, max_new_tokens, batch_size, progress=progress.task(name, len(examples))
+            model,
+            prepared,
+            transcripts,
+            max_new_tokens,
+            batch_size,
+            progress=progress.task(name, len(examples)),
+            systems=[example.system for example in examples],
         )
         recall = mean_fact_recall(generated, facts)
         return ModelScores(**rouge_scores(generated, references, scorer), loss=loss, fact_recall=recall), generated

@@ -21,6 +21,7 @@ from torch import nn
 
 from pipetune.config import Config, ConfigError, DataConfig, load_config
 from pipetune.data.batching import IGNORE, TokenizedSplit
+from pipetune.data.example import Example
 from pipetune.data.sources import MESSAGES, clean_rows, is_chat_row
 from pipetune.model.load import DTYPES, build_model
 from pipetune.model.shapes import BUILTIN_SHAPES
@@ -192,9 +193,11 @@ def summarize(
     batch_size: int = 8,
     sampling: Sampling | None = None,
     progress: Callable[[int], None] | None = None,
+    systems: list[str | None] | None = None,
 ) -> list[str]:
     """Summaries in input order; greedy unless `sampling`; generation stops at the token closing the assistant turn.
 
+    `systems`: each transcript's own system prompt (a chat row's, as training read it; None: data.system_prompt).
     Prompts are sorted by length so each left-padded batch carries little padding; `progress(n)` is
     called after each batch with the number of transcripts it held.
     """
@@ -203,7 +206,8 @@ def summarize(
     tokenizer, prompts = prepared.tokenizer, prepared.prompts
     device = next(model.parameters()).device
     stop_id = prompts.end_ids[0]
-    prompt_ids = [prompts.prompt_ids(text) for text in transcripts]
+    systems = systems if systems is not None else [None] * len(transcripts)
+    prompt_ids = [prompts.prompt_ids(text, system) for text, system in zip(transcripts, systems, strict=True)]
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     sample_kwargs: dict[str, Any] = {"do_sample": False}
     if sampling is not None:
@@ -251,6 +255,8 @@ class SummaryInput:
     """(line number, reason) of the JSONL rows left out: not JSON, not an object, no usable transcript."""
     read_from: list[str] = field(default_factory=list)
     """Per record, the field its transcript came from: `column`, or `messages` for a chat row."""
+    systems: list[str | None] = field(default_factory=list)
+    """Per transcript, its own system prompt as training keeps it (a chat row's system message), or None."""
 
     def skipped_line(self) -> str:
         """'skipped 2 of 5 rows: line 3 (...), line 4 (...)', or '' when none were."""
@@ -268,7 +274,8 @@ def read_transcripts(source: str, data: DataConfig, stdin: IO | None = None) -> 
     A JSONL record is read as training and eval read a row (data/sources.py): its `data.transcript_column`
     field, or, for a chat row, the last user message of its `messages` (before the last assistant message,
     when it has one); the transcript is cleaned by the same rule (stripped, cut by characters), so the prompt
-    is the one training built from the same row. JSONL is recognised by a .jsonl suffix, or by a first
+    is the one training built from the same row (with a chat row's own system message where training keeps it).
+    JSONL is recognised by a .jsonl suffix, or by a first
     non-empty line that is a JSON object. Unusable rows are skipped and counted; an input with no usable row is
     an error.
     """
@@ -293,22 +300,22 @@ def read_transcripts(source: str, data: DataConfig, stdin: IO | None = None) -> 
         text = content.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise ConfigError(f"input {name} is not UTF-8 text ({e}); save it as UTF-8") from None
-    transcript, _ = training_transcript({data.transcript_column: text}, data)
-    if transcript is None:  # Unicode whitespace alone (no-break spaces, ...)
+    example, _ = training_example({data.transcript_column: text}, data)
+    if example is None:  # Unicode whitespace alone (no-break spaces, ...)
         raise empty
-    return SummaryInput([transcript], None, data.transcript_column)
+    return SummaryInput([example.transcript], None, data.transcript_column, systems=[example.system])
 
 
 SUMMARY_PLACEHOLDER = "-"
 """Stands in for the reference summary a training row needs and a row to summarize may lack."""
 
 
-def training_transcript(row: Any, data: DataConfig) -> tuple[str | None, str]:
-    """(the transcript training reads from `row`, "") or (None, why the row is unusable), by training's own
-    reading and cleaning (data/sources.clean_rows); the row's summary, if any, plays no part."""
+def training_example(row: Any, data: DataConfig) -> tuple[Example | None, str]:
+    """(the example training reads from `row`: its transcript and own system prompt, "") or (None, why the row is
+    unusable), by training's own reading and cleaning (data/sources.clean_rows); its summary plays no part."""
     cleaned = clean_rows({"input": [("", _with_summary(row, data))]}, data)
     if cleaned.splits["input"]:
-        return cleaned.splits["input"][0].transcript, ""
+        return cleaned.splits["input"][0], ""
     return None, next(iter(cleaned.stats["input"].skipped))
 
 
@@ -347,11 +354,12 @@ def _parse_jsonl(lines: list[tuple[int, bytes]], data: DataConfig, name: str) ->
             parsed.skipped.append((n, "not valid JSON" if record is None else f"a JSON {type(record).__name__}"))
             continue
         fields.update(record)
-        transcript, reason = training_transcript(record, data)
-        if transcript is None:
+        example, reason = training_example(record, data)
+        if example is None:
             parsed.skipped.append((n, reason))
             continue
-        parsed.transcripts.append(transcript)
+        parsed.transcripts.append(example.transcript)
+        parsed.systems.append(example.system)
         parsed.records.append(record)
         parsed.read_from.append(MESSAGES if is_chat_row(record, data) else column)
     if not parsed.transcripts:

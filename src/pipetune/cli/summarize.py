@@ -85,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
             args.batch_size,
             sampling,
             progress.task("summarize", len(inputs.transcripts)),
+            inputs.systems,
         )
     print(format_summaries(summaries, inputs))
     return 0
