@@ -143,6 +143,26 @@ def test_batches_are_left_padded_and_keep_input_order(finetuned, meetings) -> No
     assert any(together)  # some generated text, not only the stop token
 
 
+def test_a_summary_ends_at_the_turns_end_or_at_the_end_of_text() -> None:
+    """A base model may close its answer with the tokenizer's end of text instead of the turn's closing token:
+    generation stops at either, and the summary is what came before the first."""
+    from types import SimpleNamespace
+
+    turn_end, end_of_text = 7, 9
+    asked = {}
+
+    class Model(torch.nn.Linear):
+        def generate(self, input_ids, eos_token_id, **kwargs):
+            asked["stops"] = eos_token_id
+            return torch.cat([input_ids, torch.tensor([[3, 4, end_of_text, 5, turn_end]])], dim=1)
+
+    tokenizer = SimpleNamespace(eos_token_id=end_of_text, decode=lambda ids, **kwargs: " ".join(map(str, ids)))
+    prompts = SimpleNamespace(end_ids=[turn_end], prompt_ids=lambda text, system=None: [1, 2])
+    prepared = SimpleNamespace(tokenizer=tokenizer, prompts=prompts, pad_id=0)
+    assert summarize(Model(1, 1), prepared, ["a meeting"]) == ["3 4"]
+    assert asked["stops"] == [turn_end, end_of_text]
+
+
 @pytest.mark.slow
 def test_sampling_is_seeded_and_checked(finetuned, meetings) -> None:
     model, prepared = finetuned

@@ -195,7 +195,8 @@ def summarize(
     progress: Callable[[int], None] | None = None,
     systems: list[str | None] | None = None,
 ) -> list[str]:
-    """Summaries in input order; greedy unless `sampling`; generation stops at the token closing the assistant turn.
+    """Summaries in input order; greedy unless `sampling`; generation stops at the token closing the
+    assistant turn or at the tokenizer's end of text (a base model may end with either).
 
     `systems`: each transcript's own system prompt (a chat row's, as training read it; None: data.system_prompt).
     Prompts are sorted by length so each left-padded batch carries little padding; `progress(n)` is
@@ -205,7 +206,8 @@ def summarize(
         raise ConfigError(f"--batch-size {batch_size} must be at least 1")
     tokenizer, prompts = prepared.tokenizer, prepared.prompts
     device = next(model.parameters()).device
-    stop_id = prompts.end_ids[0]
+    # The token closing the assistant turn, and the tokenizer's end of text: a base model may end with either.
+    stops = list(dict.fromkeys(i for i in (prompts.end_ids[0], tokenizer.eos_token_id) if i is not None))
     systems = systems if systems is not None else [None] * len(transcripts)
     prompt_ids = [prompts.prompt_ids(text, system) for text, system in zip(transcripts, systems, strict=True)]
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
@@ -226,14 +228,13 @@ def summarize(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
             max_new_tokens=max_new_tokens,
-            eos_token_id=stop_id,
+            eos_token_id=stops,
             pad_token_id=prepared.pad_id,
             use_cache=True,
             **sample_kwargs,
         )
         for i, new in zip(rows, generated[:, width:].tolist(), strict=True):
-            if stop_id in new:
-                new = new[: new.index(stop_id)]
+            new = new[: min((new.index(stop) for stop in stops if stop in new), default=len(new))]
             outputs[i] = tokenizer.decode(new, skip_special_tokens=True).strip()
         if progress is not None:
             progress(len(rows))
