@@ -21,10 +21,12 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from pipetune.checkpoint import CheckpointSettings, find_resume_checkpoint, latest_checkpoint
 from pipetune.config import Config, ConfigError, save_config
 from pipetune.parallel.process_group import close_distributed, exit_skipping_teardown, init_distributed, under_launcher
-from pipetune.preflight import check_optimizer_steps, preflight
+from pipetune.preflight import epoch_steps, preflight
 from pipetune.run_lock import lock_for_worker, lock_run_dir
 from pipetune.run_log import STARTED_ENV, RunLog, finish_run, run_started
 from pipetune.worker import (
@@ -80,7 +82,9 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
                 )
             # A data error once, here, not once per worker; and the workers find the data tokenized.
             data = tokenize(config, prepared.prompts)
-            check_optimizer_steps(config, len(data.splits.get("train", ())), data.skipped_line())
+            train_split = data.splits.get("train")
+            lengths = train_split.lengths if train_split is not None else torch.zeros(0, dtype=torch.long)
+            epoch_steps(config, lengths, data.skipped_line())  # as the workers count them (packed rows included)
             restore_signals(previous_handlers)  # run_training, or the elastic agent, handles them from here on
             previous_handlers = {}
             if world_size == 1 and max_restarts == 0:

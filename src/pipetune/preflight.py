@@ -12,10 +12,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from torch import nn
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from pipetune.config import Config, ConfigError, DataConfig, check_stage_count, validate, validate_against_model
+from pipetune.data.batching import bucket_lengths
+from pipetune.data.packing import epoch_rows
 from pipetune.data.prompt import PromptBuilder
 from pipetune.data.sources import require_local_source
 from pipetune.loggers import check_loggers
@@ -46,6 +49,7 @@ def preflight(config: Config, world_size: int) -> Prepared:
     check_layout(config, world_size)
     check_loggers(config.output.loggers)
     prepared = prepare(config)
+    check_packing(config, prepared.model.config)
     from pipetune.model.split import run_split
     from pipetune.parallel.memory import check_row_fits, check_weights_fit
 
@@ -130,21 +134,76 @@ def prepare(config: Config) -> Prepared:
     return Prepared(resolved, tokenizer, prompts)
 
 
-def check_optimizer_steps(config: Config, n_samples: int, skipped: str, n_batches: int | None = None) -> int:
+def check_optimizer_steps(
+    config: Config, n_samples: int, skipped: str, n_batches: int | None = None, n_rows: int | None = None
+) -> int:
     """Optimizer steps per epoch of `n_samples` training samples in `n_batches` schedule-step batches (default: as
-    many as fill a global batch); ConfigError when that is none."""
+    many as fill a global batch); `n_rows`: with data.packing, the rows the samples pack into. ConfigError when
+    that is none."""
     t, p = config.train, config.parallel
     if n_batches is None:
         n_batches = n_samples // (t.batch_size * p.dp)
     steps = n_batches // t.grad_accum
     if steps == 0:
+        packed, fix = "", "lower them or add data"
+        if n_rows is not None:
+            packed = (
+                f" pack into {n_rows} rows of data.max_length {config.data.max_length} (data.packing: "
+                "train.batch_size counts rows), which"
+            )
+            fix = "lower them, set data.packing = false (one sample a row), or add data"
         raise ConfigError(
-            f"{n_samples} training samples ({skipped}) make no optimizer step of "
+            f"{n_samples} training samples ({skipped}){packed} make no optimizer step of "
             f"train.batch_size {t.batch_size} x train.grad_accum {t.grad_accum}"
             + (f" x parallel.dp {p.dp}" if p.dp > 1 else "")
-            + "; lower them or add data"
+            + f"; {fix}"
         )
     return steps
+
+
+def epoch_steps(config: Config, lengths: torch.Tensor, skipped: str) -> list[int]:
+    """Optimizer steps in each epoch of the training split (`lengths`: its samples' tokens), counted the same way
+    by the launcher and by every worker; ConfigError when an epoch makes none (check_optimizer_steps).
+
+    Unpacked, every epoch holds the same batches (with data.buckets: those each bucket fills). Packed, each epoch's
+    rows are first fit over its own order, so epochs may differ by a row or two; an epoch's count depends only on
+    (seed, epoch), never on train.epochs, so a run resumed with more epochs continues where it stopped. Packed
+    epochs are counted up to the one where train.max_steps ends the run."""
+    t, d = config.train, config.data
+    global_batch = t.batch_size * config.parallel.dp
+    if not d.packing:
+        n_batches = len(lengths) // global_batch
+        if d.buckets:  # batches of one bucket each: every bucket drops its remainder
+            n_batches = int((bucket_lengths(lengths, d.buckets).unique(return_counts=True)[1] // global_batch).sum())
+        return [check_optimizer_steps(config, len(lengths), skipped, n_batches)] * t.epochs
+    steps: list[int] = []
+    for epoch in range(t.epochs):
+        n_rows = len(epoch_rows(lengths, d.max_length, d.max_samples_per_row, t.seed, epoch))
+        steps.append(check_optimizer_steps(config, len(lengths), skipped, n_rows // global_batch, n_rows))
+        if 0 < t.max_steps <= sum(steps):
+            break
+    return steps
+
+
+def check_packing(config: Config, model_config: PretrainedConfig) -> None:
+    """Packed rows (data.packing) on a family whose layers have a mask of their own at data.max_length (Gemma 3's
+    sliding window): refused now, with the message the stage raises at its first forward, not once per worker
+    after the weights are loaded."""
+    if not config.data.packing:
+        return
+    from pipetune.model.families import family_of
+    from pipetune.model.stage import layer_call_kwargs
+
+    class NoRotary:  # the layers' inputs are built for their masks only: no position embeddings
+        config = model_config
+
+        def __call__(self, *args: object) -> None:
+            return None
+
+    length = config.data.max_length
+    hidden = torch.empty((1, length, 1), device="meta")
+    positions = torch.zeros((1, length), dtype=torch.long, device="meta")
+    layer_call_kwargs(family_of(model_config), NoRotary(), hidden, positions, document=True)
 
 
 def load_tokenizer(config: Config, resolved: ResolvedModel) -> PreTrainedTokenizerBase:

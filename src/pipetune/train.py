@@ -62,7 +62,7 @@ from pipetune.parallel.torch_compat import (
     stash_gradients,
 )
 from pipetune.parallel.tp import sum_partial_gradients
-from pipetune.preflight import Prepared, check_optimizer_steps, preflight
+from pipetune.preflight import Prepared, epoch_steps, preflight
 from pipetune.profile import profiled
 from pipetune.schedules import SCHEDULES
 from pipetune.worker import named_cache_error
@@ -140,7 +140,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         with profiled(loop.step + 1, env.rank, device):  # PIPETUNE_PROFILE_STEP, for diagnosis
             lr = run_step(loop, batches, lengths)
         loop.hooks.after_step(loop.step, saved=False)
-        epoch_end = index == data.steps_per_epoch - 1
+        epoch_end = index == data.epoch_steps[epoch] - 1
         log, evaluate, save = cadence(config, loop.step, data.total_steps, epoch_end, data.validation is not None)
         if log or save:  # both wait for the GPU anyway; a checkpoint holds the settled schedule and skip count
             settle(loop)
@@ -183,8 +183,10 @@ class TrainData:
     """Schedule steps per optimizer step."""
     pad_id: int
     seed: int
-    epochs: int
-    steps_per_epoch: int
+    epoch_steps: list[int]
+    """Optimizer steps in each epoch (preflight.epoch_steps): the first grad_accum x that many batches of its plan.
+    A packed epoch's own count, which no other epoch and not train.epochs changes: a resumed run's Position
+    counts the same steps whatever train.epochs it has."""
     total_steps: int
     validation: tuple[torch.Tensor, torch.Tensor] | None
     max_samples_per_row: int = 0
@@ -218,11 +220,11 @@ class TrainData:
         """(epoch, index within it, batches, padded lengths) of each optimizer step from `position` up to
         total_steps: grad_accum schedule steps of the epoch plan."""
         step = position.step
-        for epoch in range(position.epoch, self.epochs):
+        for epoch in range(position.epoch, len(self.epoch_steps)):
             if step >= self.total_steps:
                 return
             batches, lengths = self.epoch_plan(epoch)
-            for index in range(position.batch if epoch == position.epoch else 0, self.steps_per_epoch):
+            for index in range(position.batch if epoch == position.epoch else 0, self.epoch_steps[epoch]):
                 if step >= self.total_steps:
                     return
                 group = slice(index * self.grad_accum, (index + 1) * self.grad_accum)
@@ -258,17 +260,12 @@ def build_data(
         grad_accum=t.grad_accum,
         pad_id=prepared.pad_id,
         seed=t.seed,
-        epochs=t.epochs,
-        steps_per_epoch=0,
+        epoch_steps=epoch_steps(config, real_tokens, data.skipped_line()),
         total_steps=0,
         validation=None,
         max_samples_per_row=config.data.max_samples_per_row if config.data.packing else 0,
     )
-    # Packed epochs may differ by a row or two: every epoch runs as many steps as the shortest one holds.
-    epochs_planned = range(t.epochs) if planned.packing else range(1)
-    n_batches = min(len(planned.epoch_plan(epoch)[0]) for epoch in epochs_planned)
-    planned.steps_per_epoch = check_optimizer_steps(config, len(train_split), data.skipped_line(), n_batches)
-    in_all = planned.steps_per_epoch * t.epochs
+    in_all = sum(planned.epoch_steps)
     planned.total_steps = in_all if t.max_steps < 0 else min(t.max_steps, in_all)
     if len(data.splits.get("validation", ())) and not SCHEDULES[p.schedule].has_eval:
         say(f"note: no val_loss during training: torch's {p.schedule} schedule has no forward-only mode")
@@ -280,20 +277,20 @@ def build_data(
         f"{len(train_split)} training samples, {train_split.truncated} cut to fit data.max_length {max_length} "
         "(the transcript's middle elided, the summary capped at data.max_summary_tokens); "
         f"{data.skipped_line()}; "
-        f"{planned.steps_per_epoch} optimizer steps/epoch, {planned.total_steps} in all; effective batch "
+        f"{_count_range(planned.epoch_steps)} optimizer steps/epoch, {planned.total_steps} in all; effective batch "
         f"{t.batch_size} x grad_accum {t.grad_accum} x dp {p.dp} = {planned.global_batch * t.grad_accum} "
         + ("packed rows" if planned.packing else "sequences")
     )
     for line in chat_lines(data.summary.get("columns", {})):  # chat rows: their system messages kept or replaced
         say(f"data {line}")
-    if planned.packing:
-        rows = planned.epoch_plan(0)[0]
+    if planned.packing:  # the rows epoch 1 trains: those of its steps (as steps_from cuts them)
+        rows = planned.epoch_plan(0)[0][: min(planned.epoch_steps[0], planned.total_steps) * t.grad_accum]
         packed, n_rows = members(rows), rows[..., 0].numel()
         pad_share = 1 - int(real_tokens[packed].sum()) / (n_rows * max_length)
         say(
-            f"packing: epoch 1 has {len(packed)} samples in {n_rows} rows of {max_length} tokens (at most "
-            f"{planned.max_samples_per_row} a row), pad share {pad_share:.1%} (unpacked: "
-            f"{pad_fraction(real_tokens, [max_length]):.1%}); train.batch_size counts rows"
+            f"packing: epoch 1 trains {len(packed)} of the {len(train_split)} samples in {n_rows} rows of "
+            f"{max_length} tokens (at most {planned.max_samples_per_row} a row), pad share {pad_share:.1%} "
+            f"(unpacked: {pad_fraction(real_tokens, [max_length]):.1%}); train.batch_size counts rows"
         )
     if config.data.buckets:
         say(
@@ -301,6 +298,12 @@ def build_data(
             f"(one length {max_length}: {pad_fraction(real_tokens, [max_length]):.1%})"
         )
     return planned
+
+
+def _count_range(counts: list[int]) -> str:
+    """The epochs' optimizer steps for the startup line: "12", or "11-12" where packed epochs differ."""
+    low, high = min(counts), max(counts)
+    return str(low) if low == high else f"{low}-{high}"
 
 
 @dataclass

@@ -3,6 +3,7 @@ and the config keys that turn it on."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -18,12 +19,12 @@ from pipetune.data.packing import (
     packed_epoch_batches,
 )
 from pipetune.data.prompt import Sample
-from pipetune.preflight import prepare
+from pipetune.preflight import check_packing, epoch_steps, preflight, prepare
 from tests.conftest import tiny_config, write_config
 
 
 def _store(lengths: list[int], prompt: int = 3) -> SampleStore:
-    ids = iter(range(1, 10_000))
+    ids = itertools.cycle(range(1, 10_000))
     return SampleStore.from_samples([Sample([next(ids) for _ in range(n)], min(prompt, n - 1), 0, 0) for n in lengths])
 
 
@@ -36,11 +37,13 @@ def test_first_fit_fills_earlier_rows_before_opening_new_ones() -> None:
     assert rows.tolist() == [[0, 1], [2, 3], [4, -1]]
 
 
-def test_a_packed_rows_attention_is_its_samples_own() -> None:
+def test_a_packed_rows_attention_is_its_documents_own() -> None:
     """Two samples of 50 in each row of 100 attend over 2 x 50^2 of a whole row's 100^2 pairs: half; samples as
-    long as the row attend as a whole row does; a longer sample is cut to the row first."""
+    long as the row attend as a whole row does; a longer sample is cut to the row first. The pad tail is a document
+    of its own, which flex attention computes: one sample of 50 a row costs 50^2 + 50^2 too."""
     assert packed_attention_share(torch.full((6,), 50), 100, 2) == 0.5
-    assert packed_attention_share(torch.full((6,), 50), 100, 1) == 0.25  # one a row: the rest is padding
+    assert packed_attention_share(torch.full((6,), 50), 100, 1) == 0.5
+    assert packed_attention_share(torch.tensor([30, 30]), 100, 2) == (30**2 + 30**2 + 40**2) / 100**2
     assert packed_attention_share(torch.tensor([100, 100, 300]), 100, 4) == 1.0
     assert packed_attention_share(torch.empty(0, dtype=torch.long), 100, 4) == 1.0
 
@@ -118,9 +121,28 @@ def test_packing_settings_are_validated(overrides: list[str], message: str) -> N
         validate(_config(*overrides, "parallel.pp=1", 'parallel.strategy="single"'), 1)
 
 
-def test_packed_row_shorter_than_the_template_is_refused(tmp_path: Path) -> None:
+def test_packed_rows_the_model_cannot_take_are_refused(tmp_path: Path) -> None:
+    """A row shorter than the template; and Gemma 3's sliding-window layers (a mask of their own, which the
+    document mask does not combine with) at rows longer than the window, refused by preflight with the stage's
+    message, before any worker loads weights."""
     with pytest.raises(ConfigError, match=r"data.max_length = 8 cannot hold the chat template"):
         prepare(tiny_config(tmp_path, "data.packing=true", "data.max_length=8"))
+    single = ["parallel.pp=1", 'parallel.strategy="single"']
+    gemma = tiny_config(tmp_path, 'model.name="tiny-gemma3"', "data.packing=true", *single)  # window 16, rows 128
+    with pytest.raises(
+        ConfigError,
+        match=r"^data.packing = true: sliding_attention layers \(gemma3_text\) have a mask of their own, which packed "
+        r"rows' document mask does not combine with yet; set data.packing = false$",
+    ):
+        preflight(gemma, 1)
+    model_config = prepare(gemma).model.config
+    apply_override(gemma, "data.max_length=16")  # the window covers the row: plain causal layers
+    check_packing(gemma, model_config)
+    apply_override(gemma, "data.max_length=128")
+    apply_override(gemma, "data.packing=false")
+    check_packing(gemma, model_config)
+    qwen = tiny_config(tmp_path, "data.packing=true", *single)
+    check_packing(qwen, prepare(qwen).model.config)
 
 
 def test_inspect_reports_rows_and_padding_with_and_without_packing(
@@ -145,7 +167,8 @@ def test_inspect_reports_rows_and_padding_with_and_without_packing(
     packed = first_fit_rows(order, store.lengths, 256, 16)
     rows = len(packed)
     real = int(store.lengths.sum())
-    squares = sum(int(store.lengths[i]) ** 2 for row in packed.tolist() for i in row if i >= 0)
+    used = [[int(store.lengths[i]) for i in row if i >= 0] for row in packed.tolist()]
+    squares = sum(n**2 for row in used for n in row) + sum((256 - sum(row)) ** 2 for row in used)  # pad tails too
     assert rows < len(store) / 3  # 30-64 tokens a sample: four or more a row
     padding = next(line for line in lines if line.startswith("train") and "->" in line).split()
     assert padding[1] == f"{100 * (1 - real / (len(store) * 256)):.1f}%"
@@ -165,18 +188,47 @@ def _examples(config: Config) -> list:
     return load_dataset(config.data, seed=config.train.seed).splits["train"]
 
 
+def test_the_launcher_counts_optimizer_steps_of_packed_rows() -> None:
+    """train.batch_size counts rows with data.packing: 32 samples of 379-943 tokens pack into 11 rows of 2048, 2
+    batches of 4 rows, no optimizer step of grad_accum 4. The launcher refuses it (preflight.epoch_steps, which
+    every worker's build_data counts with too), naming the rows; unpacked, the same samples make 2 steps an epoch."""
+    lengths = torch.randint(379, 944, (32,), generator=torch.Generator().manual_seed(0))
+    settings = ["data.max_length=2048", "train.batch_size=4", "train.grad_accum=4", "train.epochs=3"]
+    assert epoch_steps(_config(*settings), lengths, "skipped rows: none") == [2, 2, 2]
+    with pytest.raises(
+        ConfigError,
+        match=r"^32 training samples \(skipped rows: none\) pack into 11 rows of data.max_length 2048 \(data.packing: "
+        r"train.batch_size counts rows\), which make no optimizer step of train.batch_size 4 x train.grad_accum 4; "
+        r"lower them, set data.packing = false \(one sample a row\), or add data$",
+    ):
+        epoch_steps(_config("data.packing=true", *settings), lengths, "skipped rows: none")
+
+
 def test_a_resumed_packed_run_continues_with_the_same_rows() -> None:
-    """The training loop's plan (train.TrainData) with packing: every epoch repacked in its own order, as many
-    steps in each as the shortest epoch holds, and a run resumed at a checkpoint's position gets the batches the
-    uninterrupted run got from there on."""
+    """The training loop's plan (train.TrainData, its steps counted by preflight.epoch_steps as build_data counts
+    them) with packing: every epoch repacked in its own order and as many steps in it as its own rows hold
+    (15, 14, 14 here), whatever train.epochs is. A run resumed at a checkpoint's position gets the batches the
+    uninterrupted run got from there on, also when it plans more epochs than the run that saved it."""
     from pipetune.checkpoint import Position
     from pipetune.train import TrainData
 
-    lengths = torch.randint(20, 120, (90,), generator=torch.Generator().manual_seed(2)).tolist()
+    lengths = torch.randint(20, 200, (120,), generator=torch.Generator().manual_seed(4)).tolist()
     store = _store(lengths)
 
-    def plan() -> TrainData:
-        data = TrainData(
+    def plan(epochs: int, *overrides: str) -> TrainData:
+        config = _config(
+            "data.packing=true",
+            "data.max_length=256",
+            "data.max_samples_per_row=4",
+            "train.batch_size=2",
+            "train.grad_accum=2",
+            "train.seed=11",
+            f"train.epochs={epochs}",
+            *overrides,
+        )
+        steps = epoch_steps(config, store.lengths, "skipped rows: none")
+        total = sum(steps) if config.train.max_steps < 0 else min(sum(steps), config.train.max_steps)
+        return TrainData(
             split=store,
             real_tokens=store.lengths,
             supervised=store.supervised,
@@ -187,23 +239,33 @@ def test_a_resumed_packed_run_continues_with_the_same_rows() -> None:
             grad_accum=2,
             pad_id=0,
             seed=11,
-            epochs=3,
-            steps_per_epoch=0,
-            total_steps=0,
+            epoch_steps=steps,
+            total_steps=total,
             validation=None,
             max_samples_per_row=4,
         )
-        data.steps_per_epoch = min(len(data.epoch_plan(e)[0]) for e in range(3)) // 2
-        data.total_steps = 3 * data.steps_per_epoch
-        return data
 
-    whole = list(plan().steps_from(Position()))
-    assert len(whole) == plan().total_steps
-    assert not torch.equal(whole[0][2], whole[plan().steps_per_epoch][2])  # epoch 2 is packed anew
-    at = plan().steps_per_epoch + 1  # a checkpoint one step into the second epoch
-    resumed = list(plan().steps_from(Position(step=at, epoch=1, batch=1)))
-    assert len(resumed) == len(whole) - at
-    for (epoch, index, batches, lengths), expected in zip(resumed, whole[at:], strict=True):
-        assert (epoch, index) == expected[:2]
-        assert torch.equal(batches, expected[2]) and torch.equal(lengths, expected[3])
-        assert batches.shape[1:] == (2, 4)
+    def same(got: list, expected: list) -> None:
+        assert len(got) == len(expected)
+        for (epoch, index, batches, lengths), want in zip(got, expected, strict=True):
+            assert (epoch, index) == want[:2]
+            assert torch.equal(batches, want[2]) and torch.equal(lengths, want[3])
+            assert batches.shape[1:] == (2, 4)
+
+    three = plan(3)
+    assert three.epoch_steps == [15, 14, 14]
+    whole = list(three.steps_from(Position()))
+    assert len(whole) == three.total_steps == 43
+    for epoch, steps in enumerate(three.epoch_steps):  # each epoch's steps in order, the last one its end
+        assert [index for e, index, *_ in whole if e == epoch] == list(range(steps))
+        rows = three.epoch_plan(epoch)[0]
+        assert torch.equal(torch.cat([b for e, _, b, _ in whole if e == epoch]), rows[: steps * 2])
+    assert not torch.equal(whole[0][2], whole[15][2])  # epoch 2 is packed anew
+    same(list(plan(3).steps_from(Position(step=16, epoch=1, batch=1))), whole[16:])  # one step into epoch 2
+    # A finished 1-epoch run, continued with train.epochs = 3: all 14 steps of epoch 2, then epoch 3.
+    one = plan(1)
+    assert one.epoch_steps == [15] and len(list(one.steps_from(Position()))) == 15
+    same(list(plan(3).steps_from(Position(step=15, epoch=1, batch=0))), whole[15:])
+    # train.max_steps ends the run in epoch 2: the epochs after it are not counted (nor packed).
+    capped = plan(3, "train.max_steps=20")
+    assert capped.epoch_steps == [15, 14] and len(list(capped.steps_from(Position()))) == 20

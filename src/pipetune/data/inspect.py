@@ -77,7 +77,8 @@ class SplitReport:
     packed_pad_fraction: float | None = None
     """1 - real tokens / (packed_rows x max_length); None for an empty split."""
     packed_attention: float = 1.0
-    """Attention work of the packed rows against whole rows' (packing.packed_attention_share)."""
+    """Attention work of the packed rows against whole rows', the pad tails' own included
+    (packing.packed_attention_share)."""
 
 
 @dataclass
@@ -276,7 +277,7 @@ def format_report(report: DataReport) -> str:
     out.append(
         f" packed: data.packing = true, whole samples in rows of {report.max_length}, at most "
         f"{report.max_samples_per_row} a row; rows: unpacked -> packed; attention: a packed row's attention work"
-        " against a whole row's, each sample attending only to itself)"
+        " against a whole row's, each sample and the pad tail attending only to itself)"
     )
     return "\n".join(out)
 

@@ -108,14 +108,16 @@ def packed_rows_needed(lengths: torch.Tensor, row_length: int, max_per_row: int,
 
 def packed_attention_share(lengths: torch.Tensor, row_length: int, max_per_row: int, seed: int = 0) -> float:
     """Attention work of epoch 0's packed rows against causal attention over each whole row (what an unpacked,
-    padded row costs): the sum of every packed sample's length squared over rows x row_length squared (1.0 for no
-    samples). Flex attention skips the block mask's tiles outside every sample, so a packed row costs about this
-    share of a whole row's attention (the tiles on a sample's edge are computed whole: a little more)."""
+    padded row costs): the sum of every packed sample's length squared, and of every row's pad tail squared (the
+    pads are a document of their own, which flex attention computes too), over rows x row_length squared (1.0 for
+    no samples). Flex attention skips the block mask's tiles outside every document, so a packed row costs about
+    this share of a whole row's attention (the tiles on a document's edge are computed whole: a little more)."""
     rows = epoch_rows(lengths, row_length, max_per_row, seed, 0)
     if not len(rows):
         return 1.0
     sizes = lengths.clamp(max=row_length).double()
-    squares = torch.where(rows >= 0, sizes[rows.clamp(min=0)] ** 2, 0.0).sum()
+    in_row = torch.where(rows >= 0, sizes[rows.clamp(min=0)], 0.0)
+    squares = (in_row**2).sum() + ((row_length - in_row.sum(-1)) ** 2).sum()
     return float(squares) / (len(rows) * row_length**2)
 
 
