@@ -104,6 +104,30 @@ def test_a_strategy_timed_out_after_timed_steps_keeps_their_figures(tmp_path: Pa
     assert strategy_result(warming, tmp_path, "ddp", 3, 2, 1e9, 790.0) == {"strategy": "ddp", **warming}
     failed = {"error": "exit code 1 in timed step 2", "last_phase": "timed step 2"}
     assert strategy_result(failed, tmp_path, "ddp", 1, 2, 1e9, 790.0) == {"strategy": "ddp", **failed}
+    # A run that ended well without a timed step is an error entry, not a crash of the whole bench.
+    assert strategy_result({"load_s": 38.0}, tmp_path, "ddp", 3, 2, 1e9, 790.0) == {
+        "strategy": "ddp",
+        "load_s": 38.0,
+        "error": "no timed step in metrics.csv",
+    }
+
+
+def test_the_padding_share_is_over_the_timed_tokens_and_ranks_are_in_order(tmp_path: Path) -> None:
+    """The pad share is 1 - real tokens / tokens of the timed steps (not a ratio of two medians of other rows);
+    rows that cover several steps weigh as many; rank 10's peak comes after rank 9's; a loss that is not a number
+    (every step of the row skipped) is null in bench.json."""
+    from pipetune.bench import strategy_result
+
+    peaks = ",".join(f"peak_gb_rank{r}" for r in range(11))
+    values = ",".join(str(r) for r in range(11))
+    (tmp_path / "metrics.csv").write_text(
+        f"step,loss,tokens_per_sec,real_tokens_per_sec,step_time_sec,{peaks}\n"
+        f"2,9.0,1000,950,1.0,{values}\n4,8.0,2000,1000,1.0,{values}\n5,nan,3000,2950,1.0,{values}\n"
+    )
+    result = strategy_result({}, tmp_path, "ddp", 0, 11, 1e9, 790.0)
+    tokens, real = 1000 * 2 + 2000 * 2 + 3000, 950 * 2 + 1000 * 2 + 2950
+    assert result["pad_share"] == pytest.approx(1 - real / tokens)
+    assert result["peak_gb_per_rank"] == [float(r) for r in range(11)] and result["final_loss"] is None
 
 
 def test_bench_removes_only_its_own_earlier_runs(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ measured on an H200).
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import shutil
@@ -86,7 +87,7 @@ def run_bench(
         run = run_strategy(path, run_dir, out_dir / f"{strategy}.log", strategy, warmup, timeout_s)
         result = strategy_result(run, run_dir, strategy, warmup, n_gpus, flops_per_token, peak_tflops)
         results.append({**result, "setup": {**setup, "layout": layout_of(variant)}})
-    (out_dir / "bench.json").write_text(json.dumps(results, indent=1))
+        (out_dir / "bench.json").write_text(json.dumps(results, indent=1))  # after each: a later one may fail
     print_table(results, describe_setup(setup))
     plot_bench(results, out_dir / "bench.png", "pipetune bench")
     return results
@@ -257,6 +258,8 @@ def strategy_result(
     """bench.json's entry for a strategy: the figures of its timed steps, or its error. One that the timeout
     ended after some timed steps (or in its final checkpoint, with all of them) keeps their figures, marked
     "timed_out"."""
+    if not timed_rows(run_dir, warmup) and "error" not in run:  # ended without a timed step (max_steps reached?)
+        run = {**run, "error": "no timed step in metrics.csv"}
     if "error" in run and not (run["error"].startswith("timed out") and timed_rows(run_dir, warmup)):
         return {"strategy": strategy, **run}
     result = {**summarize_run(run_dir, strategy, warmup, n_gpus, flops, peak_tflops), **run}
@@ -276,8 +279,12 @@ def timed_rows(run_dir: Path, warmup: int) -> list[dict]:
 def summarize_run(run_dir: Path, strategy: str, warmup: int, n_gpus: int, flops: float, peak_tflops: float) -> dict:
     rows = timed_rows(run_dir, warmup)
     tokens = statistics.median(float(r["tokens_per_sec"]) for r in rows)
-    peaks = sorted(k for k in rows[0] if k.startswith("peak_gb_rank"))
-    reserved = sorted(k for k in rows[0] if k.startswith("reserved_gb_rank") and rows[0][k])
+    peaks = sorted((k for k in rows[0] if k.startswith("peak_gb_rank")), key=_rank_of)
+    reserved = sorted((k for k in rows[0] if k.startswith("reserved_gb_rank") and rows[0][k]), key=_rank_of)
+    seconds = _row_seconds(rows, warmup)
+    all_tokens = sum(float(r["tokens_per_sec"]) * t for r, t in zip(rows, seconds, strict=True))
+    real_tokens = sum(float(r["real_tokens_per_sec"]) * t for r, t in zip(rows, seconds, strict=True))
+    loss = float(rows[-1]["loss"])
     result = {
         "strategy": strategy,
         "gpus": n_gpus,
@@ -285,11 +292,12 @@ def summarize_run(run_dir: Path, strategy: str, warmup: int, n_gpus: int, flops:
         "tokens_per_sec": tokens,
         "tokens_per_sec_per_gpu": tokens / n_gpus,
         "real_tokens_per_sec": statistics.median(float(r["real_tokens_per_sec"]) for r in rows),
+        "pad_share": 1 - real_tokens / all_tokens if all_tokens > 0 else 0.0,
         "step_time_sec": statistics.median(float(r["step_time_sec"]) for r in rows),
         "mfu": tokens * flops / (n_gpus * peak_tflops * 1e12),
         "peak_gb_per_rank": [max(float(r[k]) for r in rows) for k in peaks],
         "reserved_gb_per_rank": [max(float(r[k] or 0) for r in rows) for k in reserved],
-        "final_loss": float(rows[-1]["loss"]),
+        "final_loss": loss if math.isfinite(loss) else None,  # every step of the last row skipped: no loss
     }
     if rows[0].get("host_wait_frac"):  # GPU runs
         result["host_wait_frac"] = statistics.median(float(r["host_wait_frac"]) for r in rows)
@@ -299,6 +307,18 @@ def summarize_run(run_dir: Path, strategy: str, warmup: int, n_gpus: int, flops:
         result["bubble_per_rank"] = summary["bubble"]
         result["expected_bubble"] = summary["expected_bubble"]
     return result
+
+
+def _rank_of(column: str) -> int:
+    """The rank of a per-rank metrics column ("peak_gb_rank10": 10), to order rank 10 after rank 9."""
+    return int(column.rsplit("rank", 1)[1])
+
+
+def _row_seconds(rows: list[dict], warmup: int) -> list[float]:
+    """Seconds of training each timed metrics row covers: its step time (the mean over its steps) x its steps."""
+    steps = [warmup, *(int(r["step"]) for r in rows)]
+    pairs = zip(rows, steps[:-1], steps[1:], strict=True)
+    return [float(r["step_time_sec"]) * (later - earlier) for r, earlier, later in pairs]
 
 
 def print_table(results: list[dict], caption: str = "") -> None:
@@ -333,7 +353,7 @@ def print_table(results: list[dict], caption: str = "") -> None:
             r["strategy"] + (f" ({r['timed_out']}, {r['timed_steps']} timed steps)" if "timed_out" in r else ""),
             str(r["gpus"]),
             f"{r['real_tokens_per_sec']:,.0f}",
-            f"{1 - r['real_tokens_per_sec'] / r['tokens_per_sec']:.0%}",
+            f"{r['pad_share']:.0%}",
             f"{r['tokens_per_sec']:,.0f}",
             f"{r['tokens_per_sec_per_gpu']:,.0f}",
             f"{r['mfu']:.1%}",

@@ -95,3 +95,19 @@ def test_inspect_reports_a_bad_config_value(tmp_path: Path, capsys: pytest.Captu
     config = write_config(tiny_config(tmp_path / "run"), tmp_path / "config.toml")
     assert main(["data", "inspect", "--config", str(config), "--set", "data.validation_fraction=1.5"]) == 2
     assert "data.validation_fraction = 1.5" in capsys.readouterr().err
+
+
+def test_bucketed_rows_attend_as_far_as_their_bucket(tmp_path: Path) -> None:
+    """With data.buckets a token of a row padded to b tokens does b / max_length of a whole row's attention work;
+    the speed models (plan, bench MFU) take the token-weighted mean over the training split."""
+    from pipetune.data.batching import bucket_lengths
+    from pipetune.data.cache import tokenized_data
+    from pipetune.data.inspect import training_attention_share
+
+    config = tiny_config(tmp_path, "data.max_length=512", "data.buckets=[256, 384, 512]")
+    prompts = prepare(config).prompts
+    lengths = tokenized_data(config.data, prompts, config.train.seed).splits["train"].lengths
+    padded = bucket_lengths(lengths, [256, 384, 512]).double()
+    share = training_attention_share(config, prompts)
+    assert share == pytest.approx(float((padded**2).sum() / (512 * padded.sum())))
+    assert 0 < share < 1 and training_attention_share(tiny_config(tmp_path)) == 1.0

@@ -43,6 +43,11 @@ def run(args: argparse.Namespace) -> int:
     from pipetune.bench import run_bench
     from pipetune.preflight import preflight
 
+    if args.steps < 1 or args.warmup < 0:
+        raise ConfigError(
+            f"--steps {args.steps} must be >= 1 and --warmup {args.warmup} >= 0 (timed steps after the warm-up ones, "
+            "e.g. --steps 10 --warmup 4)"
+        )
     if args.rows < 1 or args.steps % args.rows or args.warmup % args.rows:
         raise ConfigError(
             f"--rows {args.rows} must be >= 1 and divide --steps {args.steps} and --warmup {args.warmup} "

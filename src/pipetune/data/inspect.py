@@ -159,12 +159,13 @@ def split_report(
 
 
 def training_attention_share(config: Config, prompts: PromptBuilder | None = None) -> float:
-    """The attention work of a training row against causal attention over the whole row: with data.packing, that
-    of the training split's packed rows (packing.packed_attention_share, over the token cache's lengths: the
-    cache training reads, built here if missing; `prompts`: the run's prompt builder, made here if None), else
-    1.0 (a padded row is attended whole). The speed models (the plan, `strategy = "auto"`, the bench's MFU) scale
-    attention's FLOPs by it."""
-    if not config.data.packing:
+    """The attention work a training token does against one of a whole row of data.max_length: with data.packing,
+    that of the training split's packed rows (packing.packed_attention_share); with data.buckets, the token-
+    weighted mean of each row's padded length over max_length (a row of b tokens does b / max_length of the work
+    a token, and holds b tokens); else 1.0 (a padded row is attended whole). Over the token cache's lengths: the
+    cache training reads, built here if missing; `prompts`: the run's prompt builder, made here if None. The speed
+    models (the plan, `strategy = "auto"`, the bench's MFU) scale attention's FLOPs by it."""
+    if not config.data.packing and not config.data.buckets:
         return 1.0
     from pipetune.data.cache import tokenized_data
 
@@ -176,7 +177,10 @@ def training_attention_share(config: Config, prompts: PromptBuilder | None = Non
     store = tokenized_data(config.data, prompts, config.train.seed).splits.get("train")
     lengths = store.lengths if store is not None else torch.empty(0, dtype=torch.long)
     d = config.data
-    return packed_attention_share(lengths, d.max_length, d.max_samples_per_row, config.train.seed)
+    if d.packing:
+        return packed_attention_share(lengths, d.max_length, d.max_samples_per_row, config.train.seed)
+    padded = bucket_lengths(lengths, d.buckets).double()
+    return float((padded**2).sum() / (d.max_length * padded.sum())) if len(padded) else 1.0
 
 
 def _token_counts(builder: PromptBuilder, texts: list[str]) -> list[int]:
