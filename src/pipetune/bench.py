@@ -8,8 +8,11 @@ a run that logs every few steps).
 
 MFU = tokens/s x FLOPs per token / (GPUs x peak FLOP/s), FLOPs per token from the stage cost
 model of model/split.py (4 x weights of every matmul: frozen-base LoRA training is forward plus
-input-gradient backward; plus causal attention) and peak = --peak-tflops (790: bf16 dense matmul
-measured on an H200).
+input-gradient backward; plus causal attention; the lm_head on every token, or with train.fused_loss on the
+supervised share of them, data.max_summary_tokens + 1 of data.max_length, which is all it runs on) and
+peak = --peak-tflops (790: bf16 dense matmul measured on an H200). Until 2026-12-02 the bench counted the head
+on every token with the fused loss too: its MFU figures before then are ~7% higher than this count at Qwen3-8B's
+4,096-token rows (256 summary tokens; 69.4% is 64.6%) and ~5% at Qwen3-4B's 512-token rows.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from pipetune.config import RUN_STRATEGIES, Config, ConfigError, save_config
 from pipetune.data.inspect import training_attention_share
 from pipetune.files import read_metrics_rows
 from pipetune.metrics import read_phases
-from pipetune.model.split import estimate_costs
+from pipetune.model.split import run_split
 from pipetune.planner.layouts import Layout
 from pipetune.preflight import prepare
 from pipetune.report import plot_bench
@@ -71,7 +74,7 @@ def run_bench(
         raise ConfigError(f"--strategies {unknown} unknown; available: {', '.join(RUN_STRATEGIES)}")
     prepared = prepare(config)
     share = training_attention_share(config, prepared.prompts)  # packed rows attend within their samples
-    costs = estimate_costs(prepared.model.config, config.data.max_length, attention_share=share)
+    costs, _ = run_split(config, prepared.model.config, share)  # with the fused loss: the head on supervised rows
     flops_per_token = prepared.n_layers * costs.layer + costs.head
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = bench_setup(config) | {"attention_share": round(share, 4)}  # MFU counts this share of attention
