@@ -101,6 +101,15 @@ def test_mlp_chunk_auto_turns_on_at_long_rows_and_bad_values_are_refused(tmp_pat
     assert mlp_chunk_tokens(config.train, 131072, tp=2) == 0  # a tp rank holds a share of each token
     apply_override(config, "train.mlp_chunk=512")
     assert mlp_chunk_tokens(config.train, 1024) == 512
+    # A chunk is 512 positions of every sequence of the microbatch: its workspace grows with the microbatch.
+    from pipetune.parallel.memory import mlp_workspace_bytes
+
+    model_config = resolve_model(config.model).config
+    apply_override(config, "data.max_length=1024")
+    one_row = 3 * model_config.intermediate_size * 512 * 4  # float32
+    assert mlp_workspace_bytes(config, model_config, 1, 1024) == one_row
+    assert mlp_workspace_bytes(config, model_config, 4, 1024) == 4 * one_row
+    assert mlp_workspace_bytes(config, model_config, 4, 256) == 2 * one_row  # rows shorter than the chunk
     from pipetune.config import validate
 
     config.train.mlp_chunk = -1
@@ -156,6 +165,12 @@ def test_a_run_whose_own_plan_cannot_fit_its_row_stops_before_step_1(tmp_path: P
     fitting = tiny_config(tmp_path / "fits", "parallel.pp=1", f"data.max_length={longest}", *budget)
     assert main(["train", "--config", str(write_config(fitting, tmp_path / "f.toml")), "--quiet"]) == 0
     assert len(losses(tmp_path / "fits")) == 1
+    # Not far too short either: the plain loss's logits grow with the row, and are scaled with it (the named row
+    # was once a quarter of what fits); a quarter longer does not fit.
+    longer = tiny_config(tmp_path / "longer", "parallel.pp=1", f"data.max_length={longest * 5 // 4}", *budget)
+    with pytest.raises(SystemExit) as stopped:
+        main(["train", "--config", str(write_config(longer, tmp_path / "l.toml")), "--quiet"])
+    assert stopped.value.code == 2
     # A plan that fits (a CPU's has no limit) keeps its row.
     assert CheckpointPlan([0], 64e6, float("inf"), fixed_bytes=28e6).longest_row(256) == 256
     # Of several ranks (peak, budget, longest row each), the one with the shortest row that fits is named.

@@ -193,15 +193,18 @@ def plan_checkpointing(
     budget_bytes: float,
     host_budget: float = 0.0,
     offload_first: bool = False,
+    row_bytes: float = 0.0,
 ) -> CheckpointPlan:
     """The fewest checkpointed (then offloaded) layers per stage whose predicted peak fits `budget_bytes` (all, if
     none does). Layers are offloaded while their inputs fit `host_budget` (0: never); `offload_first`: offload a
-    checkpointed layer before recomputing another (its copy hides behind the layer's compute)."""
+    checkpointed layer before recomputing another (its copy hides behind the layer's compute). `fixed_bytes`: what
+    does not grow with the row; `row_bytes`: what does besides the layers' activations (a plain loss's logits, an
+    unchunked MLP's workspace)."""
     checkpointed, offloaded = [0] * len(stage_layers), [0] * len(stage_layers)
 
     def peak() -> tuple[float, Sequence[int]]:
         activations, moment = activation_peak(stage_layers, checkpointed, timeline, layer_bytes, input_bytes, offloaded)
-        return fixed_bytes + activations, moment
+        return fixed_bytes + row_bytes + activations, moment
 
     def can_offload(i: int) -> bool:
         more = [o + (j == i) for j, o in enumerate(offloaded)]
@@ -265,17 +268,21 @@ def auto_checkpointing(
         local_part(param).numel() for module in modules for param in module.parameters() if param.requires_grad
     )
     fixed = _allocated_bytes(modules, device) + OPTIMIZER_BYTES * trainable
+    fixed += MARGIN * budget if budget != float("inf") else 0.0
+    grows = 0.0  # besides the layers' activations: longest_row scales it with them
     last = next((module for module in modules if module.is_last), None)
     if last is not None:
-        fixed += loss_bytes(config, last.lm_head.weight.shape[0])
-    fixed += MARGIN * budget if budget != float("inf") else 0.0
-    fixed += mlp_workspace_bytes(config, resolved.config, microbatch * seq)
+        loss = loss_bytes(config, last.lm_head.weight.shape[0])
+        fixed, grows = (fixed + loss, grows) if config.train.fused_loss else (fixed, grows + loss)
+    workspace = mlp_workspace_bytes(config, resolved.config, microbatch, seq)
+    chunked = mlp_chunk_tokens(config.train, seq, config.parallel.tp) > 0
+    fixed, grows = (fixed + workspace, grows) if chunked else (fixed, grows + workspace)
     timeline = rank_timeline(config.parallel, pp_rank)
     stage_layers = [len(module.layers) for module in modules]
     # estimate_costs counts a LoRA layer's forward and input gradient (4 x weights a token): half is the forward.
     hides = offload_hides(input_bytes, estimate_costs(resolved.config, seq).layer / 2 * microbatch * seq)
     host = host_budget() if device.type == "cuda" else 0.0  # a CPU has no host memory apart to move to
-    return plan_checkpointing(stage_layers, timeline, layer_bytes, input_bytes, fixed, budget, host, hides)
+    return plan_checkpointing(stage_layers, timeline, layer_bytes, input_bytes, fixed, budget, host, hides, grows)
 
 
 def check_plans_fit(plan: CheckpointPlan, config: Config, device: torch.device) -> None:
@@ -310,12 +317,13 @@ def refuse_unfit(verdicts: Sequence[Sequence[float]], config: Config) -> None:
     )
 
 
-def mlp_workspace_bytes(config: Config, model_config: PretrainedConfig, tokens: int) -> float:
-    """What a layer's MLP briefly needs on top of what it keeps: [tokens, 3 x intermediate_size] (gate, up and
-    their product), for a chunk of train.mlp_chunk tokens when chunked; split over parallel.tp."""
+def mlp_workspace_bytes(config: Config, model_config: PretrainedConfig, microbatch: int, seq: int) -> float:
+    """What a layer's MLP briefly needs on top of what it keeps: [microbatch x seq, 3 x intermediate_size] (gate,
+    up and their product), or, chunked, of train.mlp_chunk positions of each sequence of the microbatch (a chunk
+    is [microbatch, chunk]); split over parallel.tp."""
     chunk = mlp_chunk_tokens(config.train, config.data.max_length, config.parallel.tp)
     element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
-    rows = min(tokens, chunk) if chunk else tokens
+    rows = microbatch * (min(seq, chunk) if chunk else seq)
     return 3 * model_config.intermediate_size * rows * element / config.parallel.tp
 
 
@@ -479,7 +487,7 @@ def row_costs(
     long = _long(config)
     microbatch = config.microbatch_size
     chunked = mlp_chunk_tokens(config.train, ROW_PROBE, config.parallel.tp) > 0
-    workspace = mlp_workspace_bytes(long, model_config, microbatch * ROW_PROBE)
+    workspace = mlp_workspace_bytes(long, model_config, microbatch, ROW_PROBE)
     transient = 0.0 if chunked else workspace / ROW_PROBE
     fixed += workspace if chunked else 0.0
     if last and config.train.fused_loss:
