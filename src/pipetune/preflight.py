@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,15 +64,18 @@ def check_positions(config: Config, model_config: PretrainedConfig) -> str | Non
     """A warning when data.max_length goes past the positions the model was trained for (max_position_embeddings)
     and its config scales no rope: attention past them has never been trained, and quality falls off."""
     trained = getattr(model_config, "max_position_embeddings", None)
-    scaling = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None)
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if trained is None or config.data.max_length <= trained or rope_type not in (None, "default"):
+    scaling = getattr(model_config, "rope_parameters", None) or getattr(model_config, "rope_scaling", None) or {}
+    # One set of rope parameters, or one per attention kind (Gemma 3: {"full_attention": {...}, ...}).
+    kinds = [v for v in scaling.values() if isinstance(v, dict)] or [scaling]
+    scaled = any(kind.get("rope_type", kind.get("type", "default")) not in (None, "default") for kind in kinds)
+    if trained is None or config.data.max_length <= trained or scaled:
         return None
+    factor = max(2, math.ceil(config.data.max_length / trained))  # enough to reach the row
     return (
         f"data.max_length = {config.data.max_length} is beyond the {trained} positions {config.model.name!r} was "
         "trained for (max_position_embeddings) and its config scales no rope; train on shorter rows, or use a "
         'model whose config.json sets rope_scaling (e.g. {"rope_type": "yarn", "factor": '
-        f'{config.data.max_length / trained:.0f}, "original_max_position_embeddings": {trained}}})'
+        f'{factor}, "original_max_position_embeddings": {trained}}})'
     )
 
 

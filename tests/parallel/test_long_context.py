@@ -188,6 +188,13 @@ def test_rows_past_the_trained_positions_warn_and_name_rope_scaling(tmp_path: Pa
     assert "pipetune: warning: data.max_length = 8192 is beyond the 4096 positions" in err and "rope_scaling" in err
     scaled = SimpleNamespace(max_position_embeddings=4096, rope_parameters={"rope_type": "yarn", "factor": 2.0})
     assert check_positions(config, scaled) is None
+    # Gemma 3's per-attention-kind parameters: one of them scaled is scaled.
+    per_kind = {"sliding_attention": {"rope_type": "default"}, "full_attention": {"rope_type": "linear", "factor": 8}}
+    assert check_positions(config, SimpleNamespace(max_position_embeddings=4096, rope_parameters=per_kind)) is None
+    # The factor named reaches the row: 6,100 tokens over 4,096 positions needs 2, not round(1.49) = 1.
+    plain = SimpleNamespace(max_position_embeddings=4096, rope_parameters={"rope_type": "default"})
+    assert '"factor": 2,' in check_positions(tiny_config(tmp_path, "data.max_length=6100"), plain)
+    assert '"factor": 3,' in check_positions(tiny_config(tmp_path, "data.max_length=8193"), plain)
 
 
 def test_plan_prints_the_longest_row_of_each_layout(tmp_path: Path) -> None:
@@ -238,3 +245,31 @@ def test_chunked_mlp_training_matches_the_plain_run(reference: Path, tmp_path: P
     )
     torch.testing.assert_close(torch.tensor(losses(chunked)), torch.tensor(losses(reference)), rtol=1e-6, atol=0)
     assert_same_training(chunked, reference)
+
+
+def test_kept_attention_and_offloaded_inputs_serve_a_second_backward_and_let_go() -> None:
+    """A second backward pass through the same graph recomputes the checkpointed layers again: kept attention
+    takes its outputs back from the start (its context is entered once per recomputation) and the gradients are
+    twice the plain run's. Once the graph is gone no offloaded copy is held (the chain's last link let go)."""
+    from pipetune.config import LoraConfig, ModelConfig
+    from pipetune.model.attention import DOCUMENT_ATTENTION
+    from pipetune.model.load import build_model
+    from pipetune.model.lora import apply_lora
+    from pipetune.model.stage import StageModule
+
+    def grads(checkpointed: int, offloaded: int) -> tuple[dict, StageModule]:
+        resolved = resolve_model(ModelConfig(name="tiny-qwen3", init="random"))
+        model, _ = build_model(resolved, torch.float32, torch.device("cpu"), layers=range(2), seed=0)
+        stage = StageModule(apply_lora(model, LoraConfig(dropout=0.0), "tiny-qwen3", seed=0)).train()
+        stage.layers[0].self_attn.config._attn_implementation = DOCUMENT_ATTENTION
+        stage.keep_attention = True
+        stage.set_layer_modes(checkpointed, offloaded)
+        loss = stage(torch.randint(0, 1000, (2, 32), generator=torch.Generator().manual_seed(1))).pow(2).mean()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return {n: p.grad for n, p in stage.named_parameters() if p.requires_grad}, stage
+
+    plain, _ = grads(0, 0)
+    kept, stage = grads(2, 2)
+    assert all(torch.allclose(kept[n], plain[n], rtol=1e-5, atol=1e-7) for n in plain)
+    assert stage.offload._last is None and stage.kept.host._last is None

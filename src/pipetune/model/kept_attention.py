@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -91,15 +90,10 @@ class _Call:
     mode: str | None = None
     taken: int = 0
 
-    @contextlib.contextmanager
-    def active(self, mode: str) -> Iterator[None]:
-        global _ACTIVE
-        before, _ACTIVE = _ACTIVE, self
-        self.mode, self.taken = mode, 0  # a second recomputation (another backward pass) reads from the start
-        try:
-            yield
-        finally:
-            _ACTIVE, self.mode = before, None
+    def active(self, mode: str) -> _Active:
+        """A context in which this call is the active one, in `mode`, each time it is entered (the checkpoint enters
+        its recomputation context once per recomputation: a second backward pass recomputes again)."""
+        return _Active(self, mode)
 
     def record(self, kept: _Kept) -> None:
         if self.host is not None:
@@ -126,6 +120,24 @@ class _Call:
 
 _ACTIVE: _Call | None = None
 """The checkpoint call being run or recomputed right now (set by `_Call.active`)."""
+
+
+class _Active:
+    """`_Call.active`'s context: re-entrant, unlike a generator's (each entry reads the kept results from the
+    start, and restores the call that was active before)."""
+
+    def __init__(self, call: _Call, mode: str) -> None:
+        self.call, self.mode, self.before = call, mode, []
+
+    def __enter__(self) -> None:
+        global _ACTIVE
+        self.before.append(_ACTIVE)
+        _ACTIVE = self.call
+        self.call.mode, self.call.taken = self.mode, 0
+
+    def __exit__(self, *exc: object) -> None:
+        global _ACTIVE
+        _ACTIVE, self.call.mode = self.before.pop(), None
 
 
 def kept_kernel(

@@ -78,6 +78,8 @@ class ActivationOffload:
     def unpack(self, saved: torch.Tensor | _Offloaded) -> torch.Tensor:
         if not isinstance(saved, _Offloaded):
             return saved
+        if saved is self._last:  # backward began with the newest forward's last input: the chain's hold ends
+            self._last = None
         if saved.fetched is None:
             self._fetch(saved)
         tensor, ready = saved.fetched, saved.ready
