@@ -162,7 +162,9 @@ def export_run(run_dir: Path, out: Path, merge: bool = False) -> Path:
     generation = GenerationConfig(
         do_sample=False,
         max_new_tokens=config.data.max_summary_tokens,
-        eos_token_id=settings["stop_ids"][0],
+        eos_token_id=[
+            i for i in dict.fromkeys((settings["stop_ids"][0], prepared.tokenizer.eos_token_id)) if i is not None
+        ],
         pad_token_id=prepared.pad_id,
     )
     gguf = gguf_source(config.model.name)
@@ -370,8 +372,9 @@ half of those with a newline between. A transcript of more than {settings["trans
 (`transcript_budget`) is then cut in the middle: with k = transcript_budget - len(elision_ids), it keeps its
 first ceil(k / 2) and last floor(k / 2) tokens with the `elision_ids` ({settings["elision"]!r}) between.
 Generation is greedy and ends at token {settings["stop_ids"][0]} (`stop_ids[0]`, which closes the assistant's
-turn), after at most {settings["max_summary_tokens"]} new tokens. Built this way the prompt is, token for
-token, the one `pipetune summarize` builds from the same text file or JSONL row, and the output is its output:
+turn) or at the tokenizer's end of text, after at most {settings["max_summary_tokens"]} new tokens. Built this
+way the prompt is, token for token, the one `pipetune summarize` builds from the same text file or JSONL row,
+and the output is its output:
 
 ```python
 {PROMPT_CODE}```
@@ -405,17 +408,17 @@ model = PeftModel.from_pretrained(base, f"{{EXPORT}}/adapter").eval()
 @torch.no_grad()
 def summarize(transcript: str, max_new_tokens: int = settings["max_summary_tokens"]) -> str:
     ids = torch.tensor([prompt_ids(transcript)], device=model.device)
-    stop = settings["stop_ids"][0]
+    stops = [i for i in dict.fromkeys((settings["stop_ids"][0], tokenizer.eos_token_id)) if i is not None]
     out = model.generate(
         input_ids=ids,
         attention_mask=torch.ones_like(ids),
         max_new_tokens=max_new_tokens,
         do_sample=False,
-        eos_token_id=stop,
+        eos_token_id=stops,
         pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
     )
     new = out[0, ids.shape[1] :].tolist()
-    new = new[: new.index(stop)] if stop in new else new
+    new = new[: min((new.index(stop) for stop in stops if stop in new), default=len(new))]
     return tokenizer.decode(new, skip_special_tokens=True).strip()
 ```
 {merged_note}
