@@ -172,7 +172,7 @@ def test_checkpoint_without_marker_is_never_loaded(run_dir: Path) -> None:
     "override, message",
     [
         ("lora.r=8", r"lora.r 16 (config: 8)"),
-        ("lora.alpha=16", r"lora.alpha 32 (config: 16)"),
+        ("lora.alpha=16", r"lora.alpha 32.0 (config: 16.0)"),
         ('lora.target_modules=["q_proj","v_proj"]', r"lora.target_modules ['down_proj', "),
         ('model.name="qwen3-0.6b"', r"model.name 'tiny-qwen3' (config: 'qwen3-0.6b')"),
         ("train.seed=7", r"train.seed 42 (config: 7)"),  # builds a random-init base, orders the data

@@ -24,9 +24,17 @@ from tests.conftest import REPO, tiny_config, write_config
 
 
 def test_toml_round_trip_keeps_every_value(tmp_path: Path) -> None:
-    config = tiny_config(tmp_path / "run", "parallel.layers_per_stage=[3, 1]", 'lora.target_modules=["q_proj"]')
+    """What a run saves (config.toml, read by every worker, summarize, eval and export) and `config show` prints
+    load back as the same config: a multi-line string with control characters too, a float with an int default."""
+    from pipetune.config_docs import annotated_toml
+
+    config = tiny_config(
+        tmp_path / "run", "parallel.layers_per_stage=[3, 1]", 'lora.target_modules=["q_proj"]', "lora.alpha=16.5"
+    )
+    config.data.system_prompt = 'You summarize.\n\tBe "brief", C:\\notes\r\n\x00\x1b\x7f\u00e9 \u2603 \U0001f600\n'
     save_config(config, tmp_path / "c.toml")
     assert load_config(tmp_path / "c.toml") == config
+    assert from_dict(tomllib.loads(annotated_toml(config))) == config
 
 
 def test_set_overrides_parse_toml_values() -> None:
@@ -34,9 +42,29 @@ def test_set_overrides_parse_toml_values() -> None:
     apply_override(config, "train.lr=1e-3")
     apply_override(config, "model.name=Qwen/Qwen3-8B")  # bare strings need no quotes
     apply_override(config, 'lora.target_modules=["q_proj","v_proj"]')
+    apply_override(config, "output.dir=2024-01-01")  # a string key takes text that TOML reads as a date, as written
+    apply_override(config, "data.source=123")
+    apply_override(config, "lora.alpha=64")
     assert config.train.lr == 1e-3 and isinstance(config.train.lr, float)
     assert config.model.name == "Qwen/Qwen3-8B"
     assert config.lora.target_modules == ["q_proj", "v_proj"]
+    assert (config.output.dir, config.data.source) == ("2024-01-01", "123")
+    assert config.lora.alpha == 64.0 and isinstance(config.lora.alpha, float)
+    assert from_dict({"lora": {"alpha": 16.5}}).lora.alpha == 16.5
+
+
+def test_every_default_has_its_annotated_type() -> None:
+    """A key takes the values of its annotation, not only its default's type (`alpha: float = 32` took no 16.5)."""
+    import dataclasses
+    import typing
+
+    for section in dataclasses.fields(Config):
+        values = section.default_factory()
+        hints = typing.get_type_hints(type(values))
+        for key in dataclasses.fields(values):
+            hint = typing.get_args(hints[key.name])[0] if key.metadata.get("also") else hints[key.name]
+            expected = typing.get_origin(hint) or hint
+            assert type(getattr(values, key.name)) is expected, f"{section.name}.{key.name}"
 
 
 @pytest.mark.parametrize(
@@ -56,9 +84,21 @@ def test_bad_overrides_name_the_problem(item: str, message: str) -> None:
         apply_override(Config(), item)
 
 
-def test_a_misspelt_section_in_a_file_gets_a_suggestion() -> None:
+def test_a_misspelt_or_misused_section_in_a_file_names_the_fix() -> None:
     with pytest.raises(ConfigError, match=r"unknown config section \[parallell\] \(did you mean \[parallel\]\?\)"):
         from_dict({"parallell": {"pp": 2}})
+    with pytest.raises(
+        ConfigError,
+        match=r'^model = "Qwen/Qwen3-8B" is a value, but \[model\] is a section: write \[model\] on a line of its '
+        r"own and its keys below it \(keys of \[model\] are: name, dtype, ",
+    ):
+        from_dict(tomllib.loads('model = "Qwen/Qwen3-8B"\n'))
+    with pytest.raises(
+        ConfigError,
+        match=r"output.dir = datetime.date\(2024, 1, 1\) has type date; expected str like 'runs/qwen3-4b-ami' "
+        r'\(a string: write it in quotes, dir = "2024-01-01"\)$',
+    ):
+        from_dict(tomllib.loads("[output]\ndir = 2024-01-01\n"))
 
 
 def test_shipped_configs_load_by_name_from_anywhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -172,6 +212,9 @@ def test_output_tensorboard_is_read_as_a_logger(capsys: pytest.CaptureFixture[st
     config = Config()
     apply_override(config, "output.tensorboard=true")
     assert config.output.loggers == ["csv", "tensorboard"]
+    config = from_dict(tomllib.loads('[output]\ntensorboard = true\nloggers = ["csv", "wandb"]\n'))
+    assert config.output.loggers == ["csv", "wandb", "tensorboard"]  # added to the table's loggers, after it too
+    assert 'read as output.loggers = ["csv", "wandb", "tensorboard"]; write that' in capsys.readouterr().err
 
 
 def test_seed_job_config_matches_the_seed_script() -> None:
@@ -344,7 +387,7 @@ def test_p2p_channels_reach_nccl_before_any_communicator(monkeypatch: pytest.Mon
         ("train.lr=nan", r"train.lr = nan must be positive and finite"),
         ("train.max_grad_norm=inf", r"train.max_grad_norm = inf must be >= 0 and finite"),
         ("parallel.layers_per_stage=[1.5, 2.5]", r"layers_per_stage = \[1.5, 2.5\] must be whole numbers of layers"),
-        ("lora.alpha=0", r"lora.alpha = 0 must be positive and finite"),
+        ("lora.alpha=0", r"lora.alpha = 0.0 must be positive and finite"),
         ("train.warmup_steps=-1", r"train.warmup_steps = -1 must be >= 0"),
         ("train.seed=-1", r"train.seed = -1 must be within \[0, 2\*\*32\)"),
         ("data.synthetic_train=0", r"data.synthetic_train = 0 must be at least 1"),

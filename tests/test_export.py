@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pipetune.cli import main
-from pipetune.config import Config, ConfigError, save_config
+from pipetune.config import Config, ConfigError, load_config, save_config
 from pipetune.data.synthetic import synthetic_splits
 from pipetune.export import export_run
 from pipetune.generate import inference_config, load_finetuned, read_transcripts
@@ -135,6 +135,48 @@ def test_summarize_reads_the_exports_settings(run: Path, exported: Path, tmp_pat
         shutil.move(moved, exported)
 
 
+def test_a_local_base_with_its_own_tokenizer_and_quantized_exports_for_the_cards_commands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """model.name = "~/base" (a local checkpoint without a tokenizer), model.tokenizer = "tok" (relative to where the
+    run was trained) and model.quantize = "fp8" (as on an H200): the export needs no FP8 GPU, names the base by its
+    absolute path, and its config.toml keeps the quantization and points at the tokenizer saved in adapter/, so the
+    card's `pipetune summarize --adapter adapter` runs from the export directory."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    tiny = prepare(tiny_config(tmp_path / "x"))
+    base, _ = build_model(tiny.model, torch.float32, torch.device("cpu"), seed=1)
+    base.save_pretrained(tmp_path / "base")
+    tiny.tokenizer.save_pretrained(tmp_path / "tok")
+    local = (
+        'model.name="~/base"',
+        'model.init="pretrained"',
+        'model.tokenizer="tok"',
+        "lora.target_modules=['q_proj']",
+    )
+    config = tiny_config(tmp_path / "run", *local)
+    run = make_run(tmp_path / "run", config)
+    config.model.quantize, config.model.dtype = "fp8", "bfloat16"  # what the run trained with; this host has no FP8
+    save_config(config, run / "config.toml")
+
+    out = export_run(run, tmp_path / "export")
+    base_path = str((tmp_path / "base").resolve())
+    assert json.loads((out / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == base_path
+    card = (out / "README.md").read_text()
+    assert f'from_pretrained("{base_path}", dtype=torch.bfloat16)' in card and "~" not in card
+    assert "trained on a base quantized as `fp8`" in card
+    exported = load_config(out / "config.toml").model
+    assert (exported.name, exported.tokenizer, exported.quantize) == (base_path, str(out / "adapter"), "fp8")
+    AutoModelForCausalLM.from_pretrained(base_path)  # the card's base, as plain transformers reads it
+
+    monkeypatch.chdir(out)  # the card's `pipetune summarize --adapter adapter meeting.txt`, without FP8 here
+    summarize = inference_config("adapter").config
+    summarize.model.quantize = "none"
+    assert prepare(summarize).prompts.prompt_ids("Anna: hi.") == tiny.prompts.prompt_ids("Anna: hi.")
+
+
 def card_prompt_code(export: Path) -> str:
     card = (export / "README.md").read_text()
     return re.search(r"## The prompt\n.*?```python\n(.*?)```", card, re.S).group(1)
@@ -142,10 +184,11 @@ def card_prompt_code(export: Path) -> str:
 
 def test_the_cards_prompt_is_summarizes_prompt(run: Path, exported: Path, tmp_path: Path, monkeypatch) -> None:
     """The card's code, run in the export directory with prompt.json and the exported tokenizer alone, builds the
-    prompt `pipetune summarize` builds from the same text file or JSONL row: stripped, cut by characters and by
-    tokens as training cuts."""
+    prompt `pipetune summarize` builds from the same text file or JSONL row with data.system_prompt (the card says
+    so): stripped, cut by characters and by tokens as training cuts."""
     card = (exported / "README.md").read_text()
     assert str(exported) not in card and str(run) not in card  # paths relative to the export directory
+    assert "row\nwith the system prompt in the prefix above (a chat row's own system message" in card
     namespace: dict = {}
     monkeypatch.chdir(exported)
     exec(compile(card_prompt_code(exported), "README.md", "exec"), namespace)

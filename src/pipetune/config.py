@@ -12,7 +12,10 @@ import json
 import math
 import sys
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field
+from functools import cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -99,7 +102,7 @@ class DataConfig:
 class LoraConfig:
     r: int = 16
     """Rank of the adapters."""
-    alpha: float = 32
+    alpha: float = 32.0
     """Scaling numerator: adapter output is multiplied by alpha / r."""
     dropout: float = 0.15
     """Dropout on the adapter input."""
@@ -324,13 +327,20 @@ def from_dict(raw: dict[str, Any]) -> Config:
     config = Config()
     for section_name, values in raw.items():
         sections = [f.name for f in dataclasses.fields(Config)]
-        if section_name not in sections or not isinstance(values, dict):
+        if section_name not in sections:
             raise ConfigError(
                 f"unknown config section [{section_name}]{_did_you_mean(section_name, sections, '[{}]')}; "
                 f"sections are: {', '.join(sections)}"
             )
-        for key, value in values.items():
-            _set_key(config, section_name, key, value)
+        if not isinstance(values, dict):
+            raise ConfigError(
+                f"{section_name} = {_toml_value_or_repr(values)} is a value, but [{section_name}] is a section: write "
+                f"[{section_name}] on a line of its own and its keys below it (keys of [{section_name}] are: "
+                f"{', '.join(_keys(section_name))})"
+            )
+        # output.tensorboard last: it adds to the output.loggers the table gives, before or after it
+        for key in sorted(values, key=lambda k: (section_name, k) == ("output", "tensorboard")):
+            _set_key(config, section_name, key, values[key])
     return config
 
 
@@ -347,8 +357,8 @@ def _migrate_tensorboard(config: Config, value: Any) -> None:
         if "tensorboard" not in config.output.loggers:
             config.output.loggers = [*config.output.loggers, "tensorboard"]
         print(
-            'pipetune: note: output.tensorboard = true is read as output.loggers = ["csv", "tensorboard"]; '
-            "write that instead (output.tensorboard will go)",
+            "pipetune: note: output.tensorboard = true is read as output.loggers = "
+            f"{_toml_value(config.output.loggers)}; write that instead (output.tensorboard will go)",
             file=sys.stderr,
         )
     elif value is not False:
@@ -452,7 +462,8 @@ def _did_you_mean(name: str, names: list[str], form: str = "{}") -> str:
 
 
 def apply_override(config: Config, item: str) -> None:
-    """Apply one `section.key=value` override; the value is parsed as TOML, else taken as a string."""
+    """Apply one `section.key=value` override; the value is parsed as TOML, else taken as a string (as it is for a
+    string key that TOML would read as a number, bool or date: output.dir=2024-01-01)."""
     key_path, sep, text = item.partition("=")
     section_name, dot, key = key_path.strip().partition(".")
     if not sep or not dot:
@@ -466,6 +477,8 @@ def apply_override(config: Config, item: str) -> None:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text
+    if not isinstance(value, (str, list, dict)) and _declared_type(section_name, key) is str:
+        value = text  # output.dir=2024-01-01 or model.name=123: a string key takes the text as written
     _set_key(config, section_name, key, value)
 
 
@@ -479,31 +492,50 @@ def _set_field(section: Any, section_name: str, key: str, value: Any) -> None:
         raise ConfigError(f"unknown key {section_name}.{key}{hint}; keys of [{section_name}] are: {', '.join(fields)}")
     declared = fields[key]
     default = declared.default if declared.default is not dataclasses.MISSING else declared.default_factory()
+    expected = _declared_type(section_name, key)
     if isinstance(value, str) and value in declared.metadata.get("also", ()):
         ok = True  # a named alternative to the declared type, e.g. activation_checkpointing = "auto"
-    elif isinstance(default, bool):
+    elif expected is bool:
         ok = isinstance(value, bool)
-    elif isinstance(default, float):
+    elif expected is float:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         value = float(value) if ok else value
-    elif isinstance(default, int):
+    elif expected is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
-    elif isinstance(default, list):
+    elif expected is list:
         ok = isinstance(value, list)
     else:
         ok = isinstance(value, str)
     if not ok:
+        quote = ""
+        if expected is str and not isinstance(value, (list, dict)):  # e.g. dir = 2024-01-01, read as a date
+            written = _toml_value(value) if isinstance(value, (bool, int, float)) else str(value)
+            quote = f' (a string: write it in quotes, {key} = "{written}")'
         raise ConfigError(
             f"{section_name}.{key} = {value!r} has type {type(value).__name__}; "
-            f"expected {type(default).__name__} like {default!r}"
+            f"expected {expected.__name__} like {default!r}"
             + "".join(f" or {alt!r}" for alt in declared.metadata.get("also", ()))
+            + quote
         )
     setattr(section, key, value)
 
 
+def _section_class(section_name: str) -> type:
+    return next(f for f in dataclasses.fields(Config) if f.name == section_name).default_factory
+
+
 def _keys(section_name: str) -> list[str]:
-    section = next(f for f in dataclasses.fields(Config) if f.name == section_name)
-    return [f.name for f in dataclasses.fields(section.default_factory())]
+    return [f.name for f in dataclasses.fields(_section_class(section_name))]
+
+
+@cache
+def _declared_type(section_name: str, key: str) -> type | None:
+    """The type a key is annotated with (bool, int, float, str or list), not its default's, which may be narrower
+    (an int default of a float key). Of a union (`bool | str`), the first member: its strings are metadata["also"]."""
+    hint = typing.get_type_hints(_section_class(section_name)).get(key)  # None: not a key
+    if isinstance(hint, types.UnionType):
+        hint = typing.get_args(hint)[0]
+    return typing.get_origin(hint) or hint
 
 
 def to_toml(config: Config) -> str:
@@ -530,10 +562,27 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return '"' + "".join(_TOML_ESCAPES.get(c) or _escape_control(c) for c in value) + '"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise TypeError(f"cannot write {value!r} to TOML")
+
+
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+"""The short escapes of a TOML basic string (one line, in double quotes)."""
+
+
+def _escape_control(c: str) -> str:
+    """Any other control character (U+0000-U+001F, DEL) as \\uXXXX, which TOML allows; the rest as is."""
+    return f"\\u{ord(c):04x}" if c < " " or c == "\x7f" else c
+
+
+def _toml_value_or_repr(value: Any) -> str:
+    """`value` as TOML, or Python's repr where _toml_value cannot write it (a date, a table)."""
+    try:
+        return _toml_value(value)
+    except TypeError:
+        return repr(value)
 
 
 # --------------------------------------------------------------------------- validation

@@ -11,7 +11,9 @@
                      tokenizer), or a GGUF file's (the de-quantized weights pipetune trained on, and its tokenizer)
       merged/        with --merge: the base with the adapter merged in, with the tokenizer
 
-A hub or local checkpoint base is referenced by its id or absolute path, not copied. The prompt is the chat
+A hub or local checkpoint base is referenced by its id or absolute path, not copied; config.toml names the
+tokenizer saved in adapter/ when the run set model.tokenizer. A quantized run's base (model.quantize) is read and
+written unquantized, so an export needs no FP8 GPU or torchao; config.toml keeps the setting. The prompt is the chat
 template rendered around the transcript, cleaned as training cleans it (stripped, cut by characters) and
 with its middle cut to fit, as pipetune builds it in training and inference; prompt.json carries its token
 ids, so code without pipetune builds the very same prompt. The export is written whole or not at all, after
@@ -20,6 +22,7 @@ the adapter was checked against the tensors its adapter_config.json names.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -155,7 +158,9 @@ def export_run(run_dir: Path, out: Path, merge: bool = False) -> Path:
     adapter_dir = run_dir / "adapter"
     transformers_logging.disable_progress_bar()  # save_pretrained's bars, per shard
     config = inference_config(adapter_dir).config
-    prepared = prepare(config)
+    # The export reads and writes the base unquantized: no quantization hardware or library needed, whatever
+    # model.quantize the run trained with (its config.toml keeps it, for `pipetune summarize`).
+    prepared = prepare(dataclasses.replace(config, model=dataclasses.replace(config.model, quantize="none")))
     check_adapter(adapter_dir, prepared.model.config, f"--run {str(run_dir)!r}")
     settings = prompt_settings(prepared.prompts, config)
     final = out.resolve()
@@ -172,8 +177,9 @@ def export_run(run_dir: Path, out: Path, merge: bool = False) -> Path:
     writes_base = prepared.model.weights_dir is None or gguf is not None
     if writes_base:
         base_ref = str(final / "base")
-    else:  # a hub id stays one; a local directory becomes an absolute path
-        base_ref = str(Path(config.model.name).resolve()) if Path(config.model.name).is_dir() else config.model.name
+    else:  # a hub id stays one; a local directory (~ expanded) becomes an absolute path
+        local = Path(config.model.name).expanduser()
+        base_ref = str(local.resolve()) if local.is_dir() else config.model.name
     adapter_config = json.loads((adapter_dir / ADAPTER_CONFIG).read_text())
     adapter_config["base_model_name_or_path"] = base_ref
     run = _read_json(run_dir / "run.json")
@@ -190,7 +196,7 @@ def export_run(run_dir: Path, out: Path, merge: bool = False) -> Path:
         (staging / "adapter" / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2) + "\n")
         prepared.tokenizer.save_pretrained(staging / "adapter")
         (staging / PROMPT_FILE).write_text(json.dumps(settings, indent=1, ensure_ascii=False) + "\n")
-        save_config(export_config(config, base_ref, writes_base), staging / "config.toml")
+        save_config(export_config(config, base_ref, writes_base, final), staging / "config.toml")
         if merge:
             merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
             _save_model(merged, staging / "merged", prepared.tokenizer, generation)
@@ -202,8 +208,9 @@ def export_run(run_dir: Path, out: Path, merge: bool = False) -> Path:
     return final
 
 
-def export_config(config: Config, base_ref: str, writes_base: bool) -> Config:
-    """The run's config as the export's config.toml: its data, prompt, dtype and seed, with the export's base."""
+def export_config(config: Config, base_ref: str, writes_base: bool, final: Path) -> Config:
+    """The run's config as the export's config.toml: its data, prompt, dtype, seed and quantization, with the
+    export's base and tokenizer (`final`: the export directory), not paths of the machine or directory it ran in."""
     from copy import deepcopy
 
     exported = deepcopy(config)
@@ -211,6 +218,8 @@ def export_config(config: Config, base_ref: str, writes_base: bool) -> Config:
     if writes_base:  # base/ holds the weights and the tokenizer the run trained with
         exported.model.init = "pretrained"
         exported.model.tokenizer = ""
+    elif exported.model.tokenizer:  # the run's own tokenizer, saved in adapter/ (a relative path held elsewhere)
+        exported.model.tokenizer = str(final / "adapter")
     return exported
 
 
@@ -265,8 +274,9 @@ def prompt_ids(transcript: str) -> list[int]:
             ids = ids[:budget]
     return settings["prefix_ids"] + ids + settings["suffix_ids"]
 """
-"""The model card's prompt code: pipetune's prompt for a transcript (generate.read_transcripts' cleaning, then
-PromptBuilder.prompt_ids) from prompt.json and the exported tokenizer alone; tests check it token for token."""
+"""The model card's prompt code: pipetune's prompt for a transcript with data.system_prompt (generate.read_transcripts'
+cleaning, then PromptBuilder.prompt_ids) from prompt.json and the exported tokenizer alone; tests check it token for
+token."""
 
 
 def model_card(
@@ -373,8 +383,9 @@ half of those with a newline between. A transcript of more than {settings["trans
 first ceil(k / 2) and last floor(k / 2) tokens with the `elision_ids` ({settings["elision"]!r}) between.
 Generation is greedy and ends at token {settings["stop_ids"][0]} (`stop_ids[0]`, which closes the assistant's
 turn) or at the tokenizer's end of text, after at most {settings["max_summary_tokens"]} new tokens. Built this
-way the prompt is, token for token, the one `pipetune summarize` builds from the same text file or JSONL row,
-and the output is its output:
+way the prompt is, token for token, the one `pipetune summarize` builds from the same text file or JSONL row
+with the system prompt in the prefix above (a chat row's own system message, which summarize may keep in its
+place, is not built here), and the output is its output:
 
 ```python
 {PROMPT_CODE}```
