@@ -4,23 +4,32 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import random
+import stat
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from pipetune import checkpoint as checkpoint_module
 from pipetune.checkpoint import (
     MARKER,
+    Checkpoint,
+    CheckpointError,
     CheckpointSettings,
     Position,
     TrainState,
+    check_compatible,
     checkpoint_dir,
+    commit_metadata,
     committed_checkpoints,
     latest_checkpoint,
+    layout_change,
     load_checkpoint,
     prune_checkpoints,
+    resumed_seed,
     save_checkpoint,
 )
 from pipetune.metrics import MetricsWriter
@@ -106,7 +115,11 @@ def test_optimizer_state_follows_parameter_names_into_another_layout(config, tmp
     assert (marker["world_size"], marker["pp"], marker["model"], marker["lora"]["r"]) == (2, 2, "tiny-qwen3", 16)
 
     whole, optimizer, scheduler, names = _stage(two_stage, range(0, 4), True, True, seed=3)
-    load_checkpoint(latest_checkpoint(tmp_path / "run"), TrainState.of(whole, optimizer, scheduler), 0)
+    torch.manual_seed(1234)
+    expected_draws = torch.rand(3)
+    # Under another layout, torch's RNG is seeded as given (resumed_seed), not restored from saved rank 0.
+    load_checkpoint(latest_checkpoint(tmp_path / "run"), TrainState.of(whole, optimizer, scheduler), 0, 1234)
+    assert torch.equal(torch.rand(3), expected_draws)
     saved = {name: param for _, _, _, stage_names in parts for param, name in stage_names.items()}
     saved_state = {name: opt.state[p] for _, opt, _, stage_names in parts for p, name in stage_names.items()}
     assert sorted(names.values()) == sorted(saved)
@@ -174,3 +187,82 @@ def test_a_damaged_metrics_tail_does_not_block_a_resume(tmp_path: Path, capsys: 
         rows = list(csv.DictReader(f))
     assert [(r["step"], r["loss"]) for r in rows] == [("1", "1"), ("2", "2"), ("3", "3"), ("4", "40")]
     assert "3 damaged line(s) dropped" in capsys.readouterr().err
+
+
+def test_rng_states_are_restored_only_under_the_layout_that_saved_them(tmp_path: Path) -> None:
+    """Saved by pp=2 (rank k: stage k), resumed as one tp=2 group: saved ranks 0 and 1 hold two streams, which
+    the tp ranks must not take (their dropout masks must agree); each rank is seeded as a fresh run's instead."""
+    saved = tiny_config(tmp_path / "run", "parallel.pp=2", "lora.dropout=0.1")
+    checkpoint = Checkpoint(checkpoint_dir(tmp_path / "run", 6), commit_metadata(CheckpointSettings.of(saved), 6, 2))
+    assert layout_change(checkpoint, CheckpointSettings.of(saved)) is None
+    assert layout_change(checkpoint, CheckpointSettings.of(tiny_config(tmp_path / "run", "train.lr=0.1"))) is None
+    as_tp = tiny_config(tmp_path / "run", 'parallel.strategy="tp"', "parallel.pp=1", "parallel.tp=2")
+    assert layout_change(checkpoint, CheckpointSettings.of(as_tp)) == "parallel.pp 2 -> 1, parallel.tp 1 -> 2"
+    interleaved = tiny_config(tmp_path / "run", 'parallel.schedule="interleaved_1f1b"', "parallel.stages_per_rank=2")
+    assert layout_change(checkpoint, CheckpointSettings.of(interleaved)) == "parallel.stages_per_rank 1 -> 2"
+
+    # The ranks of a tp group share a replica rank, so a seed; stages and replicas, and steps, differ.
+    assert resumed_seed(42, 0, 6) == resumed_seed(42, 0, 6)
+    assert len({resumed_seed(42, 0, 6), resumed_seed(42, 1, 6), resumed_seed(42, 0, 7), resumed_seed(7, 0, 6)}) == 4
+    assert 0 <= resumed_seed(42, 3, 6) < 2**63
+
+
+def test_resume_ignores_refused_keys_the_run_never_reads(tmp_path: Path) -> None:
+    """data.max_samples_per_row is read only with packing, data.synthetic_* only from synthetic data."""
+    run_dir = tmp_path / "run"
+    data = tmp_path / "meetings.jsonl"
+    data.write_text(json.dumps({"dialogue": "A: hi.", "summary": "They met."}) + "\n")
+
+    def resume(written: list[str], now: list[str]) -> None:
+        marker = commit_metadata(CheckpointSettings.of(tiny_config(run_dir, *written)), 2, 2)
+        check_compatible(
+            Checkpoint(checkpoint_dir(run_dir, 2), marker), CheckpointSettings.of(tiny_config(run_dir, *now))
+        )
+
+    from_file = f'data.source="{data}"'
+    resume([], ["data.max_samples_per_row=8"])  # packing off
+    resume([from_file], [from_file, "data.synthetic_train=5", 'data.synthetic_lengths="whole"'])
+    with pytest.raises(CheckpointError, match=r"was written with data.max_samples_per_row 16 \(config: 8\); resume"):
+        resume(["data.packing=true"], ["data.packing=true", "data.max_samples_per_row=8"])
+    with pytest.raises(CheckpointError, match=r"was written with data.synthetic_train 32 \(config: 5\); resume"):
+        resume([], ["data.synthetic_train=5"])
+
+
+def test_a_commit_is_durable_before_older_checkpoints_are_pruned(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every file, the marker last, then the step directory's entry in checkpoints/ (fsynced directories), and
+    only then the older checkpoint deleted: a power loss in between never leaves no committed checkpoint."""
+    config = tiny_config(tmp_path / "run", "parallel.pp=1", "train.keep_checkpoints=1")
+    model, optimizer, scheduler, names = _stage(config, range(0, 4), True, True, seed=1)
+    _train_a_little(model, optimizer, scheduler, names, steps=1)
+    settings, state = CheckpointSettings.of(config), TrainState.of(model, optimizer, scheduler)
+    save_checkpoint(settings, state, Position(step=1), 0, 1)
+
+    events: list[str] = []
+    step2 = checkpoint_dir(tmp_path / "run", 2)
+    directories = {"run": tmp_path / "run", "checkpoints": step2.parent, "step-2": step2}
+    fsync, replace, prune = os.fsync, os.replace, checkpoint_module.prune_checkpoints
+
+    def recorded_fsync(fd: int) -> None:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            named = [
+                name for name, path in directories.items() if path.exists() and os.path.samestat(info, path.stat())
+            ]
+            events.append(f"fsync {named[0] if named else '?'}/")
+        else:
+            events.append("fsync file")
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recorded_fsync)
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(f"rename {Path(b).name}"), replace(a, b))[1])
+    monkeypatch.setattr(checkpoint_module, "prune_checkpoints", lambda *a: (events.append("prune"), prune(*a))[1])
+    save_checkpoint(settings, state, Position(step=2), 0, 1)
+
+    for name in ("adapter.rank0.safetensors", "state.rank0.safetensors", "state.rank0.json", MARKER):
+        at = events.index(f"rename {name}")
+        assert events[at - 1] == "fsync file" and events[at + 1] == "fsync step-2/", (name, events)
+    after_marker = events[events.index(f"rename {MARKER}") :]
+    assert after_marker == [f"rename {MARKER}", "fsync step-2/", "fsync checkpoints/", "fsync run/", "prune"], events
+    assert [c.step for c in committed_checkpoints(tmp_path / "run")] == [2]

@@ -20,10 +20,18 @@ from pathlib import Path
 
 import pytest
 
-from pipetune.checkpoint import committed_checkpoints, verify_files
+from pipetune.checkpoint import CheckpointSettings, committed_checkpoints, find_resume_checkpoint, verify_files
 from pipetune.cli import demo_dir, main
 from pipetune.config import ConfigError, load_config
-from pipetune.run_lock import LOCK_FILE, lock_for_worker, lock_run_dir
+from pipetune.run_lock import (
+    LAUNCH_FILE,
+    LOCK_FILE,
+    launch_id,
+    lock_for_worker,
+    lock_run_dir,
+    record_launch,
+    restarted_launch,
+)
 from pipetune.train import lr_factor
 from tests.conftest import REPO, run_cli, tiny_config, write_config
 
@@ -80,6 +88,45 @@ def test_a_fresh_start_never_replaces_a_finished_run(tmp_path: Path, capsys: pyt
     assert _train(config_file, "--resume") == 2
     assert "holds a finished run's adapter/ but no checkpoint to continue from" in capsys.readouterr().err
     assert _files(run_dir) == before
+
+
+def test_a_restart_continues_only_what_its_own_launch_started(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun restarts a group after any failure, a refused start (exit 2) included. The restarted attempt skips
+    the fresh-start refusal only where its own launch's first attempt passed it (rank 0 recorded the launch)."""
+    finished = tmp_path / "finished"
+    (finished / "adapter").mkdir(parents=True)
+    (finished / "metrics.csv").write_text("strategy,epoch,step,loss\npp,0,500,0.1\n")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "launch-b")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # launch B's attempt 0 was refused there
+    settings = CheckpointSettings.of(tiny_config(finished, "parallel.pp=1"))  # train.resume = "never"
+    for recorded in (None, "run launch-a"):  # no record, then an earlier launch's
+        if recorded:
+            (finished / LAUNCH_FILE).write_text(json.dumps({"launch": recorded}))
+        assert not restarted_launch(finished)
+        with pytest.raises(ConfigError, match=r"holds an earlier run \(adapter and metrics.csv\) without checkpoints"):
+            find_resume_checkpoint(settings, restarted_launch(finished))
+    (finished / "checkpoints" / "step-2").mkdir(parents=True)
+    (finished / "checkpoints" / "step-2" / "COMMITTED").write_text(json.dumps({"step": 2, "world_size": 1}))
+    with pytest.raises(ConfigError, match=r"already holds checkpoints of an earlier run \(newest: step-2\)"):
+        find_resume_checkpoint(settings, restarted_launch(finished))
+
+    # Launch B's attempt 0 passed in a new directory and wrote there: its restart continues that.
+    mine = tmp_path / "mine"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert not restarted_launch(mine)
+    record_launch(mine)
+    (mine / "metrics.csv").write_text("strategy,epoch,step,loss\npp,0,1,2.0\n")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert restarted_launch(mine)
+    assert find_resume_checkpoint(CheckpointSettings.of(tiny_config(mine)), restarted_launch(mine)) is None
+
+    # torchrun's default rendezvous id names no launch: its agent does. Nothing is recorded without restarts.
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    assert launch_id() == launch_id() and launch_id().startswith(f"agent {os.getppid()} on ")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    record_launch(tmp_path / "no-restarts")
+    assert not (tmp_path / "no-restarts" / LAUNCH_FILE).exists()
 
 
 def test_the_demo_writes_only_into_a_new_directory(

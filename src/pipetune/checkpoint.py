@@ -34,8 +34,8 @@ from safetensors.torch import save as save_tensors
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pipetune.config import Config, ConfigError
-from pipetune.files import write_atomic
-from pipetune.run_lock import LOCK_FILE
+from pipetune.files import fsync_dir, write_atomic
+from pipetune.run_lock import LAUNCH_FILE, LOCK_FILE
 
 if TYPE_CHECKING:  # peft (2 s to import) only where adapters are read or written: the launcher finds
     import peft  # and checks checkpoints without it
@@ -67,7 +67,8 @@ RESUME_REFUSED = {
 """Keys a resumed run must keep: they shape the base model (its weights as the adapters see them: dtype and
 quantization included), the adapters, the samples (the prompt's system turn included) or the data order and
 position (seed, batch_size x dp, grad_accum; packing and the samples a packed row may hold decide which samples
-share a row). Every other key may change on resume and is applied: lr, weight
+share a row). A key the run never reads may change (`_unread`): max_samples_per_row without packing, the
+synthetic_* keys with another data source. Every other key may change on resume and is applied: lr, weight
 decay and the schedule (warmup_steps, min_lr_ratio, epochs, max_steps) included. The data's content must not
 change either: COMMITTED records a digest of every data file (`data_content`)."""
 SANE_ADAPTER_MAX = 1e4
@@ -238,10 +239,11 @@ def latest_checkpoint(run_dir: Path) -> Checkpoint | None:
 def find_resume_checkpoint(settings: CheckpointSettings, restarted: bool = False) -> Checkpoint | None:
     """The checkpoint this run continues from: the newest committed one when resuming, else None.
 
-    A fresh start (train.resume = "never", not a restarted worker group) in a run directory that
-    already holds committed checkpoints is refused, so an earlier run's state is never overwritten
-    by accident. The chosen checkpoint is checked against the config and its files' hashes here,
-    before any training starts.
+    A fresh start (train.resume = "never", not `restarted`) in a run directory that already holds
+    committed checkpoints is refused, so an earlier run's state is never overwritten by accident.
+    `restarted`: a restarted attempt of the launch that wrote what is there (run_lock.restarted_launch),
+    which continues it; a restart of a launch refused here is not one. The chosen checkpoint is checked
+    against the config and its files' hashes here, before any training starts.
     """
     run_dir = settings.run_dir
     marked = _marked(run_dir)
@@ -288,7 +290,7 @@ def require_run_to_resume(run_dir: str | Path) -> None:
     run_dir = Path(run_dir)
     if not run_dir.exists():
         state = "does not exist"
-    elif run_dir.is_dir() and not any(p.name != LOCK_FILE for p in run_dir.iterdir()):
+    elif run_dir.is_dir() and not any(p.name not in (LOCK_FILE, LAUNCH_FILE) for p in run_dir.iterdir()):
         state = "is empty"
     else:
         return
@@ -379,13 +381,14 @@ def check_compatible(checkpoint: Checkpoint, settings: CheckpointSettings) -> No
     saved = checkpoint.marker.get("config", {})  # absent in checkpoints of older versions: model and LoRA only
     defaults = Config().to_dict()  # a key an older version did not record had its default value
     for section, keys in RESUME_REFUSED.items() if saved else ():
+        was_section = {**defaults[section], **saved[section]} if isinstance(saved.get(section), dict) else {}
+        now_section = expected["config"][section]
         for key in keys:
             name = f"{section}.{key}"
             if name in ("model.name", "lora.r", "lora.alpha", "lora.target_modules"):
                 continue  # compared above
-            was = saved[section].get(key, defaults[section][key]) if isinstance(saved.get(section), dict) else None
-            now = expected["config"][section][key]
-            if was != now:
+            was, now = was_section.get(key), now_section[key]
+            if was != now and not (was_section and _unread(name, was_section) and _unread(name, now_section)):
                 problems.append(f"{name} {_shown(was)} (config: {_shown(now)})")
     if problems:
         raise CheckpointError(
@@ -400,6 +403,18 @@ def check_compatible(checkpoint: Checkpoint, settings: CheckpointSettings) -> No
             "the run on other samples than its first part. Restore the data it was trained on, or start a new run "
             "in another output.dir"
         )
+
+
+def _unread(name: str, section: dict[str, Any]) -> bool:
+    """A refused key that a run with these settings (its config section) never reads, so that it may change:
+    data.max_samples_per_row without packing, data.synthetic_* with a data source that is not synthetic."""
+    if name == "data.max_samples_per_row":
+        return not section.get("packing")
+    if name.startswith("data.synthetic_"):
+        from pipetune.data import sources
+
+        return section.get("source") != sources.SYNTHETIC
+    return False
 
 
 def _shown(value: Any) -> str:
@@ -494,7 +509,8 @@ def save_checkpoint(
     """Write this rank's part of step `position.step` under settings.run_dir; rank 0 commits after all parts are
     on disk, recording the config it must be resumed with.
 
-    Collective: every rank must call it. Returns once the checkpoint is committed.
+    Collective: every rank must call it. Returns once the checkpoint is committed; older ones are pruned only
+    after it is durable (its files and their directory entries fsynced), so a power loss never leaves none.
     """
     from pipetune.model import lora
 
@@ -533,8 +549,10 @@ def save_checkpoint(
             name: hashlib.sha256((path / name).read_bytes()).hexdigest()
             for name in (f"state.rank{k}.json" for k in range(world_size))
         }
-        write_atomic(path / MARKER, json.dumps(marker, indent=1).encode(), sync=True)
-        prune_checkpoints(run_dir, settings.keep)
+        write_atomic(path / MARKER, json.dumps(marker, indent=1).encode(), sync=True)  # fsyncs step-N too
+        for directory in (path.parent, run_dir):  # step-N's entry, and checkpoints/'s (new at the first commit)
+            fsync_dir(directory)
+        prune_checkpoints(run_dir, settings.keep)  # only once the new checkpoint is durable
     _barrier()  # nobody runs ahead of (or is killed before) the commit
     return path
 
@@ -609,11 +627,13 @@ def _barrier() -> None:
 # --------------------------------------------------------------------------- loading
 
 
-def load_checkpoint(checkpoint: Checkpoint, state: TrainState, rank: int) -> Position:
+def load_checkpoint(checkpoint: Checkpoint, state: TrainState, rank: int, rng_seed: int | None = None) -> Position:
     """Restore this rank's adapters, optimizer, scheduler and RNG from every rank's part; returns the position.
 
     The optimizer's and scheduler's hyper-parameters are the config's (the optimizer and scheduler passed in are
-    built from it): a changed lr, weight decay or schedule applies from the first resumed step on."""
+    built from it): a changed lr, weight decay or schedule applies from the first resumed step on. `rng_seed`
+    (under another layout than the checkpoint's, `layout_change`): torch's RNG is seeded with it instead of
+    restored from the saved rank of the same number, which held other layers or another tp group."""
     adapters: dict[str, torch.Tensor] = {}
     optim: dict[str, torch.Tensor] = {}
     rng: dict[str, torch.Tensor] = {}
@@ -635,7 +655,9 @@ def load_checkpoint(checkpoint: Checkpoint, state: TrainState, rank: int) -> Pos
     try:
         _load_optimizer(checkpoint, optimizer, state.param_names, optim, metas)
         scheduler.last_epoch = int(metas[0]["scheduler"]["last_epoch"])
-        if rank < len(metas):  # a rank the saved layout did not have keeps its fresh seed
+        if rng_seed is not None:
+            torch.manual_seed(rng_seed)
+        elif rank < len(metas):  # a rank the saved layout did not have keeps its fresh seed
             _set_rng(rng, metas[rank]["rng"])
         position = Position(**metas[0]["position"])
     except (KeyError, TypeError, ValueError, IndexError) as e:  # a hash-verified file cannot be malformed, but
@@ -645,6 +667,35 @@ def load_checkpoint(checkpoint: Checkpoint, state: TrainState, rank: int) -> Pos
         group["lr"] = base_lr * factor(scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
     return position
+
+
+RNG_LAYOUT = ("pp", "dp", "tp", "stages_per_rank", "layers_per_stage")
+"""The parallel keys that decide which layers, replica and tp shard each rank holds: the ranks' RNG states are
+restored only when none changed."""
+
+
+def layout_change(checkpoint: Checkpoint, settings: CheckpointSettings) -> str | None:
+    """How the layout `checkpoint` was written under differs from the config's ("parallel.pp 2 -> 1, parallel.tp
+    1 -> 2"), or None when it is the same. RNG states belong to ranks: under another layout the saved rank of the
+    same number held other layers, or another tp group, whose ranks must draw equal dropout masks (parallel/tp.py)."""
+    saved = checkpoint.marker.get("config", {}).get("parallel")
+    saved = saved if isinstance(saved, dict) else {}  # older markers: pp, dp and tp beside the config
+    defaults = Config().to_dict()["parallel"]
+    now = settings.recorded["config"]["parallel"]
+    changes = []
+    for key in RNG_LAYOUT:
+        was = saved.get(key, checkpoint.marker.get(key, defaults[key]))
+        if was != now[key]:
+            changes.append(f"parallel.{key} {_shown(was)} -> {_shown(now[key])}")
+    return ", ".join(changes) or None
+
+
+def resumed_seed(seed: int, replica_rank: int, step: int) -> int:
+    """The torch seed of a rank resumed under another layout: like a fresh run's (train.seed and the replica
+    rank: equal within a tp group, one stream per stage and dp replica), and the step, so that the resumed steps
+    draw other masks than the run's first steps did."""
+    digest = hashlib.sha256(f"{seed}:{replica_rank}:{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def _load_adapter(checkpoint: Checkpoint, wanted: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> None:

@@ -6,6 +6,7 @@ from a damaged one."""
 from __future__ import annotations
 
 import csv
+import errno
 import hashlib
 import os
 import shutil
@@ -15,7 +16,8 @@ from pathlib import Path
 
 
 def write_atomic(path: str | Path, data: bytes | str, sync: bool = False) -> None:
-    """Write through `.<name>.<pid>.tmp` and a rename (after an fsync when `sync`).
+    """Write through `.<name>.<pid>.tmp` and a rename. `sync`: durable on return, the file fsynced before the
+    rename and its directory after it (the new name survives a power loss too).
 
     On any failure, a full disk or a stop signal included, the temporary file is removed and the error
     re-raised naming `path`.
@@ -30,12 +32,33 @@ def write_atomic(path: str | Path, data: bytes | str, sync: bool = False) -> Non
             if sync:
                 os.fsync(f.fileno())
         os.replace(tmp, path)
+        if sync:
+            fsync_dir(path.parent)
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise OSError(e.errno, e.strerror, str(path)) from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make the entries of directory `path` durable (files created, renamed or removed in it): a file's own fsync
+    leaves its name to the directory's. Skipped where directories cannot be opened (Windows) or the file system
+    does not sync them (EINVAL)."""
+    if not hasattr(os, "O_DIRECTORY"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(path)) from None
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise OSError(e.errno, e.strerror, str(path)) from None
+    finally:
+        os.close(fd)
 
 
 def write_atomic_dir(target: Path, build: Callable[[Path], None], complete: str, replace: bool = False) -> None:

@@ -64,7 +64,7 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
     if under_launcher():
         if max_restarts:
             print("pipetune: note: --max-restarts is the launcher's job under torchrun; use torchrun --max-restarts")
-        run_training(config, quiet)  # a group restarted by torchrun resumes from the newest checkpoint
+        run_training(config, quiet)  # a restarted group continues what its own launch started (train.py)
         return 0  # cli.run ends the worker (process_group.exit_finished)
     world_size = nproc or config.parallel.world_size
     # Until training starts, a stop signal ends the launcher with one line (and no half-written token cache).

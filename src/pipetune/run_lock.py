@@ -6,6 +6,10 @@ The kernel releases an flock when its process ends, however it ends, so a lock f
 that was killed is taken over with a note. Workers started by a pipetune launcher find the lock's token
 in their environment and in the file: they run inside their launcher's lock. The file records who
 holds it (pid, host, start time) for the message that refuses a second run.
+
+`<output.dir>/.pipetune.launch` records the launch whose worker group passed the start checks there, where the
+group may be restarted (`pipetune train --max-restarts`, torchrun's): a restarted attempt continues only what
+its own launch started, and checks anything else as a fresh start does.
 """
 
 from __future__ import annotations
@@ -22,8 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from pipetune.config import ConfigError
+from pipetune.files import write_atomic
+from pipetune.parallel.process_group import restart_count
 
 LOCK_FILE = ".pipetune.lock"
+LAUNCH_FILE = ".pipetune.launch"
 TOKEN_ENV = "PIPETUNE_RUN_LOCK"
 """The token of the lock this process runs inside, set by its holder for itself and its workers."""
 
@@ -127,6 +134,46 @@ def lock_for_worker(run_dir: str | Path, rank: int) -> RunLock | None:
             "run took the directory over); this worker stops"
         )
     return lock_run_dir(run_dir) if rank == 0 else None
+
+
+def launch_id() -> str | None:
+    """What names this process's launch across the restarts of its worker group: the rendezvous id (a new uuid
+    for each `pipetune train` and one-node torchrun; a multi-node job's --rdzv-id), else, with torchrun's
+    default "none", the agent that starts the workers (host, pid, start time); None outside an elastic agent."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id is None:
+        return None
+    if run_id not in ("", "none"):
+        return f"run {run_id}"
+    agent = os.getppid()
+    try:  # the start time tells a new agent from an old one whose pid the system reused
+        started = Path(f"/proc/{agent}/stat").read_text().rpartition(")")[2].split()[19]
+    except (OSError, IndexError):
+        started = "?"
+    return f"agent {agent} on {socket.gethostname()} started at {started}"
+
+
+def restarted_launch(run_dir: str | Path) -> bool:
+    """Whether this is a restarted attempt of the launch whose first passing attempt `record_launch` recorded in
+    run_dir: what is there is its own, to continue. Any other attempt (a first one, or a restart of a launch that
+    was refused: another run's files) must pass the start checks of a fresh start."""
+    if restart_count() == 0:
+        return False
+    try:
+        recorded = json.loads((Path(run_dir) / LAUNCH_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(recorded, dict) and recorded.get("launch") is not None and recorded["launch"] == launch_id()
+
+
+def record_launch(run_dir: str | Path) -> None:
+    """Rank 0, once this attempt passed the start checks and before it writes anything else: record its launch,
+    for `restarted_launch`. Only where the group may be restarted (torchrun's or the launcher's max_restarts > 0)."""
+    launch = launch_id()
+    if launch is None or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) == 0:
+        return
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    write_atomic(Path(run_dir) / LAUNCH_FILE, json.dumps({"launch": launch}).encode(), sync=True)
 
 
 def _read(fd: int) -> dict[str, Any]:

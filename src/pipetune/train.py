@@ -30,7 +30,9 @@ from pipetune.checkpoint import (
     diverged_advice,
     find_resume_checkpoint,
     latest_checkpoint,
+    layout_change,
     load_checkpoint,
+    resumed_seed,
     sane_checkpoint,
     save_checkpoint,
 )
@@ -51,10 +53,7 @@ from pipetune.parallel.gradients import GradientSync, bad_ranks, clip_global_gra
 from pipetune.parallel.memory import auto_checkpointing, check_plans_fit
 from pipetune.parallel.mesh import Mesh, build_mesh
 from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, evaluate_validation
-from pipetune.parallel.process_group import (
-    DistEnv,
-    restart_count,
-)
+from pipetune.parallel.process_group import DistEnv
 from pipetune.parallel.timeline import StageTimeline, plot_saved_timeline, save_timeline
 from pipetune.parallel.torch_compat import (
     keep_rng_out_of_no_grad_forwards,
@@ -64,6 +63,7 @@ from pipetune.parallel.torch_compat import (
 from pipetune.parallel.tp import sum_partial_gradients
 from pipetune.preflight import Prepared, epoch_steps, preflight
 from pipetune.profile import profiled
+from pipetune.run_lock import record_launch, restarted_launch
 from pipetune.schedules import SCHEDULES
 from pipetune.worker import named_cache_error
 
@@ -99,13 +99,15 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     status = status or LoopStatus()
     prepared = preflight(config, env.world_size)
     checkpoints = CheckpointSettings.of(config)
-    restarted = restart_count() > 0  # the launcher restarted the group
+    run_dir = Path(config.output.dir)
+    restarted = restarted_launch(run_dir)  # a restart of the launch that started what is there: it continues
     resume_from = find_resume_checkpoint(checkpoints, restarted)
+    if env.is_main and not restarted:
+        record_launch(run_dir)  # before anything is written: what a restart finds then is this launch's
     t, p, device = config.train, config.parallel, env.device
     if t.cuda_graphs and device.type != "cuda":
         ignored = "train.cuda_graphs = true is ignored on the CPU (CUDA graphs need GPUs)"
         warn0(env, f"{ignored}: the layers run compiled only")
-    run_dir = Path(config.output.dir)
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(config, run_dir / "config.toml")
@@ -122,8 +124,14 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     state = TrainState.of(stages.peft_model, optimizer, scheduler)
     position = Position()
     if resume_from is not None:  # adapters, optimizer, RNG and the data position
-        position = load_checkpoint(resume_from, state, env.rank)
-        say(f"resumed from {resume_from.path} at step {position.step}")
+        # RNG states belong to ranks: under another layout, each rank is seeded as a fresh run's (tp groups alike).
+        changed = layout_change(resume_from, checkpoints)
+        rng_seed = None if changed is None else resumed_seed(t.seed, mesh.replica_rank, resume_from.step)
+        position = load_checkpoint(resume_from, state, env.rank, rng_seed)
+        note = ""
+        if changed and config.lora.dropout > 0:
+            note = f" ({changed}: LoRA dropout draws continue from a new stream)"
+        say(f"resumed from {resume_from.path} at step {position.step}{note}")
 
     # ------------------------------------------------------------------ loop
     # A resumed run continues metrics.csv from its checkpoint's step.
