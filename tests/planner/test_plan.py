@@ -205,3 +205,29 @@ def test_a_plan_that_offloads_says_so_and_is_listed_beside_all_recomputed(tmp_pa
     assert auto.checkpointing() == f"all, {offloaded} offloaded" and offloaded > 0 and auto.fits
     # The host memory is the training machine's, as given: none, and no layout offloads ("auto" is "all" then).
     assert not any(sum(map(sum, p.offloaded)) for p in rows(budget, host=0.0).values())
+
+
+def test_auto_picks_nothing_preflight_refuses_and_keeps_layouts_without_tp() -> None:
+    """A layout whose frozen weights take more than 90% of a rank's memory is not a fit (preflight's
+    check_weights_fit refuses it before any activation); parallel.sequence_parallel, a tensor-parallel setting,
+    does not keep "auto" from layouts without tensor parallelism."""
+    from pipetune.model.split import run_split
+    from pipetune.parallel.memory import check_weights_fit, rank_weight_bytes
+
+    small = ["data.max_length=512", "train.batch_size=1", "parallel.n_microbatches=1", "parallel.pp=1"]
+    config = load_config(QWEN25_72B, [*small, 'parallel.strategy="single"', "lora.r=4", "train.grad_accum=1"])
+    model_config = resolve_model(config.model).config
+    ((layers, root),) = rank_weight_bytes(config, model_config, run_split(config, model_config)[1])
+    config.train.memory_gb = (layers + root) / 0.91 / GB  # the weights alone: 91% of the memory
+    config.parallel.strategy = "auto"
+    try:
+        picked = resolve_auto(config, 1)
+    except ConfigError:
+        picked = None
+    if picked is not None:  # whatever "auto" picks, preflight lets through
+        check_weights_fit(picked, model_config, run_split(picked, model_config)[1])
+
+    sequence_parallel = load_config(QWEN3_4B, ["parallel.tp=2", "parallel.pp=1", 'parallel.strategy="tp"'])
+    sequence_parallel.parallel.sequence_parallel = True
+    strategies = {p.layout.strategy for p in make_plan(sequence_parallel, 2).predictions}
+    assert {"tp", "ddp", "pp"} <= strategies, strategies

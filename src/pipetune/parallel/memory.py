@@ -69,6 +69,9 @@ HOST_BANDWIDTH = 20e9
 node's GPUs)."""
 LAYER_FLOPS_PER_SECOND = 400e12
 """A decoder layer's forward on an H200 in bf16 (~40% of its dense peak): what an offload's copy hides behind."""
+WEIGHTS_SHARE = 0.9
+"""The most of a rank's memory its frozen weights may take before any activation (check_weights_fit; the plan's
+layouts too)."""
 HOST_SHARE = 0.5
 """Share of the host's memory a rank's offloaded inputs may take, split over the node's GPUs."""
 
@@ -406,7 +409,7 @@ def check_weights_fit(config: Config, model_config: PretrainedConfig, ranges: Se
     shards = (p.dp if p.sharded else 1) * p.tp  # tensor parallelism splits (nearly) every weight tp ways
     for rank, (layers, root) in enumerate(rank_weight_bytes(config, model_config, ranges)):
         weights = (layers + root) / shards
-        if weights > 0.9 * budget:
+        if weights > WEIGHTS_SHARE * budget:
             sharded = f", sharded over parallel.dp = {p.dp}" if p.sharded else ""
             sharded += f", split over parallel.tp = {p.tp}" if p.tensor_parallel else ""
             stored = config.model.dtype + (f" and {quantize}" if quantize != "none" else "")

@@ -118,6 +118,7 @@ class Layout:
         variant = copy.deepcopy(config)
         p, t = variant.parallel, variant.train
         p.strategy, p.pp, p.dp, p.tp, p.dp_shard = self.strategy, self.pp, self.dp, self.tp, self.dp_shard
+        p.sequence_parallel = p.sequence_parallel and self.tp > 1  # a tp setting: layouts without tp drop it
         p.schedule, p.stages_per_rank, p.n_microbatches = self.schedule, self.stages_per_rank, self.n_microbatches
         if len(p.layers_per_stage) != p.n_stages:
             p.layers_per_stage = []

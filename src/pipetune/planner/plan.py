@@ -34,6 +34,7 @@ from pipetune.parallel.memory import (
     MARGIN,
     OPTIMIZER_BYTES,
     ROW_PROBE,
+    WEIGHTS_SHARE,
     activation_peak,
     host_budget,
     longest_rows,
@@ -90,9 +91,13 @@ class Prediction:
     work: LayerWork | None = None
     """One layer's work per microbatch (what --calibrate times)."""
 
+    weights: float = 0.0
+    """The most frozen weights a rank holds (as preflight's check_weights_fit counts them)."""
+
     @property
     def fits(self) -> bool:
-        return max(self.peaks) + MARGIN * self.budget <= self.budget
+        peak_fits = max(self.peaks) + MARGIN * self.budget <= self.budget
+        return peak_fits and self.weights <= WEIGHTS_SHARE * self.budget
 
     def checkpointing(self) -> str:
         if not any(map(any, self.checkpointed)):
@@ -213,8 +218,7 @@ def changes_that_fit(
     length = config.data.max_length // 2
     while length >= max(128, config.data.max_length // 4):
         shorter = copy.deepcopy(config)
-        shorter.data.max_length = length
-        shorter.data.max_summary_tokens = min(config.data.max_summary_tokens, length // 2)
+        shorter.data.max_length = length  # the one change named: the summary's cap stays (the prompt caps it)
         plan = make_plan(shorter, gpus, budget, rates, search=False, host_memory=host_memory)
         if plan.pick is not None:
             changes.append(f"data.max_length = {length} ({pick_summary(plan.pick)})")
@@ -253,6 +257,7 @@ def predict(
 
     # ------------------------------------------------------------------ memory, rank by rank
     peaks, checkpointed, offloaded_layers, stage_layers = [], [], [], []
+    held = max((stored + root) / (p.dp if p.sharded else 1) for stored, root in weights)  # check_weights_fit's count
     longest = []  # the longest row of each rank's modes
     for rank in range(p.pp):
         layers = [len(ranges[s]) for s in p.stage_ids(rank)]
@@ -327,6 +332,7 @@ def predict(
         mode,
         work=work,
         offloaded=offloaded_layers,
+        weights=held,
     )
 
 
