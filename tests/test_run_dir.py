@@ -8,6 +8,7 @@ changed learning rate.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import errno
 import gzip
 import json
@@ -216,6 +217,28 @@ def test_a_stop_signal_that_torch_turns_into_another_error_is_still_a_stop(
     monkeypatch.setattr(launcher_api, "elastic_launch", agent(stopped=False))
     with pytest.raises(UnboundLocalError):
         launch_local(config, 2)
+
+
+def test_a_config_error_on_a_rank_other_than_0_is_said_by_the_launcher(tmp_path: Path) -> None:
+    """Rank 0 says its own ConfigError; one that only another rank reached (rank 0 then lost its peer) is said by
+    the launcher from that rank's ending, with exit code 2, not as "worker 1 failed; its output is above"."""
+    from types import SimpleNamespace
+
+    from pipetune.launch import failure_report
+    from pipetune.worker import Ending
+
+    def failed(exitcode: int, ending: Ending | None) -> SimpleNamespace:
+        data = {"pipetune": dataclasses.asdict(ending)} if ending else {}
+        return SimpleNamespace(exitcode=exitcode, error_file_data=data, timestamp=0)
+
+    config = Ending("config", 1, "rank 1: data.max_length = 8 cannot hold the chat template")
+    lost = Ending("peer lost", 0, "rank 0 lost a peer in the validation")
+    assert failure_report({0: failed(1, lost), 1: failed(2, config)}, tmp_path) == (
+        ["pipetune: error: rank 1: data.max_length = 8 cannot hold the chat template"],
+        2,
+    )
+    lines, code = failure_report({0: failed(2, None), 1: failed(2, config)}, tmp_path)  # rank 0 said it: once
+    assert lines == ["pipetune: worker 0 failed (exit code 2); its output is above"] and code == 1
 
 
 @pytest.mark.parametrize("fault", ["SIGTERM", "disk full"])

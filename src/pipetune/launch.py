@@ -36,6 +36,7 @@ from pipetune.worker import (
     disk_full_message,
     end_with_launcher,
     end_worker,
+    has_launcher,
     named_cache_error,
     no_space_message,
     raise_on_stop_signals,
@@ -204,6 +205,9 @@ def failure_report(failures: dict[int, ProcessFailure], run_dir: Path) -> tuple[
         return [f"pipetune: error: {no_space_message([e.rank for e in full], [e.file for e in full if e.file])}"], 1
     if "timeout" in endings:  # the rank that stopped responding was stopped by the agent
         return [f"pipetune: error: {endings['timeout'][0].line}"], 1
+    said = 0 in failures and failures[0].exitcode == 2  # rank 0 said its own ConfigError
+    if "config" in endings and not said:  # a verdict that other ranks reached and rank 0 did not
+        return [f"pipetune: error: {min(endings['config'], key=lambda e: e.rank).line}"], 2
     if unexplained:
         rank = min(unexplained, key=lambda r: failures[r].timestamp)
         lost = [f"pipetune: error: {e.line}" for e in endings.get("peer lost", [])[:1]]
@@ -246,6 +250,8 @@ def run_training(config: Config, quiet: bool = False) -> RunResult:
             except ConfigError as e:  # likewise (a checkpoint a restarted group cannot resume: the same files)
                 if env.is_main:
                     print(f"pipetune: error: {e}", file=sys.stderr, flush=True)
+                elif has_launcher():  # said by the launcher where rank 0 did not reach the same verdict
+                    end_worker(Ending("config", env.rank, f"rank {env.rank}: {e}"))
                 raise SystemExit(2) from None
             except Exception as e:
                 ending = None

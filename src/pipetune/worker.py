@@ -124,7 +124,8 @@ def _in_cache(file: str) -> bool:
 class Ending:
     """How one rank's run ended (`line`: what it prints when it reports itself), for its launcher to say once for
     all ranks: `kind` is "disk full" (`file`: what it was writing), "stopped" (`signum`), "timeout" (a peer stopped
-    responding) or "peer lost" (a peer exited: a consequence of another rank's ending)."""
+    responding), "peer lost" (a peer exited: a consequence of another rank's ending) or "config" (a ConfigError on a
+    rank other than 0, which rank 0 says itself when it reaches it too)."""
 
     kind: str
     rank: int
