@@ -65,10 +65,11 @@ def write_atomic_dir(target: Path, build: Callable[[Path], None], complete: str,
     """Make the directory `target` whole or not at all: `build(staging)` fills a private directory beside it,
     which a rename (atomic) then turns into `target`.
 
-    When another process's build got there first the rename fails; its copy stays if it holds the file
-    `complete`, and this one is dropped. A failed build leaves nothing behind. `replace`: a `target` already
-    there (found damaged) is renamed aside once the new copy is built, then deleted; readers that opened its
-    files keep reading them.
+    When another process's build got there first the final rename fails; its copy stays if it holds the file
+    `complete`, and this one is dropped. Only that rename's error is let go: one from `build` (a full disk, an
+    I/O error) is always raised, even where a damaged `target` still holds `complete`. A failed build leaves
+    nothing behind. `replace`: a `target` already there (found damaged) is renamed aside once the new copy is
+    built, then deleted; readers that opened its files keep reading them.
     """
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
@@ -81,10 +82,11 @@ def write_atomic_dir(target: Path, build: Callable[[Path], None], complete: str,
                 os.rename(target, aside)
             except FileNotFoundError:  # another process moved it first
                 pass
-        os.rename(staging, target)
-    except OSError:
-        if not (target / complete).is_file():
-            raise
+        try:
+            os.rename(staging, target)
+        except OSError:  # ENOTEMPTY / EEXIST: another process's build got there first
+            if not (target / complete).is_file():
+                raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(aside, ignore_errors=True)

@@ -176,3 +176,65 @@ def test_an_input_file_is_hashed_once_while_it_stays_the_same(tmp_path: Path, mo
     path.write_text("b" * 100)  # the same size, other content
     os.utime(path, ns=(mtime + 10**6, mtime + 10**6))  # a later time, as a write at least a clock tick later has
     assert file_digest(path, remember=True) != first
+
+
+def test_a_failed_rebuild_of_a_damaged_cache_is_raised_not_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An error of the build itself (a full disk) is raised even though the damaged copy still holds meta.json;
+    a rebuild that leaves the cache damaged is raised too, never memory-mapped."""
+    import errno
+
+    from pipetune.data import cache as cache_module
+
+    source = write_jsonl(tmp_path / "meetings.jsonl", GOOD)
+    data = DataConfig(source=str(source))
+    prompts = PromptBuilder(demo_tokenizer(), max_length=64, max_summary_tokens=8)
+    first = tokenized_data(data, prompts, seed=0, cache_dir=tmp_path / "cache")
+    _same_size_other_ids(first.path)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(cache_module, "_write_split", full_disk)
+        with pytest.raises(OSError, match="No space left"):
+            tokenized_data(data, prompts, seed=0, cache_dir=tmp_path / "cache")
+    with monkeypatch.context() as patch:
+        patch.setattr(cache_module, "write_atomic_dir", lambda *args, **kwargs: None)  # a build that changes nothing
+        with pytest.raises(OSError, match=r"still damaged after rebuilding it \(train.tokens's content differs"):
+            tokenized_data(data, prompts, seed=0, cache_dir=tmp_path / "cache")
+    assert tokenized_data(data, prompts, seed=0, cache_dir=tmp_path / "cache").built  # repaired when it can be
+
+
+def test_a_hub_dataset_is_keyed_by_its_splits_fingerprints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`datasets` is stubbed (the hub cannot be reached here): its Dataset objects carry `_fingerprint`."""
+    import sys
+    import types
+
+    from pipetune.data.cache import source_identity
+
+    class Split(list):
+        _fingerprint: str | None = None
+
+    def splits(fingerprint: str | None) -> dict[str, Split]:
+        train = Split(GOOD)
+        train._fingerprint = fingerprint
+        return {"train": train}
+
+    module = types.ModuleType("datasets")
+    monkeypatch.setitem(sys.modules, "datasets", module)
+    data = DataConfig(source="org/meetings")
+    module.load_dataset = lambda name: splits("rev-aaaa")
+    assert source_identity(data) == ["hub", "org/meetings", {"train": "rev-aaaa"}]
+    module.load_dataset = lambda name: splits("rev-bbbb")
+    assert source_identity(data) == ["hub", "org/meetings", {"train": "rev-bbbb"}]
+    module.load_dataset = lambda name: splits(None)
+    with pytest.raises(ConfigError, match=r"'org/meetings': the hub dataset's split\(s\) train have no fingerprint"):
+        source_identity(data)
+
+
+def test_the_key_covers_every_module_that_decides_the_samples() -> None:
+    from pipetune.data.cache import _CODE
+
+    assert {"synthetic.py", "synthetic_whole.py", "facts.py", "prompt_text.py", "example.py"} <= set(_CODE)

@@ -64,12 +64,25 @@ def test_csv_with_configured_columns_long_fields_and_short_rows(tmp_path: Path) 
         writer.writerow([2, "A: short.", "Short meeting."])
         writer.writerow([3, "A: no summary.", ""])
         writer.writerow([4, "A: cut short"])  # fewer fields than the header
+        f.write("5,A: hello, B: we ship Friday,Ship Friday.\n")  # an unquoted comma: the text would shift columns
     data = DataConfig(source=str(path), transcript_column="text", summary_column="abstract", max_length=8192)
     dataset = load_dataset(data)  # 8192 tokens: room for the whole transcript, which is not cut by characters
 
     assert [e.summary for e in dataset.splits["train"]] == ["Long meeting.", "Short meeting."]
     assert dataset.splits["train"][0].transcript == long_transcript.strip()
-    assert dataset.stats["train"].skipped == Counter({"empty abstract": 1, "missing abstract": 1})
+    extra = "more fields than the header: quote the text"
+    assert dataset.stats["train"].skipped == Counter({"empty abstract": 1, "missing abstract": 1, extra: 1})
+    assert dataset.stats["train"].skipped_at == {
+        "empty abstract": [f"{path}:4"],
+        "missing abstract": [f"{path}:5"],
+        extra: [f"{path}:6"],
+    }
+
+    first_bad = tmp_path / "first.csv"
+    first_bad.write_text("dialogue,summary\n,S.\nA: x.,X.\n")
+    assert load_dataset(DataConfig(source=str(first_bad))).stats["train"].skipped_at == {
+        "empty dialogue": [f"{first_bad}:2"]  # the first data row is line 2, after the header
+    }
 
 
 def test_parquet_nulls_and_non_strings_are_skipped(tmp_path: Path) -> None:
@@ -101,6 +114,29 @@ def test_json_list_records_and_json_lines_under_a_json_name(tmp_path: Path) -> N
     dataset = load_dataset(DataConfig(source=str(lines)))
     assert len(dataset.splits["train"]) == len(GOOD)
     assert dataset.stats["train"].skipped == Counter({"unparsable JSON line": 1})
+
+    # One document that does not parse is one unusable file, located where it breaks, not a row per line.
+    broken = tmp_path / "split"
+    broken.mkdir()
+    write_jsonl(broken / "train.jsonl", GOOD)
+    (broken / "validation.json").write_text(json.dumps(GOOD[:3], indent=2).replace('"summary"', '"summary" 1', 1))
+    stats = load_dataset(DataConfig(source=str(broken))).stats["validation"]
+    assert (stats.read, stats.skipped) == (
+        1,
+        Counter({"unparsable JSON file: Expecting ':' delimiter at line 4 column 15": 1}),
+    )
+    assert stats.skipped_at == {next(iter(stats.skipped)): [f"{broken / 'validation.json'}:4"]}
+    latin1 = json.dumps(GOOD[:3], indent=2).encode().replace(b"point 1", b"caf\xe9 1")
+    (broken / "validation.json").write_bytes(latin1)
+    stats = load_dataset(DataConfig(source=str(broken))).stats["validation"]
+    byte = latin1.index(b"\xe9")
+    assert stats.read == 1 and list(stats.skipped) == [f"unparsable JSON file: not UTF-8 at line 7 (byte {byte})"]
+    with pytest.raises(ConfigError, match=r"1 unparsable JSON file: not UTF-8 at line 7"):  # train: every row unusable
+        load_dataset(DataConfig(source=str(broken / "validation.json")))
+    first_line_bad = write_jsonl(tmp_path / "first.json", GOOD, [])
+    first_line_bad.write_text("{broken\n" + first_line_bad.read_text())  # JSON Lines with a bad first line
+    dataset = load_dataset(DataConfig(source=str(first_line_bad)))
+    assert len(dataset.splits["train"]) == len(GOOD) and dataset.skipped == Counter({"unparsable JSON line": 1})
 
     not_a_list = tmp_path / "dict.json"
     not_a_list.write_text(json.dumps({"dialogue": ["A: x."], "summary": ["X."]}))
@@ -143,6 +179,13 @@ def test_directory_of_split_files_in_any_format(tmp_path: Path) -> None:
     (tmp_path / "train.csv").write_text("dialogue,summary\nA: x.,X.\n")
     with pytest.raises(ConfigError, match="several formats"):
         load_dataset(DataConfig(source=str(tmp_path)))
+    (tmp_path / "train.csv").unlink()
+
+    for backup in ("train-old.jsonl", "validation-backup.csv"):  # not a split file nor a shard: never read as one
+        (tmp_path / backup).write_text("")
+        with pytest.raises(ConfigError, match=rf"holds '{backup}', which is neither .* move it out"):
+            load_dataset(DataConfig(source=str(tmp_path)))
+        (tmp_path / backup).unlink()
 
 
 def test_directory_without_a_train_file_names_what_it_holds(tmp_path: Path) -> None:
@@ -217,6 +260,19 @@ def test_hub_dataset_goes_through_the_same_cleaning(monkeypatch: pytest.MonkeyPa
     assert dataset.skipped == Counter({"empty dialogue": 1})
 
 
+def test_a_system_message_after_the_answer_is_left_out(tmp_path: Path) -> None:
+    """Only messages up to the last assistant message count, as summarize reads the row."""
+    messages = [
+        {"role": "system", "content": "Summarize briefly."},
+        {"role": "user", "content": "A: we ship Friday."},
+        {"role": "assistant", "content": "Ship Friday."},
+        {"role": "system", "content": "Trailing note after the answer."},
+    ]
+    path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": messages}])
+    (example,) = load_dataset(DataConfig(source=str(path))).splits["train"]
+    assert example == Example("A: we ship Friday.", "Ship Friday.", "Summarize briefly.")
+
+
 def test_synthetic_summary_and_data_json(tmp_path: Path) -> None:
     dataset = load_dataset(DataConfig(source="synthetic", synthetic_train=6, synthetic_validation=2))
     dataset.write_summary(tmp_path / "data.json")
@@ -240,6 +296,7 @@ def test_rows_that_would_crash_a_reader_are_skipped_counted_and_located(tmp_path
         '{"dialogue": "A: hi.", "summary": "S.", "n": ' + "9" * 5000 + "}",
         '{"dialogue": "A: \\ud800 hi.", "summary": "S."}',
         json.dumps({"dialogue": huge, "summary": "Long."}),
+        json.dumps({"dialogue": "A: short meeting.", "summary": "S" * 9000}),  # only the summary is too long
     ]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     dataset = load_dataset(DataConfig(source=str(path), max_length=128))
@@ -250,9 +307,10 @@ def test_rows_that_would_crash_a_reader_are_skipped_counted_and_located(tmp_path
         "unparsable JSON line": [f"{path}:2", f"{path}:3"],
         "invalid Unicode in dialogue": [f"{path}:4"],
     }
-    first, long = dataset.splits["train"]
+    first, long, long_summary = dataset.splits["train"]
     assert first == Example(GOOD[0]["dialogue"], GOOD[0]["summary"])
-    assert stats.shortened == 1 and len(long.transcript) <= 128 * 64 + 1
+    assert stats.shortened == 2 and len(long.transcript) <= 128 * 64 + 1 and long.summary == "Long."
+    assert long_summary == Example("A: short meeting.", "S" * 128 * 64)  # the transcript as inference reads it
     assert long.transcript.startswith(huge[:1000]) and long.transcript.endswith(huge.strip()[-1000:])
 
     (tmp_path / "rows.json").write_text("\ufeff" + json.dumps(GOOD[:2]), encoding="utf-8")  # a JSON list with a BOM

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from pipetune.config import DataConfig
+from pipetune.config import ConfigError, DataConfig
 from pipetune.data.batching import SampleStore
 from pipetune.data.prompt import PromptBuilder
 from pipetune.files import default_cache_dir, file_digest, files_damage, record_files, write_atomic, write_atomic_dir
@@ -35,7 +35,17 @@ CACHE_VERSION = 2
 """Part of the digest; bump it when the stored layout changes."""
 CHUNK = 8192
 """Examples tokenized per batch call while building."""
-_CODE = ("sources.py", "prompt.py", "synthetic.py", "batching.py", "cache.py")
+_CODE = (
+    "sources.py",
+    "prompt.py",
+    "prompt_text.py",
+    "example.py",
+    "synthetic.py",
+    "synthetic_whole.py",
+    "facts.py",
+    "batching.py",
+    "cache.py",
+)
 """Modules whose code decides the stored samples: their source text is part of the digest."""
 
 
@@ -81,6 +91,12 @@ def tokenized_data(
         if target.exists():
             print(f"pipetune: note: the token cache {target} is damaged ({damage}); rebuilding it", file=sys.stderr)
         _build_into(target, data, prompts, seed, replace=target.exists())
+        damage = cache_damage(target)  # what this build (or a concurrent one) left must be whole before it is read
+        if damage is not None:
+            raise OSError(
+                f"the token cache {target} is still damaged after rebuilding it ({damage}); delete that directory "
+                "and run again, or set PIPETUNE_CACHE to another directory"
+            )
     meta = json.loads((target / "meta.json").read_text())
     splits = {name: _open_split(target, name, info) for name, info in meta["splits"].items()}
     return TokenizedData(splits, meta["summary"], target, built)
@@ -146,8 +162,18 @@ def source_identity(data: DataConfig) -> Any:
     elif path.is_dir():
         files = [f for split_files in sources.split_files(path).values() for f in split_files]
     else:  # a hub dataset, or a path that does not exist: _raw_splits raises the clear error
-        splits = sources._raw_splits(data.source)
-        return ["hub", data.source, {name: getattr(rows, "_fingerprint", None) for name, rows in splits.items()}]
+        sources.require_local_source(data.source)  # a local path that does not exist: its clear error
+        loaded = sources.hub_dataset(data.source)
+        fingerprints = {name: getattr(loaded[name], "_fingerprint", None) for name in loaded}
+        missing = sorted(name for name, fingerprint in fingerprints.items() if not isinstance(fingerprint, str))
+        if missing:  # without them the key would not change with the data: a new revision would reuse stale tokens
+            raise ConfigError(
+                f"data.source = {data.source!r}: the hub dataset's split(s) {', '.join(missing)} have no fingerprint "
+                "to key the token cache by; export the dataset to local files (e.g. "
+                f"datasets.load_dataset({data.source!r})['train'].to_json('data/train.jsonl')) and set data.source "
+                "to that directory"
+            )
+        return ["hub", data.source, fingerprints]
     return [[str(f.relative_to(path)) if f != path else f.name, file_digest(f, remember=True)] for f in files]
 
 

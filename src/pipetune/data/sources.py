@@ -27,6 +27,7 @@ import csv
 import json
 import math
 import random
+import re
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ NOT_UTF8_LINE = "line not UTF-8"
 NOT_A_RECORD = "not a record"
 NOT_A_LIST = "JSON file not a list of records"
 UNPARSABLE_CSV_ROW = "unparsable CSV row"
+CSV_EXTRA_FIELDS = "more fields than the header: quote the text"
+UNPARSABLE_JSON_FILE = "unparsable JSON file"
 LOCATED_PER_REASON = 5
 """Skipped rows located per reason in data.json: enough to find the pattern, never the whole file."""
 CHARS_PER_TOKEN = 64
@@ -185,8 +188,13 @@ def split_files(directory: Path) -> dict[str, list[Path]]:
             continue
         stem = path.name[: -len(suffix)]
         for split in SPLITS:
-            if stem == split or stem.startswith(f"{split}-"):
+            if stem == split or re.fullmatch(rf"{split}-\d+-of-\d+", stem):
                 found.setdefault(split, []).append(path)
+            elif stem.startswith(f"{split}-"):  # a backup or an old copy would silently join the split
+                raise ConfigError(
+                    f"data.source = {str(directory)!r} holds {path.name!r}, which is neither {split}{suffix} nor a "
+                    f"shard named like {split}-00000-of-00002{suffix}; move it out of the directory or rename it"
+                )
     for split, files in found.items():
         suffixes = {f.suffix.lower() for f in files}
         if len(suffixes) > 1:
@@ -230,10 +238,12 @@ def clean_rows(raw: dict[str, Iterable[tuple[str, Any]]], data: DataConfig) -> D
                     located.append(where)
                 continue
             transcript, summary = row[data.transcript_column].strip(), row[data.summary_column].strip()
+            # Each text is cut only when it is itself too long: a short transcript stays as inference reads it.
             if len(transcript) > limit or len(summary) > limit:
                 stats.shortened += 1
+            if len(transcript) > limit:
                 transcript = transcript[: limit // 2] + "\n" + transcript[-(limit // 2) :]  # the prompt cuts the middle
-                summary = summary[:limit]  # a summary keeps its head
+            summary = summary[:limit]  # a summary keeps its head
             own = system[:limit] if system is not None and uses_own_system(data) else None  # room left: prompt.py
             kept.append(Example(transcript, summary, own))
             dataset.columns[chat_read_as(system, data) if chat else columns_read(data)] += 1
@@ -336,13 +346,45 @@ def _json_rows(path: Path) -> list[tuple[str, Any]]:
     content = path.read_bytes()
     try:
         loaded = _parse_json(content)
-    except ValueError:
-        return _json_lines(content, path)
+    except ValueError as e:
+        if _looks_like_json_lines(content):
+            return _json_lines(content, path)
+        # One JSON document that does not parse: one unusable file, located where it breaks, not a row per line.
+        line, detail = _json_error(content, e)
+        return [(f"{path}:{line}" if line else str(path), _Unusable(f"{UNPARSABLE_JSON_FILE}: {detail}"))]
     if isinstance(loaded, dict) and isinstance(loaded.get("data"), list):
         loaded = loaded["data"]
     if not isinstance(loaded, list):
         return [(str(path), _Unusable(NOT_A_LIST))]
     return [(f"{path} record {i}", row) for i, row in enumerate(loaded, start=1)]
+
+
+def _looks_like_json_lines(content: bytes) -> bool:
+    """Whether a .json file that is not one JSON document is JSON Lines: it does not start with `[` or `{`, or one
+    of its first two non-blank lines is a record on its own (a pretty-printed document's first lines are not)."""
+    text = content.removeprefix(b"\xef\xbb\xbf")
+    if not text.lstrip().startswith((b"[", b"{")):
+        return True
+    if text.lstrip().startswith(b"["):
+        return False
+    lines = [line for line in text.splitlines() if line.strip()][:2]
+    for line in lines:
+        try:
+            if isinstance(_parse_json(line), dict):
+                return True
+        except ValueError:
+            pass
+    return False
+
+
+def _json_error(content: bytes, error: ValueError) -> tuple[int | None, str]:
+    """The line a JSON document stops parsing at (None when unknown) and what went wrong there."""
+    if isinstance(error, json.JSONDecodeError):
+        return error.lineno, f"{error.msg} at line {error.lineno} column {error.colno}"
+    if isinstance(error, UnicodeDecodeError):
+        line = content[: error.start].count(b"\n") + 1
+        return line, f"not UTF-8 at line {line} (byte {error.start})"
+    return None, str(error).split(":")[0][:120]  # nested too deeply, an integer too long, ...
 
 
 def _csv_rows(path: Path) -> list[tuple[str, Any]]:
@@ -352,14 +394,21 @@ def _csv_rows(path: Path) -> list[tuple[str, Any]]:
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:
             reader = csv.DictReader(f)
+            try:
+                _ = reader.fieldnames  # reads the header first: line_num + 1 is then the line of the next row
+            except csv.Error:
+                rows.append((f"{path}:1", _Unusable(UNPARSABLE_CSV_ROW)))
             while True:
                 where = f"{path}:{reader.line_num + 1}"
                 try:
-                    rows.append((where, next(reader)))
+                    row = next(reader)
                 except StopIteration:
                     break
                 except csv.Error:
                     rows.append((where, _Unusable(UNPARSABLE_CSV_ROW)))
+                    continue
+                # DictReader puts surplus fields under None: an unquoted comma, whose text would shift columns
+                rows.append((where, _Unusable(CSV_EXTRA_FIELDS) if None in row else row))
     except UnicodeDecodeError as e:
         raise ConfigError(f"data.source file {str(path)!r} is not UTF-8 text ({e}); re-save it as UTF-8") from None
     return rows
@@ -448,7 +497,7 @@ def chat_columns(row: dict, data: DataConfig) -> tuple[dict[str, str], str | Non
         if not content.strip():
             return _Unusable(f"empty {message['role']} message")
         texts[column] = content
-    systems = [m.get("content") for m in messages if m["role"] == "system"]
+    systems = [m.get("content") for m in messages[: answers[-1] + 1] if m["role"] == "system"]  # later: left out
     if not all(isinstance(content, str) for content in systems):
         return _Unusable("non-string system message")
     try:
