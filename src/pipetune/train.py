@@ -102,6 +102,8 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     run_dir = Path(config.output.dir)
     restarted = restarted_launch(run_dir)  # a restart of the launch that started what is there: it continues
     resume_from = find_resume_checkpoint(checkpoints, restarted)
+    if env.distributed:  # every rank read the run directory before rank 0 writes into it: a slow rank would
+        dist.barrier()  # otherwise take rank 0's new metrics.csv for an earlier run's and refuse to start
     if env.is_main and not restarted:
         record_launch(run_dir)  # before anything is written: what a restart finds then is this launch's
     t, p, device = config.train, config.parallel, env.device
