@@ -133,7 +133,7 @@ def rescore(path: Path, whole) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m", help="model.name: converted dir, .gguf, or smollm2-135m")
-    parser.add_argument("--out", required=True, help="directory for both runs and result.json")
+    parser.add_argument("--out", help="directory for both runs and result.json (not with --rescore)")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps of each run (default: the config's)")
     parser.add_argument("--meetings", type=int, default=64, help="held-out whole meetings scored (default: 64)")
     parser.add_argument("--train-meetings", type=int, default=None, help="data.synthetic_train (default: config's)")
@@ -162,7 +162,10 @@ def main() -> int:
         "fact matching (with the --meetings and --set it ran with), print and write RESULT_JSON's *-rescored.json",
     )
     args = parser.parse_args()
+    if args.out is None and not args.rescore:
+        parser.error("--out is required: the directory for both runs and result.json")
     if args.rescore:
+        args.out = args.out or str(args.rescore.parent)  # the configs' output.dir: nothing is written there
         rescored = rescore(args.rescore, run_configs(args)[0])
         print(json.dumps(rescored, indent=2))
         args.rescore.with_name(args.rescore.stem + "-rescored.json").write_text(json.dumps(rescored, indent=2) + "\n")
