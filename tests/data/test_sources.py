@@ -186,6 +186,12 @@ def test_directory_of_split_files_in_any_format(tmp_path: Path) -> None:
         with pytest.raises(ConfigError, match=rf"holds '{backup}', which is neither .* move it out"):
             load_dataset(DataConfig(source=str(tmp_path)))
         (tmp_path / backup).unlink()
+    from pipetune.data.sources import split_files
+
+    hashed = tmp_path / "train-00000-of-00001-5d8b5b2e.jsonl"  # a hub shard's name, its hash included
+    hashed.write_text("")
+    assert hashed in split_files(tmp_path)["train"]
+    hashed.unlink()
 
 
 def test_directory_without_a_train_file_names_what_it_holds(tmp_path: Path) -> None:

@@ -188,7 +188,8 @@ def split_files(directory: Path) -> dict[str, list[Path]]:
             continue
         stem = path.name[: -len(suffix)]
         for split in SPLITS:
-            if stem == split or re.fullmatch(rf"{split}-\d+-of-\d+", stem):
+            shard = re.fullmatch(rf"{split}-\d+-of-\d+(-[0-9a-f]+)?", stem)  # a hub shard's name may end in a hash
+            if stem == split or shard:
                 found.setdefault(split, []).append(path)
             elif stem.startswith(f"{split}-"):  # a backup or an old copy would silently join the split
                 raise ConfigError(
