@@ -10,6 +10,7 @@ import dataclasses
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from torch import nn
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from pipetune.config import Config, ConfigError, DataConfig, check_stage_count, validate, validate_against_model
-from pipetune.data.batching import bucket_lengths
+from pipetune.data.batching import bucket_lengths, bucketed_epoch_batches
 from pipetune.data.packing import epoch_rows
 from pipetune.data.prompt import PromptBuilder
 from pipetune.data.sources import require_local_source
@@ -165,24 +166,28 @@ def check_optimizer_steps(
     return steps
 
 
-def epoch_steps(config: Config, lengths: torch.Tensor, skipped: str) -> list[int]:
+def epoch_steps(
+    config: Config, lengths: torch.Tensor, skipped: str, rows_of: Callable[[int], torch.Tensor] | None = None
+) -> list[int]:
     """Optimizer steps in each epoch of the training split (`lengths`: its samples' tokens), counted the same way
     by the launcher and by every worker; ConfigError when an epoch makes none (check_optimizer_steps).
 
     Unpacked, every epoch holds the same batches (with data.buckets: those each bucket fills). Packed, each epoch's
     rows are first fit over its own order, so epochs may differ by a row or two; an epoch's count depends only on
     (seed, epoch), never on train.epochs, so a run resumed with more epochs continues where it stopped. Packed
-    epochs are counted up to the one where train.max_steps ends the run."""
+    epochs are counted up to the one where train.max_steps ends the run. `rows_of(epoch)`: that epoch's packed rows
+    (default: packed here; a worker passes its plan's, so that first fit runs once an epoch)."""
     t, d = config.train, config.data
     global_batch = t.batch_size * config.parallel.dp
     if not d.packing:
         n_batches = len(lengths) // global_batch
-        if d.buckets:  # batches of one bucket each: every bucket drops its remainder
-            n_batches = int((bucket_lengths(lengths, d.buckets).unique(return_counts=True)[1] // global_batch).sum())
+        if d.buckets:  # batches of one bucket each, as the run cuts them: every bucket drops its remainder
+            n_batches = len(bucketed_epoch_batches(bucket_lengths(lengths, d.buckets), global_batch, t.seed, 0)[1])
         return [check_optimizer_steps(config, len(lengths), skipped, n_batches)] * t.epochs
+    rows_of = rows_of or (lambda epoch: epoch_rows(lengths, d.max_length, d.max_samples_per_row, t.seed, epoch))
     steps: list[int] = []
     for epoch in range(t.epochs):
-        n_rows = len(epoch_rows(lengths, d.max_length, d.max_samples_per_row, t.seed, epoch))
+        n_rows = len(rows_of(epoch))
         steps.append(check_optimizer_steps(config, len(lengths), skipped, n_rows // global_batch, n_rows))
         if 0 < t.max_steps <= sum(steps):
             break

@@ -39,7 +39,7 @@ from pipetune.checkpoint import (
 from pipetune.config import Config, save_config
 from pipetune.data.batching import SampleStore, bucket_lengths, bucketed_epoch_batches, epoch_batches, pad_fraction
 from pipetune.data.cache import tokenized_data
-from pipetune.data.packing import members, packed_batch, packed_epoch_batches
+from pipetune.data.packing import batches_of_rows, epoch_rows, members, packed_batch
 from pipetune.data.sources import chat_lines
 from pipetune.export import PROMPT_FILE, write_prompt_settings
 from pipetune.metrics import MetricsLog, PhaseLog, host_peak_gb, peak_memory_gb, reset_peak_memory
@@ -202,7 +202,7 @@ class TrainData:
     max_samples_per_row: int = 0
     """data.packing: samples per row at most (0: unpacked, one sample a row). Packed batches hold rows of sample
     indices, [n_batches, global_batch, max_samples_per_row] with -1 where a row has fewer."""
-    _plans: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    _rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
     def packing(self) -> bool:
@@ -212,15 +212,18 @@ class TrainData:
         """The sample indices in some of a plan's batches, flat."""
         return members(batches) if self.packing else batches.flatten()
 
+    def packed_rows(self, epoch: int) -> torch.Tensor:
+        """This epoch's packed rows, every one (first fit takes a while on large splits: packed once an epoch)."""
+        if epoch not in self._rows:
+            rows = epoch_rows(self.real_tokens, self.max_length, self.max_samples_per_row, self.seed, epoch)
+            self._rows[epoch] = rows
+        return self._rows[epoch]
+
     def epoch_plan(self, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This epoch's batches (sample indices) and the padded length of each: the same on every (re)start."""
-        if self.packing:  # first fit takes a while on large splits: each epoch's rows are packed once
-            if epoch not in self._plans:
-                batches = packed_epoch_batches(
-                    self.real_tokens, self.global_batch, self.seed, epoch, self.max_length, self.max_samples_per_row
-                )
-                self._plans[epoch] = batches, torch.full((len(batches),), self.max_length, dtype=torch.long)
-            return self._plans[epoch]
+        if self.packing:
+            batches = batches_of_rows(self.packed_rows(epoch), self.global_batch)
+            return batches, torch.full((len(batches),), self.max_length, dtype=torch.long)
         if self.buckets:
             return bucketed_epoch_batches(self.padded_lengths, self.global_batch, self.seed, epoch)
         batches = epoch_batches(len(self.split), self.global_batch, self.seed, epoch)
@@ -270,11 +273,13 @@ def build_data(
         grad_accum=t.grad_accum,
         pad_id=prepared.pad_id,
         seed=t.seed,
-        epoch_steps=epoch_steps(config, real_tokens, data.skipped_line()),
+        epoch_steps=[],
         total_steps=0,
         validation=None,
         max_samples_per_row=config.data.max_samples_per_row if config.data.packing else 0,
     )
+    rows_of = planned.packed_rows if planned.packing else None  # packed once: the same rows the loop trains
+    planned.epoch_steps = epoch_steps(config, real_tokens, data.skipped_line(), rows_of)
     in_all = sum(planned.epoch_steps)
     planned.total_steps = in_all if t.max_steps < 0 else min(t.max_steps, in_all)
     if len(data.splits.get("validation", ())) and not SCHEDULES[p.schedule].has_eval:

@@ -12,11 +12,12 @@ import torch
 from pipetune.config import Config, ConfigError, apply_override, validate
 from pipetune.data.batching import IGNORE, SampleStore, epoch_batches
 from pipetune.data.packing import (
+    batches_of_rows,
+    epoch_rows,
     first_fit_rows,
     members,
     packed_attention_share,
     packed_batch,
-    packed_epoch_batches,
 )
 from pipetune.data.prompt import Sample
 from pipetune.preflight import check_packing, epoch_steps, preflight, prepare
@@ -50,7 +51,7 @@ def test_a_packed_rows_attention_is_its_documents_own() -> None:
 
 def test_packed_epochs_hold_every_sample_once_within_the_bounds_and_replay() -> None:
     lengths = torch.randint(20, 200, (300,), generator=torch.Generator().manual_seed(0))
-    plan = packed_epoch_batches(lengths, 4, seed=7, epoch=1, row_length=256, max_per_row=3)
+    plan = batches_of_rows(epoch_rows(lengths, 256, 3, 7, 1), 4)
     assert plan.shape[1:] == (4, 3)
     rows = plan.view(-1, 3)
     sizes = torch.where(rows >= 0, lengths[rows.clamp(min=0)], 0).sum(-1)
@@ -62,8 +63,8 @@ def test_packed_epochs_hold_every_sample_once_within_the_bounds_and_replay() -> 
     )
     assert len(everything) - len(rows) < 4  # only the rows that fill no whole batch are left out
     assert len(members(everything)) == 300
-    assert torch.equal(plan, packed_epoch_batches(lengths, 4, seed=7, epoch=1, row_length=256, max_per_row=3))
-    assert not torch.equal(plan, packed_epoch_batches(lengths, 4, seed=7, epoch=2, row_length=256, max_per_row=3))
+    assert torch.equal(plan, batches_of_rows(epoch_rows(lengths, 256, 3, 7, 1), 4))
+    assert not torch.equal(plan, batches_of_rows(epoch_rows(lengths, 256, 3, 7, 2), 4))
     # Fewer rows than samples: the point of packing.
     assert len(everything) < 300 * 0.6
 
@@ -72,7 +73,7 @@ def test_same_order_as_unpacked_when_every_pair_fits() -> None:
     """Samples of at most half a row pair up in the epoch's order: the packed step holds the unpacked step's
     samples (what tests/parallel/test_packing.py's runs rely on)."""
     lengths = torch.randint(10, 51, (32,), generator=torch.Generator().manual_seed(1))
-    packed = packed_epoch_batches(lengths, 4, seed=3, epoch=0, row_length=100, max_per_row=2)
+    packed = batches_of_rows(epoch_rows(lengths, 100, 2, 3, 0), 4)
     unpacked = epoch_batches(32, 8, seed=3, epoch=0)
     assert torch.equal(packed.flatten(1), unpacked)
 

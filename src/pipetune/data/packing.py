@@ -57,14 +57,11 @@ def epoch_rows(lengths: torch.Tensor, row_length: int, max_per_row: int, seed: i
     return first_fit_rows(epoch_order(len(lengths), seed, epoch), lengths, row_length, max_per_row)
 
 
-def packed_epoch_batches(
-    lengths: torch.Tensor, batch_size: int, seed: int, epoch: int, row_length: int, max_per_row: int
-) -> torch.Tensor:
-    """[n_batches, batch_size, max_per_row] sample indices (-1: none) of one epoch's packed rows: the order of
-    batching.epoch_batches (seed, epoch) packed by first fit; the rows that fill no whole batch are dropped."""
-    rows = epoch_rows(lengths, row_length, max_per_row, seed, epoch)
+def batches_of_rows(rows: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """An epoch's packed rows ([n_rows, max_per_row], `epoch_rows`) as [n_batches, batch_size, max_per_row] sample
+    indices (-1: none): the rows that fill no whole batch dropped."""
     n_batches = len(rows) // batch_size
-    return rows[: n_batches * batch_size].view(n_batches, batch_size, max_per_row)
+    return rows[: n_batches * batch_size].view(n_batches, batch_size, rows.shape[-1])
 
 
 def members(rows: torch.Tensor) -> torch.Tensor:
