@@ -31,7 +31,7 @@ from pathlib import Path
 
 from pipetune.config import RUN_STRATEGIES, Config, ConfigError, save_config
 from pipetune.data.inspect import training_attention_share
-from pipetune.files import read_metrics_rows
+from pipetune.files import rank_columns, read_metrics_rows
 from pipetune.metrics import read_phases
 from pipetune.model.split import run_split
 from pipetune.planner.layouts import Layout
@@ -282,8 +282,8 @@ def timed_rows(run_dir: Path, warmup: int) -> list[dict]:
 def summarize_run(run_dir: Path, strategy: str, warmup: int, n_gpus: int, flops: float, peak_tflops: float) -> dict:
     rows = timed_rows(run_dir, warmup)
     tokens = statistics.median(float(r["tokens_per_sec"]) for r in rows)
-    peaks = sorted((k for k in rows[0] if k.startswith("peak_gb_rank")), key=_rank_of)
-    reserved = sorted((k for k in rows[0] if k.startswith("reserved_gb_rank") and rows[0][k]), key=_rank_of)
+    peaks = rank_columns(rows[0], "peak_gb_rank")
+    reserved = [k for k in rank_columns(rows[0], "reserved_gb_rank") if rows[0][k]]
     seconds = _row_seconds(rows, warmup)
     all_tokens = sum(float(r["tokens_per_sec"]) * t for r, t in zip(rows, seconds, strict=True))
     real_tokens = sum(float(r["real_tokens_per_sec"]) * t for r, t in zip(rows, seconds, strict=True))
@@ -310,11 +310,6 @@ def summarize_run(run_dir: Path, strategy: str, warmup: int, n_gpus: int, flops:
         result["bubble_per_rank"] = summary["bubble"]
         result["expected_bubble"] = summary["expected_bubble"]
     return result
-
-
-def _rank_of(column: str) -> int:
-    """The rank of a per-rank metrics column ("peak_gb_rank10": 10), to order rank 10 after rank 9."""
-    return int(column.rsplit("rank", 1)[1])
 
 
 def _row_seconds(rows: list[dict], warmup: int) -> list[float]:

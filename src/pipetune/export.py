@@ -149,7 +149,7 @@ def export_run(run_dir: Path, out: Path, merge: bool = False) -> Path:
     from transformers.utils import logging as transformers_logging
 
     from pipetune.files import write_atomic_dir
-    from pipetune.generate import inference_config
+    from pipetune.generate import inference_config, stop_ids
     from pipetune.model.gguf import gguf_source
     from pipetune.model.load import DTYPES, build_model
     from pipetune.preflight import prepare
@@ -167,9 +167,7 @@ def export_run(run_dir: Path, out: Path, merge: bool = False) -> Path:
     generation = GenerationConfig(
         do_sample=False,
         max_new_tokens=config.data.max_summary_tokens,
-        eos_token_id=[
-            i for i in dict.fromkeys((settings["stop_ids"][0], prepared.tokenizer.eos_token_id)) if i is not None
-        ],
+        eos_token_id=stop_ids(settings["stop_ids"][0], prepared.tokenizer),
         pad_token_id=prepared.pad_id,
     )
     gguf = gguf_source(config.model.name)

@@ -11,7 +11,7 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 
@@ -183,3 +183,10 @@ def read_metrics_rows(path: Path) -> tuple[list[dict], list[str], int]:
             continue
         rows.append(row)
     return rows, fieldnames, damaged
+
+
+def rank_columns(columns: Iterable[str], prefix: str) -> list[str]:
+    """The per-rank columns `prefix<rank>` ("peak_gb_rank", "reserved_gb_rank") among `columns`, in rank order
+    (rank 10 after rank 9)."""
+    ranked = {c for c in columns if c.startswith(prefix) and c.removeprefix(prefix).isdigit()}
+    return sorted(ranked, key=lambda c: int(c.removeprefix(prefix)))

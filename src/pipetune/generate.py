@@ -184,6 +184,12 @@ class Sampling:
             raise ConfigError(f"--top-p {self.top_p} must be within (0, 1] (e.g. 0.9)")
 
 
+def stop_ids(turn_end: int, tokenizer: Any) -> list[int]:
+    """What ends a generated summary: the token closing the assistant turn, and the tokenizer's end of text (a base
+    model may end with either)."""
+    return [i for i in dict.fromkeys((turn_end, tokenizer.eos_token_id)) if i is not None]
+
+
 @torch.no_grad()
 def summarize(
     model: nn.Module,
@@ -206,8 +212,7 @@ def summarize(
         raise ConfigError(f"--batch-size {batch_size} must be at least 1")
     tokenizer, prompts = prepared.tokenizer, prepared.prompts
     device = next(model.parameters()).device
-    # The token closing the assistant turn, and the tokenizer's end of text: a base model may end with either.
-    stops = list(dict.fromkeys(i for i in (prompts.end_ids[0], tokenizer.eos_token_id) if i is not None))
+    stops = stop_ids(prompts.end_ids[0], tokenizer)
     systems = systems if systems is not None else [None] * len(transcripts)
     prompt_ids = [prompts.prompt_ids(text, system) for text, system in zip(transcripts, systems, strict=True)]
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))

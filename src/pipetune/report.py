@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pipetune.config import ConfigError
-from pipetune.files import read_metrics_rows
+from pipetune.files import rank_columns, read_metrics_rows
 from pipetune.run_log import format_duration
 
 COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22")
@@ -58,18 +58,11 @@ class RunData:
 
     def rank_peaks(self) -> list[float]:
         """Highest peak memory (GB) of each rank over the run; [overall peak] for runs without per-rank columns."""
-        ranks = sorted(
-            {
-                int(key.removeprefix("peak_gb_rank"))
-                for row in self.rows
-                for key in row
-                if key.startswith("peak_gb_rank")
-            }
-        )
-        if not ranks:
+        columns = rank_columns({key for row in self.rows for key in row}, "peak_gb_rank")
+        if not columns:
             _, values = self.series("peak_vram_gb")
             return [max(values)] if values else []
-        return [max(self.series(f"peak_gb_rank{rank}")[1], default=0.0) for rank in ranks]
+        return [max(self.series(column)[1], default=0.0) for column in columns]
 
 
 def load_runs(run_dirs: list[str | Path]) -> list[RunData]:
