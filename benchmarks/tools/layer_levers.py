@@ -88,6 +88,11 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     parser.add_argument("--microbatch", type=int, default=8)
     parser.add_argument("--out", default="layer-levers.json")
+    parser.add_argument(
+        "--levers",
+        help="comma-separated lever names to time (default: every one; e.g. 'as configured,SDPA CUDNN_ATTENTION'): "
+        "a config without LoRA dropout times the same layer under the first five",
+    )
     args = parser.parse_args()
     config = load_config(args.config, args.overrides)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
@@ -109,6 +114,12 @@ def main() -> None:
             (f"SDPA {b}", config, own_mode, b, True)
             for b in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
         ]
+    if args.levers:
+        chosen = [name.strip() for name in args.levers.split(",")]
+        known = [variant[0] for variant in variants]
+        if unknown := [name for name in chosen if name not in known]:
+            parser.error(f"--levers: unknown {unknown}; known here: {known}")
+        variants = [variant for variant in variants if variant[0] in chosen]
     results = []
     for name, variant, mode, backend, grouped in variants:
         torch._dynamo.reset()
