@@ -443,8 +443,6 @@ RUNS = [
         ["lora.shared_dropout=true"],
         "ddp",
         "2026-11-30-wave6-call4-bench.json:4b-ddp-shared-dropout:ddp",
-        note="the speed model knows no shared dropout masks",
-        speed=False,
     ),
     *(
         Run(
@@ -456,8 +454,6 @@ RUNS = [
             ],
             "ddp",
             f"2026-11-30-wave7-call1-bench.json:4b-ddp-shared{'' if when == 'overlapped' else '-serial'}:ddp",
-            note="the speed model knows no shared dropout masks",
-            speed=False,
         )
         for when in ("overlapped", "after the backward")
     ),
@@ -557,8 +553,6 @@ RUNS = [
             ["lora.shared_dropout=true", *layout],
             strategy,
             f"2026-11-30-wave8-call{call}-bench.json:{entry}:{strategy}",
-            note="the speed model knows no shared dropout masks",
-            speed=False,
         )
         for call, name, layout, strategy, entry in (
             (1, "ddp 2 x 8", [], "ddp", "4b-ddp-shared"),
@@ -574,8 +568,6 @@ RUNS = [
         ["parallel.pp=1", "parallel.n_microbatches=1", "train.batch_size=8", "lora.shared_dropout=true"],
         "single",
         "2026-11-30-wave9-3-bench.json:c-traced:single",
-        note="the speed model knows no shared dropout masks",
-        speed=False,
     ),
     Run(
         "wave9 3: 72B nf4, one GPU, 1 x 4 x 2 accum (wave 7's ddp layout)",
@@ -611,6 +603,43 @@ RUNS = [
         "single",
         "2026-12-01-late-1-bench-nf4-400k.json:nf4-400k:single",
         host_gib=125,
+    ),
+    *(
+        Run(
+            f"4k rows: 8B {name}, 8 rows of 4,096 a step, compiled, kept",
+            LONG,
+            [
+                "data.max_length=4096",
+                "train.grad_accum=8",
+                "train.activation_checkpointing=false",
+                "train.mlp_chunk=0",
+                "train.compile=true",
+                *quant,
+            ],
+            "single",
+            f"2026-12-02-4k-1-bench.json:{entry}:single",
+        )
+        for name, quant, entry in (("bf16", [], "bf16-4k-c"), ("fp8", ['model.quantize="fp8"'], "fp8-4k-c"))
+    ),
+    *(
+        Run(
+            f"packed: 4B, 2 rows of 4,096 packed a step{note}",
+            B4,
+            ["data.packing=true", "data.max_length=4096", "train.batch_size=2", "parallel.n_microbatches=2", *extra],
+            "single",
+            f"2026-12-02-4k-{call}-bench.json:{entry}:single",
+        )
+        for call, note, extra, entry in (
+            (2, "", [], "packed4096"),
+            (4, ", LoRA dropout 0", ["lora.dropout=0.0"], "packed-d0"),
+        )
+    ),
+    Run(
+        "packed: the 4B bench config unpacked, same call",
+        B4,
+        [],
+        "single",
+        "2026-12-02-4k-2-bench.json:unpacked:single",
     ),
 ]
 """Every pipetune training run on 2x H200 in benchmarks/journal/results (the seed script and the baselines are not

@@ -97,6 +97,29 @@ def test_an_nf4_base_pays_one_dequantization_per_layer_call() -> None:
     assert steps["nf4"] - steps["none"] == pytest.approx(80 * 8 * 2 * weights * GpuRates().nf4_weight_seconds)
 
 
+def test_lora_dropout_pays_per_masked_element_and_a_shared_mask_once() -> None:
+    """Qwen3-4B on one GPU, one microbatch of 16 x 512: dropout adds, to the same layout without it, its masks'
+    elements (the 7 adapted linears' input widths, 26,624 a token; one mask for q/k/v and one for gate/up under
+    lora.shared_dropout: 18,944) per token of every layer call, forward and backward, nothing to the head."""
+    from pipetune.planner.speed import GpuRates
+
+    steps = {}
+    for name, overrides in (
+        ("none", ["lora.dropout=0.0"]),
+        ("masks", []),
+        ("shared", ["lora.shared_dropout=true"]),
+    ):
+        layouts = make_plan(load_config(QWEN3_4B, overrides), gpus=1).predictions
+        (row,) = [
+            p for p in layouts if (p.layout.microbatch, p.layout.grad_accum, p.layout.checkpointing) == (16, 1, False)
+        ]
+        steps[name] = row.step_seconds
+    rates = GpuRates()
+    per_element = 36 * 16 * 512 * rates.dropout_seconds * (1 + rates.backward_other)  # layers x tokens a step
+    assert steps["masks"] - steps["none"] == pytest.approx(26_624 * per_element)
+    assert steps["shared"] - steps["none"] == pytest.approx(18_944 * per_element)
+
+
 def test_nothing_fits_names_the_smallest_change_that_would() -> None:
     config = load_config(QWEN25_72B)  # 145 GB of weights on one 151 GB GPU
     config.parallel.strategy = "auto"

@@ -24,6 +24,7 @@ from transformers import PretrainedConfig
 
 from pipetune.config import Config, ConfigError, ParallelConfig, mlp_chunk_tokens
 from pipetune.data.inspect import training_attention_share
+from pipetune.model.families import family_of
 from pipetune.model.graphs import choose_cuda_graphs, graphs_untried
 from pipetune.model.shapes import ResolvedModel, one_layer_model, resolve_model
 from pipetune.model.split import StageCosts, run_split
@@ -144,6 +145,8 @@ class _Shape:
     trainable_per_layer: int
     linear_sizes: list[int]
     """Weights of each linear layer of one decoder layer's share (what model.quantize stores quantized)."""
+    masked: int
+    """Elements per token under the layer's LoRA dropout masks (`LayerWork.masked`)."""
 
 
 def make_plan(
@@ -281,7 +284,16 @@ def predict(
     hidden = resolved.config.hidden_size
     nf4 = shape.linear_sizes if config.model.quantize == "nf4" else []
     work = LayerWork(
-        share_costs, hidden, microbatch * seq, microbatch, seq, layout.tp, config.model.name, sum(nf4), len(nf4)
+        share_costs,
+        hidden,
+        microbatch * seq,
+        microbatch,
+        seq,
+        layout.tp,
+        config.model.name,
+        sum(nf4),
+        len(nf4),
+        shape.masked,
     )
     element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
     hidden_bytes = microbatch * seq * hidden * element
@@ -305,7 +317,7 @@ def predict(
             else:  # kept gathered through the schedule step: once per layer and step
                 gather_seconds = max(gather_seconds, sum(layers) * gather)
         head = head_seconds(
-            share_costs, *layer_seconds(dataclasses.replace(work, nf4_weights=0, nf4_linears=0), rates, rank_mode)
+            share_costs, *layer_seconds(dataclasses.replace(work, nf4_weights=0, nf4_linears=0, masked=0), rates, rank_mode)
         )
         for stage, n, recomputed in zip(p.stage_ids(rank), layers, k, strict=True):
             forward[stage] = n * f + (head if stage == len(ranges) - 1 else 0.0)
@@ -394,7 +406,12 @@ def _shape(config: Config, resolved: ResolvedModel, tp: int) -> _Shape:
         if name.rsplit(".", 1)[-1] in targets
     )
     sizes = [module.in_features * module.out_features for _, module in linears]
-    return _Shape(share, dataclasses.replace(resolved, config=share, weights_dir=None), trainable, sizes)
+    widths = {name.rsplit(".", 1)[-1]: m.in_features for name, m in linears if name.rsplit(".", 1)[-1] in targets}
+    masked = sum(widths.values()) if config.lora.dropout > 0 else 0
+    if masked and config.lora.shared_dropout and config.lora.fast_path and tp == 1:  # lora.use_fast_path's groups
+        for names in family_of(resolved.config).shared_inputs:
+            masked -= sum(sorted(widths[name] for name in names if name in widths)[1:])  # one mask a group
+    return _Shape(share, dataclasses.replace(resolved, config=share, weights_dir=None), trainable, sizes, masked)
 
 
 def tensor_parallel_share(model_config: PretrainedConfig, tp: int) -> PretrainedConfig:

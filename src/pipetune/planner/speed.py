@@ -3,12 +3,14 @@
 A decoder layer's forward or backward on a microbatch of T tokens takes the longer of its GPU time and the
 host's time to launch it (a host that launches faster than the GPU runs stays ahead and costs nothing):
 
-    GPU time = T x (matmul FLOPs / matmul rate + attention FLOPs / attention rate + hidden x other)
+    GPU time = T x (matmul FLOPs / matmul rate + attention FLOPs / attention rate + hidden x other
+                    + masked x dropout)
                + NF4 weights x dequantization time (model.quantize = "nf4": once per call, in each direction)
 
 with FLOPs per token from the stage cost model (model/split.py: forward + input-gradient backward, half each;
 attention's backward twice its forward) and `other` the time per token and hidden unit of everything that is not
-a matmul (norms, dropout, residuals, the adapters' small products), which is what compilation changes. A
+a matmul (norms, residuals, the adapters' small products), which is what compilation changes, and `dropout`
+the time per element of the LoRA dropout masks (`masked` elements a token). A
 checkpointed layer runs its forward again in backward. The last stage adds the head and loss (the split's
 measured weight of them against a layer). Pipeline transfers, tensor-parallel all-reduces and FSDP's gathers
 are bytes over the link between the GPUs; the schedule's actions (`schedule_actions`) are replayed rank by rank,
@@ -53,11 +55,17 @@ class GpuRates:
     `other_seconds`; the long rows can: with it the three on one H200 land within 5% (400e12, flash attention's
     published order of magnitude used before, put them 9-17% slow; plan-check.md)."""
     other_seconds: dict[str, float] = field(
-        default_factory=lambda: {"plain": 2.3e-10, "eager": 1.0e-10, "compiled": 0.9e-10, "graphs": 0.9e-10}
+        default_factory=lambda: {"plain": 2.11e-10, "eager": 0.81e-10, "compiled": 0.71e-10, "graphs": 0.71e-10}
     )
-    """Forward time per token and hidden unit of a layer's non-matmul work (norms, dropout, residuals, the
-    adapters' small products); backward takes `backward_other` times it. Fitted; a first estimate from single
-    figures (compiled: Qwen3-4B's forward at 4 x 512 tokens ~1.1 ms of which matmuls ~0.53, NOTES.md) gave 1.05."""
+    """Forward time per token and hidden unit of a layer's non-matmul work but LoRA dropout (norms, residuals,
+    the adapters' small products); backward takes `backward_other` times it. Fitted with dropout in it (0.9e-10
+    compiled, 1.0e-10 eager, 2.3e-10 plain: every fitted run drew 7 masks over ~10.5 x hidden elements a token),
+    less that share of `dropout_seconds` since. A first estimate from single figures (compiled: Qwen3-4B's
+    forward at 4 x 512 tokens ~1.1 ms of which matmuls ~0.53, NOTES.md) gave 1.05."""
+    dropout_seconds: float = 1.8e-12
+    """Forward time per element a LoRA dropout mask covers (`LayerWork.masked`); backward `backward_other` times
+    it. Measured: Qwen3-4B's packed 4,096-token step with dropout 0.15 against 0 (0.337 s against 0.306,
+    2026-12-02-4k-one-h200.md), compiled with CUDA graphs; eager runs are assumed alike."""
     backward_other: float = 1.2
     """Backward's non-matmul work over forward's: the 72B timeline's chunks took ~80 ms backward, ~70 forward."""
     kernel_seconds: dict[str, float] = field(
@@ -130,6 +138,9 @@ class LayerWork:
     """Weights of this share of a layer stored in NF4 (model.quantize = "nf4"): dequantized in every call."""
     nf4_linears: int = 0
     """Its NF4 linears: one operator call each, forward and backward."""
+    masked: int = 0
+    """Elements per token that this share of a layer's LoRA dropout masks cover in a forward: the adapted linears'
+    input widths, one per shared input where one mask serves it (lora.shared_dropout); 0 without dropout."""
 
     def key(self, mode: str) -> str:
         """What a measured time is filed under: model, microbatch shape, tp, how the layer runs and an NF4 base."""
@@ -144,7 +155,7 @@ def layer_seconds(work: LayerWork, rates: GpuRates, mode: str) -> tuple[float, f
     c, t = work.costs, work.tokens
     matmul = t * (c.layer - c.attention) / 2 / rates.matmul_flops
     attention = _attention_forward(work, rates)
-    other = t * work.hidden * rates.other_seconds[mode]
+    other = t * (work.hidden * rates.other_seconds[mode] + work.masked * rates.dropout_seconds)
     dequantize = work.nf4_weights * rates.nf4_weight_seconds
     host, kernels = rates.host_seconds[mode], rates.kernel_seconds[mode]
     if work.tp > 1 and mode != "graphs":
