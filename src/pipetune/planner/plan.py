@@ -317,7 +317,8 @@ def predict(
             else:  # kept gathered through the schedule step: once per layer and step
                 gather_seconds = max(gather_seconds, sum(layers) * gather)
         head = head_seconds(
-            share_costs, *layer_seconds(dataclasses.replace(work, nf4_weights=0, nf4_linears=0, masked=0), rates, rank_mode)
+            share_costs,
+            *layer_seconds(dataclasses.replace(work, nf4_weights=0, nf4_linears=0, masked=0), rates, rank_mode),
         )
         for stage, n, recomputed in zip(p.stage_ids(rank), layers, k, strict=True):
             forward[stage] = n * f + (head if stage == len(ranges) - 1 else 0.0)
