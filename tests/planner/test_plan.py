@@ -208,6 +208,15 @@ def test_without_a_gpu_the_plan_says_whose_predictions_and_what_auto_runs_here(
     assert said.startswith("pipetune: parallel.strategy = auto: no GPU found here, so this is the plan for 2 H200")
     assert f"pick: {pick}," in said
 
+    # A plan for another host (--host-memory) is not the one "auto" runs here: the line plans "auto"'s own.
+    import pipetune.planner.plan as plan_module
+
+    here = make_plan(config, 2)
+    planned = []
+    monkeypatch.setattr(plan_module, "auto_plan", lambda c, gpus: planned.append(gpus) or here)
+    assert plan_module.no_gpu_line(config, here) and planned == []
+    assert plan_module.no_gpu_line(config, make_plan(config, 2, host_memory=1 * GB)) and planned == [2]
+
 
 def test_a_plan_that_offloads_says_so_and_is_listed_beside_all_recomputed(tmp_path: Path) -> None:
     """One long row on a GPU where every layer recomputed just misses and 1 GB of host memory takes inputs: "auto"

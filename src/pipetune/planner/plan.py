@@ -627,7 +627,7 @@ def resolve_auto(config: Config, gpus: int, announce: bool = True) -> Config:
     """`parallel.strategy = "auto"`: the config as its plan's pick on `gpus` GPUs, and one line saying what and why
     (printed by the first process only)."""
     check_data_source(config.data)  # a missing data file fails before the plan resolves the model
-    plan = make_plan(config, gpus, attention_share=training_attention_share(config))
+    plan = auto_plan(config, gpus)
     if plan.pick is None:
         raise ConfigError(f"parallel.strategy = 'auto': {no_fit_message(plan)}")
     if announce and os.environ.get("RANK", "0") == "0":
@@ -641,13 +641,25 @@ def resolve_auto(config: Config, gpus: int, announce: bool = True) -> Config:
     return plan.pick.layout.apply(config)
 
 
+def auto_plan(config: Config, gpus: int) -> Plan:
+    """The plan `parallel.strategy = "auto"` runs: this machine's GPU memory (or train.memory_gb) and host memory,
+    the H200's rates, the training split's attention share."""
+    return make_plan(config, gpus, attention_share=training_attention_share(config))
+
+
 def no_gpu_line(config: Config, plan: Plan) -> str | None:
     """Without a GPU here, a plan's figures are an H200's (or a GPU of --gpu-memory at an H200's speed): one line
     saying so, and what parallel.strategy = "auto" runs on this machine (resolve_auto's plan). None with a GPU."""
     if torch.cuda.is_available():
         return None
     here = available_gpus(config)
-    auto = plan if (here, default_budget(config)) == (plan.gpus, plan.budget) else make_plan(config, here)
+    same = (here, default_budget(config), physical_host_memory(), GpuRates()) == (
+        plan.gpus,
+        plan.budget,
+        plan.host_memory,
+        plan.rates,
+    )
+    auto = plan if same else auto_plan(config, here)  # the plan's own attention share: the same data
     runs = (
         f"runs {auto.pick.layout.describe()} ({auto.pick.layout.batching()} microbatches, checkpointing "
         f"{auto.pick.checkpointing()}) as {_processes(here)} (gloo), at a CPU's speed"
