@@ -11,7 +11,9 @@ other), under the config's own settings.
 The LoRA levers: "LoRA dropout 0" (no dropout masks, each adapter's down-projection its own matmul), "grouped
 (dropout 0)" (no masks, and the down-projections of q/k/v and of gate/up as one matmul each: what a run does
 without dropout), "shared_dropout" (the config's dropout with one mask per shared input, grouped: lora.shared_dropout);
-the last two on the fast LoRA path.
+the last two on the fast LoRA path. "max-autotune" compiles with inductor's max_autotune (Triton matmul templates
+timed against cuBLAS, elementwise work fused into the template picked): a lever not in training yet, timed here
+first. `--levers a,b` times only those; `--no-profile` skips the kernel profile.
 
 GPU only for the SDPA backends and CUDA graphs; on a CPU (--set model.name="tiny-qwen3") it checks that it runs.
 """
@@ -44,6 +46,17 @@ def sdpa(backend: str | None):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel(getattr(SDPBackend, backend))
+
+
+def inductor_options(lever: str):
+    """The "max-autotune" lever: inductor times Triton templates against cuBLAS for each matmul and may fuse the
+    elementwise work after one (the adapters' adds, SwiGLU, the residual) into the template it picks (compiling
+    takes minutes); the others compile as a run does."""
+    if lever != "max-autotune":
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor
+
+    return inductor.patch(max_autotune=True, epilogue_fusion=True)
 
 
 def kernel_group(name: str) -> str:
@@ -88,6 +101,7 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], dest="overrides")
     parser.add_argument("--microbatch", type=int, default=8)
     parser.add_argument("--out", default="layer-levers.json")
+    parser.add_argument("--no-profile", action="store_true", help="time the levers only (no kernel profile)")
     parser.add_argument(
         "--levers",
         help="comma-separated lever names to time (default: every one; e.g. 'as configured,SDPA CUDNN_ATTENTION'): "
@@ -114,17 +128,19 @@ def main() -> None:
             (f"SDPA {b}", config, own_mode, b, True)
             for b in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
         ]
+    if own_mode != "eager":
+        variants.append(("max-autotune", config, own_mode, None, True))
     if args.levers:
         chosen = [name.strip() for name in args.levers.split(",")]
         known = [variant[0] for variant in variants]
         if unknown := [name for name in chosen if name not in known]:
             parser.error(f"--levers: unknown {unknown}; known here: {known}")
-        variants = [variant for variant in variants if variant[0] in chosen]
+        variants = [next(variant for variant in variants if variant[0] == name) for name in chosen]  # their order
     results = []
     for name, variant, mode, backend, grouped in variants:
         torch._dynamo.reset()
         try:
-            with sdpa(backend):
+            with sdpa(backend), inductor_options(name):
                 forward, backward = time_layer(variant, work, mode, device, grouped)
         except Exception as error:  # a backend that does not serve this shape: say so, go on
             print(f"lever {name}: failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
@@ -139,6 +155,9 @@ def main() -> None:
         results.append(
             {"lever": name, "mode": mode, "forward_ms": forward * 1e3, "backward_ms": backward * 1e3, "mfu": mfu}
         )
+    if args.no_profile:
+        Path(args.out).write_text(json.dumps({"work": dataclasses.asdict(work), "levers": results}, indent=1))
+        return
     # Profiled without graphs (each kernel shows), after one untimed pass that compiles and autotunes.
     torch._dynamo.reset()
     profiled_mode = "compiled" if own_mode == "graphs" else own_mode
