@@ -272,14 +272,10 @@ def auto_checkpointing(
     )
     fixed = _allocated_bytes(modules, device) + OPTIMIZER_BYTES * trainable
     fixed += MARGIN * budget if budget != float("inf") else 0.0
-    grows = 0.0  # besides the layers' activations: longest_row scales it with them
     last = next((module for module in modules if module.is_last), None)
-    if last is not None:
-        loss = loss_bytes(config, last.lm_head.weight.shape[0])
-        fixed, grows = (fixed + loss, grows) if config.train.fused_loss else (fixed, grows + loss)
-    workspace = mlp_workspace_bytes(config, resolved.config, microbatch, seq)
-    chunked = mlp_chunk_tokens(config.train, seq, config.parallel.tp) > 0
-    fixed, grows = (fixed + workspace, grows) if chunked else (fixed, grows + workspace)
+    vocab = last.lm_head.weight.shape[0] if last is not None else 0
+    same, grows = row_extras(config, resolved.config, seq, last is not None, vocab)  # grows: scaled with the layers'
+    fixed += same
     timeline = rank_timeline(config.parallel, pp_rank)
     stage_layers = [len(module.layers) for module in modules]
     # estimate_costs counts a LoRA layer's forward and input gradient (4 x weights a token): half is the forward.
@@ -487,28 +483,36 @@ def row_costs(
     """`RowCosts` of `config`'s microbatch from one layer's (activation, input) bytes `measured` for one sequence of
     ROW_PROBE tokens (`long_row_memory`), with train.mlp_chunk as it applies to rows that long; `fixed`: the rank's
     weights, adapters and optimizer; `last`: the rank holds the loss."""
-    long = _long(config)
     microbatch = config.microbatch_size
-    chunked = mlp_chunk_tokens(config.train, ROW_PROBE, config.parallel.tp) > 0
-    workspace = mlp_workspace_bytes(long, model_config, microbatch, ROW_PROBE)
-    transient = 0.0 if chunked else workspace / ROW_PROBE
-    fixed += workspace if chunked else 0.0
-    if last and config.train.fused_loss:
-        fixed += loss_bytes(config, vocab)
-    elif last:
-        transient += microbatch * vocab * 10
+    same, grows = row_extras(config, model_config, ROW_PROBE, last, vocab)
     layer, inputs = measured
-    return RowCosts(microbatch * layer / ROW_PROBE, microbatch * inputs / ROW_PROBE, transient, fixed)
+    return RowCosts(microbatch * layer / ROW_PROBE, microbatch * inputs / ROW_PROBE, grows / ROW_PROBE, fixed + same)
+
+
+def row_extras(config: Config, model_config: PretrainedConfig, seq: int, last: bool, vocab: int) -> tuple[float, float]:
+    """Besides the layers' activations, the bytes of a microbatch of `seq`-token rows that do not grow with the row
+    (first) and those that do (second), the one rule of the run's "auto" plan and of the longest row: the MLP's
+    workspace (a chunk's where train.mlp_chunk cuts rows this long, else the whole row's) and, on the rank that
+    holds the loss (`last`, `vocab` columns), the loss's (train.fused_loss: a chunk of supervised rows; else the
+    whole microbatch's logits)."""
+    long = _with_rows(config, seq)
+    workspace = mlp_workspace_bytes(long, model_config, config.microbatch_size, seq)
+    chunked = mlp_chunk_tokens(config.train, seq, config.parallel.tp) > 0
+    same, grows = (workspace, 0.0) if chunked else (0.0, workspace)
+    if last:
+        loss = loss_bytes(long, vocab)
+        same, grows = (same + loss, grows) if config.train.fused_loss else (same, grows + loss)
+    return same, grows
 
 
 def long_row_memory(config: Config, resolved: ResolvedModel) -> tuple[float, float]:
     """One layer's (activation, input) bytes for one sequence of ROW_PROBE tokens, on the meta device."""
-    return measure_layer_memory(_long(config), resolved, torch.device("meta"), 1, ROW_PROBE)
+    return measure_layer_memory(_with_rows(config, ROW_PROBE), resolved, torch.device("meta"), 1, ROW_PROBE)
 
 
-def _long(config: Config) -> Config:
-    """`config` with rows of ROW_PROBE tokens (what train.mlp_chunk = "auto" decides by)."""
-    return dataclasses.replace(config, data=dataclasses.replace(config.data, max_length=ROW_PROBE))
+def _with_rows(config: Config, seq: int) -> Config:
+    """`config` with rows of `seq` tokens (what train.mlp_chunk = "auto" and the loss's workspace decide by)."""
+    return dataclasses.replace(config, data=dataclasses.replace(config.data, max_length=seq))
 
 
 def longest_rows(
