@@ -618,6 +618,8 @@ RUNS = [
             ],
             "single",
             f"2026-12-02-4k-1-bench.json:{entry}:single",
+            note="the speed model knows no FP8 matmuls" if quant else "",
+            speed=not quant,
         )
         for name, quant, entry in (("bf16", [], "bf16-4k-c"), ("fp8", ['model.quantize="fp8"'], "fp8-4k-c"))
     ),
