@@ -304,8 +304,6 @@ RUNS = [
         [*SINGLE4, 'model.quantize="fp8"'],
         "single",
         "2026-11-30-wave2-call4-bench.json:4b-single-fp8:single",
-        note="the speed model knows no FP8 matmuls",
-        speed=False,
     ),
     Run(
         "wave2 4: 72B nf4, one GPU, 8 x 2",
@@ -322,8 +320,6 @@ RUNS = [
         ['model.quantize="fp8"'],
         "single",
         "2026-11-30-wave2-call5-bench.json:72b-single-fp8:single",
-        note="the speed model knows no FP8 matmuls",
-        speed=False,
     ),
     Run(
         "wave3 1: 72B fp8, 1F1B 8 x 2",
@@ -331,8 +327,6 @@ RUNS = [
         ['model.quantize="fp8"'],
         "pp",
         "2026-11-30-wave3-call1-bench.json:72b-pp-fp8:pp",
-        note="the speed model knows no FP8 matmuls",
-        speed=False,
     ),
     Run(
         "wave3 2: 72B, v=2 16 x 1, no graphs",
@@ -355,8 +349,6 @@ RUNS = [
         ['model.quantize="fp8"'],
         "pp",
         "2026-11-30-wave4-call1-bench.json:72b-pp-fp8:pp",
-        note="the speed model knows no FP8 matmuls",
-        speed=False,
     ),
     Run("wave4 1: 72B, v=4 8 x 2", B72, V4, "pp", "2026-11-30-wave4-call1-bench.json:72b-pp-v4:pp"),
     Run(
@@ -372,7 +364,7 @@ RUNS = [
         [*M32, "parallel.n_microbatches=8", 'model.quantize="fp8"'],
         "pp",
         "2026-11-30-wave4-call2-bench.json:32b-pp-fp8:pp",
-        note="the speed model knows no FP8 matmuls",
+        note="host-bound without CUDA graphs: the speed model knows no FP8 host cost",
         speed=False,
     ),
     Run(
@@ -413,7 +405,7 @@ RUNS = [
             [*EAGER, "data.synthetic_validation=0", "parallel.n_microbatches=2", f'model.quantize="{method}"'],
             "single",
             f"2026-11-30-wave6-call1-bench.json:4b-curve-{method}:single",
-            note="the speed model knows no FP8 matmuls" if method == "fp8" else "",
+            note="eager FP8 quantization, compiled since" if method == "fp8" else "",
             speed=method != "fp8",
         )
         for method in ("none", "fp8", "nf4")
@@ -618,10 +610,28 @@ RUNS = [
             ],
             "single",
             f"2026-12-02-4k-1-bench.json:{entry}:single",
-            note="the speed model knows no FP8 matmuls" if quant else "",
-            speed=not quant,
         )
         for name, quant, entry in (("bf16", [], "bf16-4k-c"), ("fp8", ['model.quantize="fp8"'], "fp8-4k-c"))
+    ),
+    Run(
+        "4k rows: 8B bf16, 8 rows of 4,096 a step, eager (night of 12-01)",
+        LONG,
+        ["data.max_length=4096", "train.grad_accum=8", "train.activation_checkpointing=false", "train.mlp_chunk=0"],
+        "single",
+        "2026-12-01-night-4-bench-4k.json:bf16-4k:single",
+    ),
+    Run(
+        "4k rows: 8B fp8, 8 rows of 4,096 a step, eager, quantization compiled",
+        LONG,
+        [
+            "data.max_length=4096",
+            "train.grad_accum=8",
+            "train.activation_checkpointing=false",
+            "train.mlp_chunk=0",
+            'model.quantize="fp8"',
+        ],
+        "single",
+        "2026-12-02-4k-4-bench.json:fp8-4k-e:single",
     ),
     *(
         Run(

@@ -120,6 +120,26 @@ def test_lora_dropout_pays_per_masked_element_and_a_shared_mask_once() -> None:
     assert steps["shared"] - steps["none"] == pytest.approx(18_944 * per_element)
 
 
+def test_an_fp8_base_speeds_the_matmuls_and_pays_its_quantization_outside_compiled_layers() -> None:
+    """A Qwen3-4B layer on 16 x 512 tokens with an FP8 base: its matmul time divided by fp8_matmul_speedup,
+    forward and backward; eagerly also its quantization, per element of its linears' 57,344 input and output
+    widths a token (a compiled layer fuses it)."""
+    from pipetune.model.split import estimate_costs
+    from pipetune.planner.plan import _shape
+    from pipetune.planner.speed import GpuRates, LayerWork, layer_seconds
+
+    config = load_config(QWEN3_4B, ['model.quantize="fp8"'])
+    resolved = resolve_model(config.model)
+    assert _shape(config, resolved, 1).widths == 57_344
+    costs, tokens, rates = estimate_costs(resolved.config, 512), 16 * 512, GpuRates()
+    bf16 = LayerWork(costs, 2560, tokens, 16, 512)
+    fp8 = dataclasses.replace(bf16, fp8_elements=57_344)
+    saved = 2 * tokens * (costs.layer - costs.attention) / 2 / rates.matmul_flops * (1 - 1 / rates.fp8_matmul_speedup)
+    for mode, quantized in (("compiled", 0.0), ("eager", tokens * 57_344 * rates.fp8_element_seconds["eager"])):
+        before, after = (sum(layer_seconds(work, rates, mode)) for work in (bf16, fp8))
+        assert before - after == pytest.approx(saved - quantized)
+
+
 def test_nothing_fits_names_the_smallest_change_that_would() -> None:
     config = load_config(QWEN25_72B)  # 145 GB of weights on one 151 GB GPU
     config.parallel.strategy = "auto"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import Counter
 
 import pytest
@@ -99,6 +100,9 @@ def test_calibration_times_a_layer_and_the_model_uses_the_times(tmp_path, monkey
     saved = tmp_path / "rates.json"
     rates.save(saved)
     assert type(rates).load(saved) == rates
+    older = {k: v for k, v in json.loads(saved.read_text()).items() if k != "dropout_seconds"}
+    saved.write_text(json.dumps(older))  # a file from before dropout had a term: its other_seconds hold it
+    assert type(rates).load(saved).dropout_seconds == 0.0
 
     # A tensor-parallel shape is timed split over as many processes as its tp (here 2 gloo processes), each with
     # its share of the layer and the run's all-reduces; a CPU cannot time it for a plan (no GPUs to split over).

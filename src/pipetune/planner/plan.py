@@ -147,6 +147,8 @@ class _Shape:
     """Weights of each linear layer of one decoder layer's share (what model.quantize stores quantized)."""
     masked: int
     """Elements per token under the layer's LoRA dropout masks (`LayerWork.masked`)."""
+    widths: int
+    """The layer's linears' input and output widths together (what an FP8 base quantizes a token)."""
 
 
 def make_plan(
@@ -294,6 +296,7 @@ def predict(
         sum(nf4),
         len(nf4),
         shape.masked,
+        shape.widths if config.model.quantize == "fp8" else 0,
     )
     element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
     hidden_bytes = microbatch * seq * hidden * element
@@ -318,7 +321,9 @@ def predict(
                 gather_seconds = max(gather_seconds, sum(layers) * gather)
         head = head_seconds(
             share_costs,
-            *layer_seconds(dataclasses.replace(work, nf4_weights=0, nf4_linears=0, masked=0), rates, rank_mode),
+            *layer_seconds(
+                dataclasses.replace(work, nf4_weights=0, nf4_linears=0, masked=0, fp8_elements=0), rates, rank_mode
+            ),
         )
         for stage, n, recomputed in zip(p.stage_ids(rank), layers, k, strict=True):
             forward[stage] = n * f + (head if stage == len(ranges) - 1 else 0.0)
@@ -412,7 +417,8 @@ def _shape(config: Config, resolved: ResolvedModel, tp: int) -> _Shape:
     if masked and config.lora.shared_dropout and config.lora.fast_path and tp == 1:  # lora.use_fast_path's groups
         for names in family_of(resolved.config).shared_inputs:
             masked -= sum(sorted(widths[name] for name in names if name in widths)[1:])  # one mask a group
-    return _Shape(share, dataclasses.replace(resolved, config=share, weights_dir=None), trainable, sizes, masked)
+    both = sum(module.in_features + module.out_features for _, module in linears)
+    return _Shape(share, dataclasses.replace(resolved, config=share, weights_dir=None), trainable, sizes, masked, both)
 
 
 def tensor_parallel_share(model_config: PretrainedConfig, tp: int) -> PretrainedConfig:

@@ -66,6 +66,18 @@ class GpuRates:
     """Forward time per element a LoRA dropout mask covers (`LayerWork.masked`); backward `backward_other` times
     it. Measured: Qwen3-4B's packed 4,096-token step with dropout 0.15 against 0 (0.337 s against 0.306,
     2026-12-02-4k-one-h200.md), compiled with CUDA graphs; eager runs are assumed alike."""
+    fp8_matmul_speedup: float = 1.5
+    """The matmuls' speed-up with an FP8 base (model.quantize = "fp8") over bf16, each FP8 linear's quantization
+    and transposed weight copy included. Fitted to three compiled runs against bf16 in the same call: this model
+    gives them 1.21x, 1.30x and 1.18x bf16 where they measured 1.25x (Qwen3-8B, 4,096-token rows), 1.26x (the 72B
+    shape's pipeline) and 1.18x (Qwen3-4B, one microbatch of 16)."""
+    fp8_element_seconds: dict[str, float] = field(
+        default_factory=lambda: {"plain": 1.15e-11, "eager": 1.15e-11, "compiled": 0.0, "graphs": 0.0}
+    )
+    """Time per element an FP8 linear quantizes outside a compiled layer (its input forward, its output's
+    gradient backward: `LayerWork.fp8_elements`); a compiled layer fuses the quantization into its neighbours
+    (in `fp8_matmul_speedup`). Fitted to the eager Qwen3-8B run at 4,096-token rows (3.31 s a step against
+    eager bf16's 2.77 in another call: 2026-12-02-4k-one-h200.md)."""
     backward_other: float = 1.2
     """Backward's non-matmul work over forward's: the 72B timeline's chunks took ~80 ms backward, ~70 forward."""
     kernel_seconds: dict[str, float] = field(
@@ -117,6 +129,7 @@ class GpuRates:
     def load(cls, path: str | Path) -> GpuRates:
         values = json.loads(Path(path).read_text())
         values["layer_seconds"] = {key: tuple(value) for key, value in values.get("layer_seconds", {}).items()}
+        values.setdefault("dropout_seconds", 0.0)  # a file from before the term: its other_seconds hold dropout
         return cls(**values)
 
 
@@ -141,10 +154,15 @@ class LayerWork:
     masked: int = 0
     """Elements per token that this share of a layer's LoRA dropout masks cover in a forward: the adapted linears'
     input widths, one per shared input where one mask serves it (lora.shared_dropout); 0 without dropout."""
+    fp8_elements: int = 0
+    """With an FP8 base: elements per token its linears quantize, their input widths forward and output widths
+    backward (0: no FP8 base)."""
 
     def key(self, mode: str) -> str:
-        """What a measured time is filed under: model, microbatch shape, tp, how the layer runs and an NF4 base."""
-        return f"{self.model} {self.microbatch}x{self.seq} tp={self.tp} {mode}" + (" nf4" if self.nf4_weights else "")
+        """What a measured time is filed under: model, microbatch shape, tp, how the layer runs and a quantized
+        base (`--calibrate` times NF4 layers, not FP8 ones: those come from the model)."""
+        base = " nf4" if self.nf4_weights else " fp8" if self.fp8_elements else ""
+        return f"{self.model} {self.microbatch}x{self.seq} tp={self.tp} {mode}{base}"
 
 
 def layer_seconds(work: LayerWork, rates: GpuRates, mode: str) -> tuple[float, float]:
@@ -154,8 +172,12 @@ def layer_seconds(work: LayerWork, rates: GpuRates, mode: str) -> tuple[float, f
         return measured
     c, t = work.costs, work.tokens
     matmul = t * (c.layer - c.attention) / 2 / rates.matmul_flops
+    if work.fp8_elements:
+        matmul /= rates.fp8_matmul_speedup
     attention = _attention_forward(work, rates)
     other = t * (work.hidden * rates.other_seconds[mode] + work.masked * rates.dropout_seconds)
+    # An FP8 base's quantization outside compiled layers: fp8_elements a token over forward and backward together.
+    other += t * work.fp8_elements * rates.fp8_element_seconds[mode] / (1 + rates.backward_other)
     dequantize = work.nf4_weights * rates.nf4_weight_seconds
     host, kernels = rates.host_seconds[mode], rates.kernel_seconds[mode]
     if work.tp > 1 and mode != "graphs":
