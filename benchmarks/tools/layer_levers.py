@@ -11,9 +11,10 @@ other), under the config's own settings.
 The LoRA levers: "LoRA dropout 0" (no dropout masks, each adapter's down-projection its own matmul), "grouped
 (dropout 0)" (no masks, and the down-projections of q/k/v and of gate/up as one matmul each: what a run does
 without dropout), "shared_dropout" (the config's dropout with one mask per shared input, grouped: lora.shared_dropout);
-the last two on the fast LoRA path. "max-autotune" compiles with inductor's max_autotune (Triton matmul templates
-timed against cuBLAS, elementwise work fused into the template picked): a lever not in training yet, timed here
-first. `--levers a,b` times only those; `--no-profile` skips the kernel profile.
+the last two on the fast LoRA path. "max-autotune" (only when --levers names it: its autotuning takes minutes)
+compiles with inductor's max_autotune (Triton matmul templates timed against cuBLAS, elementwise work fused into
+the template picked): a lever not in training, timed here first. `--levers a,b` times only those, in that order;
+`--no-profile` skips the kernel profile.
 
 GPU only for the SDPA backends and CUDA graphs; on a CPU (--set model.name="tiny-qwen3") it checks that it runs.
 """
@@ -104,8 +105,9 @@ def main() -> None:
     parser.add_argument("--no-profile", action="store_true", help="time the levers only (no kernel profile)")
     parser.add_argument(
         "--levers",
-        help="comma-separated lever names to time (default: every one; e.g. 'as configured,SDPA CUDNN_ATTENTION'): "
-        "a config without LoRA dropout times the same layer under the first five",
+        help="comma-separated lever names to time, in that order (default: every one but max-autotune; e.g. "
+        "'as configured,SDPA CUDNN_ATTENTION'); without LoRA dropout, 'as configured', 'grouped (dropout 0)' "
+        "and 'shared_dropout' time the same layer",
     )
     args = parser.parse_args()
     config = load_config(args.config, args.overrides)
@@ -128,7 +130,7 @@ def main() -> None:
             (f"SDPA {b}", config, own_mode, b, True)
             for b in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
         ]
-    if own_mode != "eager":
+    if own_mode != "eager" and args.levers and "max-autotune" in args.levers:  # minutes of autotuning: asked only
         variants.append(("max-autotune", config, own_mode, None, True))
     if args.levers:
         chosen = [name.strip() for name in args.levers.split(",")]

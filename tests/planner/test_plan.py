@@ -138,6 +138,13 @@ def test_an_fp8_base_speeds_the_matmuls_and_pays_its_quantization_outside_compil
     for mode, quantized in (("compiled", 0.0), ("eager", tokens * 57_344 * rates.fp8_element_seconds["eager"])):
         before, after = (sum(layer_seconds(work, rates, mode)) for work in (bf16, fp8))
         assert before - after == pytest.approx(saved - quantized)
+    # The plan gives its layers the FP8 elements; a calibration files their times apart, and times them only
+    # where FP8 matmuls run (not on a CPU: the model's time stands).
+    from pipetune.planner.calibrate import can_time
+
+    work = make_plan(config, gpus=1).predictions[0].work
+    assert work.fp8_elements == 57_344 and work.key("compiled").endswith(" fp8")
+    assert not can_time(work, torch.device("cpu")) and can_time(bf16, torch.device("cpu"))
 
 
 def test_nothing_fits_names_the_smallest_change_that_would() -> None:

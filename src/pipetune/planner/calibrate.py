@@ -150,7 +150,14 @@ def timed_mode(mode: str, device: torch.device) -> str:
 
 
 def can_time(work: LayerWork, device: torch.device) -> bool:
-    """Whether this machine can time `work` as a run pays it: alone, or on as many GPUs as its tp."""
+    """Whether this machine can time `work` as a run pays it: alone, or on as many GPUs as its tp; an FP8 base's
+    layer only where `device` has FP8 matmuls (elsewhere the model's time stands)."""
+    from pipetune.model.quantize import FP8_MIN_CAPABILITY
+
+    if work.fp8_elements and not (
+        device.type == "cuda" and torch.cuda.get_device_capability(device) >= FP8_MIN_CAPABILITY
+    ):
+        return False
     return timed_alone(work) or (device.type == "cuda" and torch.cuda.device_count() >= work.tp)
 
 
@@ -193,7 +200,8 @@ def time_layer(
             [StagePart([0])],
             device,
             Parallelism(tp_mesh),
-            quantize="nf4" if work.nf4_weights else "none",  # the NF4 base the run's layers dequantize in every call
+            # the quantized base the run's layers use: NF4 dequantized in every call, FP8 matmuls
+            quantize="nf4" if work.nf4_weights else "fp8" if work.fp8_elements else "none",
             tp=work.tp,
             grouped=grouped,
         )

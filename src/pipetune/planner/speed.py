@@ -3,8 +3,8 @@
 A decoder layer's forward or backward on a microbatch of T tokens takes the longer of its GPU time and the
 host's time to launch it (a host that launches faster than the GPU runs stays ahead and costs nothing):
 
-    GPU time = T x (matmul FLOPs / matmul rate + attention FLOPs / attention rate + hidden x other
-                    + masked x dropout)
+    GPU time = T x (matmul FLOPs / (matmul rate [x FP8 speed-up]) + attention FLOPs / attention rate
+                    + hidden x other + masked x dropout [+ FP8-quantized elements x their time, uncompiled])
                + NF4 weights x dequantization time (model.quantize = "nf4": once per call, in each direction)
 
 with FLOPs per token from the stage cost model (model/split.py: forward + input-gradient backward, half each;
@@ -75,9 +75,10 @@ class GpuRates:
         default_factory=lambda: {"plain": 1.15e-11, "eager": 1.15e-11, "compiled": 0.0, "graphs": 0.0}
     )
     """Time per element an FP8 linear quantizes outside a compiled layer (its input forward, its output's
-    gradient backward: `LayerWork.fp8_elements`); a compiled layer fuses the quantization into its neighbours
-    (in `fp8_matmul_speedup`). Fitted to the eager Qwen3-8B run at 4,096-token rows (3.31 s a step against
-    eager bf16's 2.77 in another call: 2026-12-02-4k-one-h200.md)."""
+    gradient backward: `LayerWork.fp8_elements`, spread over forward and backward as the other non-matmul work
+    is); a compiled layer fuses the quantization into its neighbours (in `fp8_matmul_speedup`). Fitted to the
+    eager Qwen3-8B run at 4,096-token rows (3.31 s a step against eager bf16's 2.77 in another call:
+    2026-12-02-4k-one-h200.md)."""
     backward_other: float = 1.2
     """Backward's non-matmul work over forward's: the 72B timeline's chunks took ~80 ms backward, ~70 forward."""
     kernel_seconds: dict[str, float] = field(
@@ -160,7 +161,7 @@ class LayerWork:
 
     def key(self, mode: str) -> str:
         """What a measured time is filed under: model, microbatch shape, tp, how the layer runs and a quantized
-        base (`--calibrate` times NF4 layers, not FP8 ones: those come from the model)."""
+        base (NF4 or FP8: `--calibrate` times each as the run builds it)."""
         base = " nf4" if self.nf4_weights else " fp8" if self.fp8_elements else ""
         return f"{self.model} {self.microbatch}x{self.seq} tp={self.tp} {mode}{base}"
 
