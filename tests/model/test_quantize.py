@@ -184,6 +184,21 @@ def test_quantize_settings_a_run_cannot_serve_are_refused_before_any_weight(
         preflight(tiny_config(tmp_path, *overrides), world_size)
 
 
+def test_an_fp8_run_without_compile_is_told_that_fp8_pays_compiled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Where FP8 matmuls run (here: the device check passed over), an eager FP8 run gets one note before it starts:
+    measured eagerly, FP8 was slower than bf16."""
+    import pipetune.model.quantize as quantize
+
+    monkeypatch.setattr(quantize, "_check_fp8_device", lambda: None)
+    for compiled, told in ((False, True), (True, False)):
+        overrides = ('model.quantize="fp8"', 'model.dtype="bfloat16"', f"train.compile={str(compiled).lower()}")
+        preflight(tiny_config(tmp_path, *overrides), 2)
+        said = capsys.readouterr().err
+        assert ('model.quantize = "fp8" pays compiled' in said and "set train.compile = true" in said) == told, said
+
+
 def test_a_compiled_nf4_layer_keeps_the_nf4_weight_for_backward_not_its_dequantized_copy() -> None:
     """Compiled, an NF4 linear is part of the layer's graph (fullgraph: no break around it) and keeps what eager
     keeps: the 4-bit weight, not a [rows, columns] dequantized copy per microbatch in flight (which is what ran
