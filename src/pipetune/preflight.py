@@ -45,20 +45,20 @@ class Prepared:
         return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
 
-def preflight(config: Config, world_size: int) -> Prepared:
-    """All checks for a training run of world_size processes, then the resolved model and tokenizer."""
+def preflight(config: Config, world_size: int, speak: bool = True) -> Prepared:
+    """All checks for a training run of world_size processes, then the resolved model and tokenizer. `speak`: say
+    the checks' warnings and notes (a launcher does, for all its workers; they check again in silence)."""
     check_data_source(config.data)
     check_layout(config, world_size)
     check_loggers(config.output.loggers)
-    prepared = prepare(config)
+    prepared = prepare(config, speak)
     check_packing(config, prepared.model.config)
     if config.model.quantize == "fp8" and not config.train.compile:  # FP8 matmuls this GPU runs: say how they pay
-        print(
-            'pipetune: note: model.quantize = "fp8" pays compiled: with train.compile = false the quantization around '
-            "each FP8 matmul costs more than FP8 saves (Qwen3-8B on one H200, 4,096-token rows: 9,945 tokens/s "
-            "eagerly, 11,816 in bf16, 21,983 compiled); set train.compile = true",
-            file=sys.stderr,
-            flush=True,
+        _say(
+            'note: model.quantize = "fp8" pays compiled: with train.compile = false the quantization around each FP8 '
+            "matmul costs more than FP8 saves (Qwen3-8B on one H200, 4,096-token rows: 9,945 tokens/s eagerly, "
+            "11,816 in bf16, 21,983 compiled); set train.compile = true",
+            speak,
         )
     from pipetune.model.split import run_split
     from pipetune.parallel.memory import check_row_fits, check_weights_fit
@@ -67,6 +67,12 @@ def preflight(config: Config, world_size: int) -> Prepared:
     check_weights_fit(config, prepared.model.config, ranges)
     check_row_fits(config, prepared.model, ranges)  # after the weights: a row needs them to fit first
     return prepared
+
+
+def _say(line: str, speak: bool) -> None:
+    """A warning or note of the start checks on stderr, where this process speaks for its run (`speak`)."""
+    if speak:
+        print(f"pipetune: {line}", file=sys.stderr, flush=True)
 
 
 def check_positions(config: Config, model_config: PretrainedConfig) -> str | None:
@@ -123,7 +129,7 @@ def _layer_count(config: Config) -> int | None:
         return None
 
 
-def prepare(config: Config) -> Prepared:
+def prepare(config: Config, speak: bool = True) -> Prepared:
     """Resolve the model, load its tokenizer and build the prompt builder (also used for inference)."""
     resolved = resolve_model(config.model)
     shape = resolved.config
@@ -132,7 +138,7 @@ def prepare(config: Config) -> Prepared:
     validate_against_model(config, shape.num_hidden_layers, linear_layer_names(resolved), heads, kv_heads)
     warning = check_positions(config, shape)
     if warning:
-        print(f"pipetune: warning: {warning}", file=sys.stderr, flush=True)
+        _say(f"warning: {warning}", speak)
     check_quantize(config, resolved.config)  # before any weight is read
     tokenizer = load_tokenizer(config, resolved)
     if len(tokenizer) > resolved.config.vocab_size:

@@ -53,7 +53,7 @@ from pipetune.parallel.gradients import GradientSync, bad_ranks, clip_global_gra
 from pipetune.parallel.memory import auto_checkpointing, check_plans_fit
 from pipetune.parallel.mesh import Mesh, build_mesh
 from pipetune.parallel.pipeline import PipelineRunner, SingleRunner, TokenLoss, evaluate_validation
-from pipetune.parallel.process_group import DistEnv
+from pipetune.parallel.process_group import DistEnv, under_launcher
 from pipetune.parallel.timeline import StageTimeline, plot_saved_timeline, save_timeline
 from pipetune.parallel.torch_compat import (
     keep_rng_out_of_no_grad_forwards,
@@ -65,7 +65,7 @@ from pipetune.preflight import Prepared, epoch_steps, preflight
 from pipetune.profile import profiled
 from pipetune.run_lock import record_launch, restarted_launch
 from pipetune.schedules import SCHEDULES
-from pipetune.worker import named_cache_error
+from pipetune.worker import has_launcher, named_cache_error
 
 
 @dataclass
@@ -97,7 +97,8 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     (for the launcher's message when a peer stops responding)."""
     say = functools.partial(print0, env, quiet)
     status = status or LoopStatus()
-    prepared = preflight(config, env.world_size)
+    # The launcher said the checks' warnings before the workers started; under torchrun alone rank 0 says them.
+    prepared = preflight(config, env.world_size, speak=env.is_main and under_launcher() and not has_launcher())
     checkpoints = CheckpointSettings.of(config)
     run_dir = Path(config.output.dir)
     restarted = restarted_launch(run_dir)  # a restart of the launch that started what is there: it continues
