@@ -72,6 +72,8 @@ NF4 = ['model.quantize="nf4"']
 LONG_DATA = ["data.synthetic_train=32", "data.synthetic_validation=0"]
 LONG = "configs/bench-qwen3-8b-long.toml"
 """Qwen3-8B, one row of 131,072 tokens, every layer offloaded (docs/long-context.md), on one H200."""
+ROWS4K = ["data.max_length=4096", "train.grad_accum=8", "train.activation_checkpointing=false", "train.mlp_chunk=0"]
+"""Qwen3-8B (LONG) as 8 rows of 4,096 tokens a step, nothing checkpointed, whole MLPs: eager unless compiled."""
 SINGLE4 = ['parallel.strategy="single"', "parallel.pp=1", "parallel.n_microbatches=1", "train.cuda_graphs=false"]
 
 
@@ -600,14 +602,7 @@ RUNS = [
         Run(
             f"4k rows: 8B {name}, 8 rows of 4,096 a step, compiled, kept",
             LONG,
-            [
-                "data.max_length=4096",
-                "train.grad_accum=8",
-                "train.activation_checkpointing=false",
-                "train.mlp_chunk=0",
-                "train.compile=true",
-                *quant,
-            ],
+            [*ROWS4K, "train.compile=true", *quant],
             "single",
             f"2026-12-02-4k-1-bench.json:{entry}:single",
         )
@@ -616,20 +611,14 @@ RUNS = [
     Run(
         "4k rows: 8B bf16, 8 rows of 4,096 a step, eager (night of 12-01)",
         LONG,
-        ["data.max_length=4096", "train.grad_accum=8", "train.activation_checkpointing=false", "train.mlp_chunk=0"],
+        ROWS4K,
         "single",
         "2026-12-01-night-4-bench-4k.json:bf16-4k:single",
     ),
     Run(
         "4k rows: 8B fp8, 8 rows of 4,096 a step, eager, quantization compiled",
         LONG,
-        [
-            "data.max_length=4096",
-            "train.grad_accum=8",
-            "train.activation_checkpointing=false",
-            "train.mlp_chunk=0",
-            'model.quantize="fp8"',
-        ],
+        [*ROWS4K, 'model.quantize="fp8"'],
         "single",
         "2026-12-02-4k-4-bench.json:fp8-4k-e:single",
     ),
