@@ -16,7 +16,7 @@ around `--repeats` calls after `--warmup`; milliseconds a row).
     python3 benchmarks/tools/packed_attention.py --config configs/bench-qwen3-4b.toml \
         --set data.packing=true --set data.max_length=4096 --rows 2 --out packed-attention.json
 
-On a CPU (--set model.name="tiny-qwen3") it checks that it runs.
+`--probes` adds variants no run uses (`kernels`). On a CPU it checks that it runs.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from pipetune.config import load_config  # noqa: E402
 from pipetune.data.cache import tokenized_data  # noqa: E402
 from pipetune.data.packing import epoch_rows  # noqa: E402
 from pipetune.model.attention import (  # noqa: E402
+    DocumentOffsets,
     DocumentSpans,
     document_block_mask,
     document_offsets,
@@ -60,14 +61,35 @@ def packed_positions(config, rows: int) -> tuple[torch.Tensor, int]:
     return torch.stack(positions), real
 
 
-def kernels(position_ids: torch.Tensor, per_row: int, device: torch.device) -> dict:
-    """name -> attention(query, key, value) as [b, s, heads, d], for the kernels this device runs."""
+def kernels(position_ids: torch.Tensor, per_row: int, device: torch.device, probes: bool) -> dict:
+    """name -> attention(query, key, value) as [b, s, heads, d], for the kernels this device runs; with `probes`
+    also variants no run uses (measurements of what a lever could give):
+
+    - "flash-tight": the offsets of the rows' documents alone (no empty ones) and their longest length rounded up
+      to 128 as the kernel's bound (not static from step to step: what the static bound costs),
+    - "flex-tma": flex with TMA loads and every row known to attend somewhere (kernel options),
+    - "flex-64": flex over a block mask of 64 x 64 tiles (fewer pairs of two documents computed and dropped)."""
     documents = document_offsets(position_ids, per_row)
     chosen = {"flash": lambda q, k, v: varlen_attention(q, k, v, documents, None)}
+    if probes:
+        spans = DocumentSpans.of(position_ids.cpu())
+        seq = position_ids.shape[1]
+        bounds = [row * seq + start for row, row_spans in enumerate(spans.rows) for start, _ in row_spans]
+        offsets = torch.tensor([*bounds, position_ids.numel()], dtype=torch.int32, device=device)
+        longest = max(end - start for row in spans.rows for start, end in row)
+        tight = DocumentOffsets(offsets, -(-longest // 128) * 128)
+        chosen["flash-tight"] = lambda q, k, v: varlen_attention(q, k, v, tight, None)
     if device.type == "cuda":
         mask = document_block_mask(position_ids)
         flex = torch.compile(flex_attention, dynamic=False)
         chosen["flex"] = lambda q, k, v: flex(q, k, v, block_mask=mask, enable_gqa=True).transpose(1, 2)
+        if probes:
+            options = {"USE_TMA": True, "ROWS_GUARANTEED_SAFE": True}
+            chosen["flex-tma"] = lambda q, k, v: flex(
+                q, k, v, block_mask=mask, enable_gqa=True, kernel_options=options
+            ).transpose(1, 2)
+            small = document_block_mask(position_ids, 64)
+            chosen["flex-64"] = lambda q, k, v: flex(q, k, v, block_mask=small, enable_gqa=True).transpose(1, 2)
     return chosen
 
 
@@ -117,6 +139,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=2, help="packed rows (one microbatch)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--probes", action="store_true", help="also the variants no run uses (see kernels)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
     config = load_config(args.config, args.set)
@@ -149,12 +172,19 @@ def main() -> None:
         "kernels": {},
     }
     per_row = config.data.max_samples_per_row + 1
-    for name, kernel in kernels(position_ids, per_row, device).items():
-        got = run(kernel, inputs, grad)
+    for name, kernel in kernels(position_ids, per_row, device, args.probes).items():
+        try:
+            got = run(kernel, inputs, grad)
+        except Exception as error:  # a probe a torch version lacks: said, and the others still measured
+            if name in ("flash", "flex"):  # what runs use must work
+                raise
+            print(f"{name:11s} failed: {type(error).__name__}: {str(error)[:300]}")
+            results["kernels"][name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+            continue
         ms = timed(kernel, inputs, grad, args.warmup, args.repeats)
         results["kernels"][name] = {"ms_a_row": ms / max(rows, 1), "errors": errors(got, want)}
         worst = max(e["relative"] for e in results["kernels"][name]["errors"].values())
-        print(f"{name:6s} {ms / max(rows, 1):8.3f} ms a row (forward + backward)  worst relative error {worst:.2e}")
+        print(f"{name:11s} {ms / max(rows, 1):8.3f} ms a row (forward + backward)  worst relative error {worst:.2e}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
