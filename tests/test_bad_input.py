@@ -76,7 +76,6 @@ def _files(run_dir: Path) -> dict[str, bytes]:
     "override, message",
     [
         ('train.resume="sometimes"', r"train.resume = 'sometimes' is unknown; use one of never, auto"),
-        ('train.packed_attention="dense"', r"train.packed_attention = 'dense' is unknown; use one of auto, flex"),
         ("train.keep_checkpoints=0", r"train.keep_checkpoints = 0 must be at least 1"),
         ("train.max_skipped_steps=0", r"train.max_skipped_steps = 0 must be at least 1"),
         ("train.save_every=-1", r"train.save_every = -1 must be >= 0"),

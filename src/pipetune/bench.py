@@ -98,15 +98,7 @@ def run_bench(
 
 SWITCHES = {
     "lora": ("fast_path", "shared_dropout"),
-    "train": (
-        "compile",
-        "cuda_graphs",
-        "layers_per_graph",
-        "fused_loss",
-        "activation_checkpointing",
-        "mlp_chunk",
-        "packed_attention",
-    ),
+    "train": ("compile", "cuda_graphs", "layers_per_graph", "fused_loss", "activation_checkpointing", "mlp_chunk"),
     "data": ("buckets", "packing", "max_samples_per_row"),
 }
 """The config keys that change speed or memory but not the math: each bench row records them."""

@@ -31,7 +31,6 @@ RUN_STRATEGIES = tuple(STRATEGY_SPECS)
 STRATEGIES = RUN_STRATEGIES + ("auto",)
 """parallel.strategy's values: a run's, or "auto" (pipetune plan picks one before the run starts)."""
 RESUME_MODES = ("never", "auto")
-PACKED_ATTENTION = ("auto", "flex")
 SYNTHETIC_LENGTHS = ("short", "whole")
 """data.synthetic_lengths' values: short meetings (data/synthetic.py) or whole ones (data/synthetic_whole.py)."""
 MAX_LENGTH = 2**20
@@ -178,11 +177,6 @@ class TrainConfig:
     token and head), so its recomputation skips attention, most of a layer's forward at long rows (Qwen3-8B at
     131,072 tokens: 1.07 of 1.46 GFLOP a token); offloaded layers keep them in host memory too. Causal,
     unmasked attention in eager layers: not with train.compile or data.packing (model/kept_attention.py)."""
-    packed_attention: str = "auto"
-    """The kernel confining packed rows' attention (data.packing) to each sample on a GPU. "auto": flash
-    attention's variable-length kernel where it runs (bfloat16 or float16, head dim <= 256, compute capability
-    8.0 or newer), each sample attended exactly; elsewhere flex attention with a block mask of 128 x 128 tiles.
-    "flex": flex attention always. The CPU attends each sample with SDPA either way (model/attention.py)."""
     mlp_chunk: int | str = field(default=0, metadata={"also": ("auto",)})
     """Tokens per chunk of each decoder layer's MLP: its [tokens, 3 x intermediate_size] gate/up/activation
     workspace is computed (and recomputed in backward) a chunk of the sequence at a time, so it stops growing
@@ -748,10 +742,6 @@ def _check_train(t: TrainConfig, d: DataConfig) -> None:
     )
     _check(t.save_every >= 0, f"train.save_every = {t.save_every} must be >= 0 (0: checkpoints at epoch ends only)")
     _check(t.resume in RESUME_MODES, f"train.resume = {t.resume!r} is unknown; use one of {', '.join(RESUME_MODES)}")
-    _check(
-        t.packed_attention in PACKED_ATTENTION,
-        f"train.packed_attention = {t.packed_attention!r} is unknown; use one of {', '.join(PACKED_ATTENTION)}",
-    )
     _check(t.eval_every >= 0, f"train.eval_every = {t.eval_every} must be >= 0 (0: at epoch ends only)")
     _check(t.memory_gb >= 0, f"train.memory_gb = {t.memory_gb} must be >= 0 (0: the GPU's total memory)")
     _check(math.isfinite(t.memory_gb), f"train.memory_gb = {t.memory_gb} must be finite (GB, e.g. 80)")

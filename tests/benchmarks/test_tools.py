@@ -27,7 +27,6 @@ ARGPARSE_TOOLS = [
     "dropout_rng",
     "layer_levers",
     "load_memory",
-    "packed_attention",
     "pad_waste",
     "plan_calibrate",
     "plan_check",
@@ -91,18 +90,3 @@ def test_trace_gaps_finds_the_gpu_idle_gap(tmp_path, monkeypatch, capsys):
     run_tool("trace_gaps", str(trace), "--min-us", "100", monkeypatch=monkeypatch)
     out = capsys.readouterr().out
     assert "GPU busy 0.60 ms (60.0%)" in out and "0.40 ms idle at +0.30 ms" in out
-
-
-def test_packed_attention_checks_the_flash_path_on_packed_rows(tmp_path, monkeypatch, capsys):
-    """On a CPU the tool packs the demo's samples, runs the flash path (its reference kernel) forward and backward
-    against SDPA on each sample, and writes the errors and timings."""
-    out = tmp_path / "packed.json"
-    args = ["--config", "configs/demo.toml", "--set", "data.packing=true", "--rows", "2", "--warmup", "0"]
-    run_tool("packed_attention", *args, "--repeats", "1", "--out", str(out), monkeypatch=monkeypatch)
-    results = json.loads(out.read_text())
-    assert results["rows"] == 2 and results["seq"] == 384
-    assert all(n >= 2 for n in results["documents_a_row"])  # packed: several samples a row (and the pads)
-    assert 0 <= results["pad_share"] < 0.5
-    (flash,) = results["kernels"].values()
-    assert max(error["relative"] for error in flash["errors"].values()) < 1e-5
-    assert "flash" in capsys.readouterr().out

@@ -15,15 +15,12 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from pipetune.config import Config, LoraConfig, ModelConfig
 from pipetune.data.batching import IGNORE
-from pipetune.model import attention
 from pipetune.model.attention import (
     DocumentSpans,
     document_block_mask,
     document_ids,
-    document_offsets,
     spans_attention,
     use_document_attention,
-    varlen_attention,
 )
 from pipetune.model.load import build_model
 from pipetune.model.lora import apply_lora
@@ -98,45 +95,10 @@ def test_block_mask_is_the_document_mask() -> None:
     torch.testing.assert_close(spans_attention(query, key, value, spans, None), expected)
 
 
-def test_document_offsets_and_the_variable_length_operator() -> None:
-    """The flash path's document offsets (a static [rows x bound + 1], rows with fewer documents ending in empty
-    ones) and its attention operator, run through torch.compile, against causal SDPA on each sample: outputs and
-    query / key / value gradients (grouped key-value heads). On the CPU the operator runs its reference kernel
-    and its written-out backward; the GPU's flash kernels are checked by benchmarks/tools/packed_attention.py."""
-    row = 40
-    position_ids = torch.stack([positions_of([5, 1, 13], row), positions_of([40], row), positions_of([7] * 5, row)])
-    documents = document_offsets(position_ids, per_row=6)
-    assert documents.longest == row
-    assert documents.offsets.tolist() == [0, 5, 6, 19, 40, 40, 40, 80, 80, 80, 80, 80, 80, 87, 94, 101, 108, 115, 120]
-    with pytest.raises(ValueError, match="holds 6 documents, more than its bound 5"):
-        document_offsets(position_ids, per_row=5)
-
-    torch.manual_seed(0)
-    shapes = [(3, 4, row, 16), (3, 2, row, 16), (3, 2, row, 16)]
-    query, key, value = (torch.randn(shape, dtype=torch.float64, requires_grad=True) for shape in shapes)
-    expected = spans_attention(query, key, value, DocumentSpans.of(position_ids), 0.3).transpose(1, 2)
-    compiled = torch.compile(varlen_attention, backend="inductor", fullgraph=True)
-    out = compiled(query, key, value, documents, 0.3)
-    torch.testing.assert_close(out, expected)
-    grad = torch.randn_like(out)
-    for got, want in zip(
-        torch.autograd.grad(out, (query, key, value), grad),
-        torch.autograd.grad(expected, (query, key, value), grad),
-        strict=True,
-    ):
-        torch.testing.assert_close(got, want)
-
-
-@pytest.mark.parametrize("kernel", ["spans", "flash path"])
-def test_packed_row_matches_each_sample_alone(kernel: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_packed_row_matches_each_sample_alone() -> None:
     """A packed row through two pipeline stages (each building its mask from the position ids) gives every sample
     the logits transformers' model gives it alone, and the row's loss the summed per-sample losses, with the same
-    adapter gradients: with the CPU's mask (SDPA per span), and with the stages on the flash attention path
-    (document offsets and the variable-length operator, its reference kernel on the CPU)."""
-    calls = []
-    if kernel == "flash path":
-        monkeypatch.setattr("pipetune.model.stage.flash_runs", lambda device, dtype, head_dim: True)
-        monkeypatch.setattr(attention, "varlen_attention", lambda *args: calls.append(1) or varlen_attention(*args))
+    adapter gradients."""
     resolved = resolve_model(ModelConfig(name="tiny-qwen3", init="random"))
     model, _ = build_model(resolved, torch.float32, torch.device("cpu"), seed=0)
     peft_model = apply_lora(model, LoraConfig(dropout=0.0), "tiny-qwen3", seed=0)
@@ -164,7 +126,6 @@ def test_packed_row_matches_each_sample_alone(kernel: str, monkeypatch: pytest.M
     use_document_attention(peft_model)
     first = StageModule(peft_model, layer_ids=[0, 1], first=True, last=False)
     last = StageModule(peft_model, layer_ids=[2, 3], first=False, last=True)
-    first.documents_per_row = last.documents_per_row = 5
     pad = row - sum(lengths)
     input_ids = torch.cat([*samples, torch.zeros(pad, dtype=torch.long)])[None]
     labels = torch.cat([*targets, torch.full((pad,), IGNORE)])[None]
@@ -178,7 +139,6 @@ def test_packed_row_matches_each_sample_alone(kernel: str, monkeypatch: pytest.M
     torch.testing.assert_close(loss.detach(), expected_loss.detach(), rtol=1e-6, atol=0)
     for param, expected in zip(params, expected_grads, strict=True):  # float32 sums in another order
         assert float((param.grad - expected).norm() / expected.norm()) < 1e-5
-    assert len(calls) == (4 if kernel == "flash path" else 0)  # each of the 4 layers took the flash path
 
 
 # --------------------------------------------------------------------------- whole runs: several processes

@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from pipetune.config import ConfigError
-from pipetune.model.attention import document_mask, flash_runs
+from pipetune.model.attention import document_mask
 from pipetune.model.families import Family, LayerInputs, family_of
 from pipetune.model.kept_attention import KeptAttention
 from pipetune.model.offload import ActivationOffload, offloading
@@ -182,10 +182,6 @@ class StageModule(nn.Module):
         self.own_boundary_memory = False
         """Hand the pipeline its sent tensors (this stage's output, the gradient of its input) in memory of their
         own, not in the CUDA graphs' pool (set with `compile_layers(cuda_graphs=True)`)."""
-        self.packed_attention = "auto"
-        """train.packed_attention: flash attention's variable-length kernel for packed rows where it runs, or flex."""
-        self.documents_per_row = 0
-        """The most documents a packed row holds (data.max_samples_per_row + 1); 0: unknown (flex attention)."""
         self.sequence_shards = 1
         """Ranks the hidden states' sequence positions are split over (tensor parallelism's sequence parallelism):
         this rank's share of them is hidden.shape[1] (parallel/tp.py sets it)."""
@@ -267,14 +263,6 @@ class StageModule(nn.Module):
         del out
         return sum(saved.values()), hidden.numel() * hidden.element_size() + kept.device_bytes()
 
-    def _flash_documents(self, hidden: torch.Tensor) -> int:
-        """The bound on a packed row's documents where its attention runs flash attention's variable-length kernel
-        (model/attention.py); 0 where it does not."""
-        config = self.rotary.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        chosen = self.packed_attention == "auto" and self.documents_per_row > 0
-        return self.documents_per_row if chosen and flash_runs(hidden.device, hidden.dtype, head_dim) else 0
-
     @property
     def is_first(self) -> bool:
         return self.embed is not None
@@ -297,7 +285,7 @@ class StageModule(nn.Module):
             position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0).expand(batch, -1)
         else:
             position_ids = position_ids.to(hidden.device, non_blocking=True)
-            document = document_mask(position_ids, self._flash_documents(hidden))
+            document = document_mask(position_ids)
         inputs = layer_call_kwargs(self.family, self.rotary, hidden, position_ids, document)
         runs = self.layers if self.runs is None else self.runs
         for index, run in enumerate(runs):  # the first checkpoint_layers runs are single layers

@@ -59,10 +59,6 @@ class Parallelism:
     memory; false and "auto" none (yet: "auto" is planned with the schedule, train.build_runners)."""
     keep_attention: bool = False
     """train.keep_attention: checkpointed layers keep attention's output (model/kept_attention.py)."""
-    packed_attention: str = "auto"
-    """train.packed_attention: the GPU's kernel for packed rows' document attention (model/attention.py)."""
-    documents_per_row: int = 0
-    """The most documents a packed row holds (data.max_samples_per_row + 1: the trailing pads one); 0: unpacked."""
     mlp_chunk: int = 0
     """Tokens per MLP chunk (config.mlp_chunk_tokens: train.mlp_chunk resolved, 0 under tp; 0: whole rows)."""
 
@@ -77,8 +73,6 @@ def run_parallelism(config: Config, mesh: Mesh) -> Parallelism:
         pipelined=p.pipelined,
         checkpointing=config.train.activation_checkpointing,
         keep_attention=config.train.keep_attention,
-        packed_attention=config.train.packed_attention,
-        documents_per_row=config.data.max_samples_per_row + 1 if config.data.packing else 0,
         mlp_chunk=mlp_chunk_tokens(config.train, config.data.max_length, p.tp),
     )
 
@@ -146,8 +140,6 @@ def parallelize(modules: list[StageModule], parallelism: Parallelism) -> None:
     for module in modules:
         layers = len(module.layers) if every else 0
         module.keep_attention = parallelism.keep_attention
-        module.packed_attention = parallelism.packed_attention
-        module.documents_per_row = parallelism.documents_per_row
         module.set_layer_modes(layers, layers if parallelism.checkpointing == "offload" else 0)
         chunk_mlps(list(module.layers), parallelism.mlp_chunk)
     if parallelism.fsdp_mesh is not None:
