@@ -14,7 +14,8 @@ without dropout), "shared_dropout" (the config's dropout with one mask per share
 the last two on the fast LoRA path. "max-autotune" (only when --levers names it: its autotuning takes minutes)
 compiles with inductor's max_autotune (Triton matmul templates timed against cuBLAS, elementwise work fused into
 the template picked): a lever not in training, timed here first. `--levers a,b` times only those, in that order;
-`--no-profile` skips the kernel profile.
+`--no-profile` skips the kernel profile. "coordinate-descent" tunes the block sizes of inductor's own fused
+kernels (elementwise, norms) by timing, a lever a run takes with TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1.
 
 GPU only for the SDPA backends and CUDA graphs; on a CPU (--set model.name="tiny-qwen3") it checks that it runs.
 """
@@ -52,12 +53,16 @@ def sdpa(backend: str | None):
 def inductor_options(lever: str):
     """The "max-autotune" lever: inductor times Triton templates against cuBLAS for each matmul and may fuse the
     elementwise work after one (the adapters' adds, SwiGLU, the residual) into the template it picks (compiling
-    takes minutes); the others compile as a run does."""
-    if lever != "max-autotune":
-        return contextlib.nullcontext()
+    takes minutes); "coordinate-descent": inductor tunes each fused elementwise and norm kernel's block sizes by
+    timing its neighbours (TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 does it for a run); the others compile as a
+    run does."""
     import torch._inductor.config as inductor
 
-    return inductor.patch(max_autotune=True, epilogue_fusion=True)
+    if lever == "max-autotune":
+        return inductor.patch(max_autotune=True, epilogue_fusion=True)
+    if lever == "coordinate-descent":
+        return inductor.patch(coordinate_descent_tuning=True)
+    return contextlib.nullcontext()
 
 
 def kernel_group(name: str) -> str:
@@ -130,6 +135,8 @@ def main() -> None:
             (f"SDPA {b}", config, own_mode, b, True)
             for b in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
         ]
+    if own_mode != "eager":
+        variants.append(("coordinate-descent", config, own_mode, None, True))
     if own_mode != "eager" and args.levers and "max-autotune" in args.levers:  # minutes of autotuning: asked only
         variants.append(("max-autotune", config, own_mode, None, True))
     if args.levers:
