@@ -74,6 +74,8 @@ LONG = "configs/bench-qwen3-8b-long.toml"
 """Qwen3-8B, one row of 131,072 tokens, every layer offloaded (docs/long-context.md), on one H200."""
 ROWS4K = ["data.max_length=4096", "train.grad_accum=8", "train.activation_checkpointing=false", "train.mlp_chunk=0"]
 """Qwen3-8B (LONG) as 8 rows of 4,096 tokens a step, nothing checkpointed, whole MLPs: eager unless compiled."""
+PACKED4K = ["data.packing=true", "data.max_length=4096", "train.batch_size=2"]
+"""The 4B bench config's meetings packed into rows of 4,096 tokens, 2 rows a step."""
 SINGLE4 = ['parallel.strategy="single"', "parallel.pp=1", "parallel.n_microbatches=1", "train.cuda_graphs=false"]
 
 
@@ -641,6 +643,36 @@ RUNS = [
         [],
         "single",
         "2026-12-02-4k-2-bench.json:unpacked:single",
+    ),
+    Run(
+        "packed: 4B, 2 rows of 4,096 packed a step, LoRA dropout 0 (second session)",
+        B4,
+        [*PACKED4K, "parallel.n_microbatches=2", "lora.dropout=0.0"],
+        "single",
+        "2026-12-02-pa-1-bench.json:packed-flex:single",
+    ),
+    Run(
+        "packed: 4B, 2 rows of 4,096 packed in one microbatch, LoRA dropout 0",
+        B4,
+        [*PACKED4K, "parallel.pp=1", "parallel.n_microbatches=1", "lora.dropout=0.0"],
+        "single",
+        "2026-12-02-pa-4-bench.json:packed-mb1:single",
+    ),
+    *(
+        Run(
+            f"4k rows: 8B bf16, {rows} rows of 4,096 a microbatch, 8 a step, compiled{graphs}",
+            LONG,
+            [
+                *ROWS4K,
+                "train.compile=true",
+                f"train.batch_size={rows}",
+                f"train.grad_accum={8 // rows}",
+                *(["train.cuda_graphs=true"] if graphs else []),
+            ],
+            "single",
+            f"2026-12-02-pa-{call}-bench.json:bf16-4k-mb{rows}{'-graphs' if graphs else ''}:single",
+        )
+        for call, rows, graphs in ((3, 2, ""), (4, 4, ""), (5, 2, ", CUDA graphs"), (5, 4, ", CUDA graphs"))
     ),
 ]
 """Every pipetune training run on 2x H200 in benchmarks/journal/results (the seed script and the baselines are not

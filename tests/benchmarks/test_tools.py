@@ -90,3 +90,45 @@ def test_trace_gaps_finds_the_gpu_idle_gap(tmp_path, monkeypatch, capsys):
     run_tool("trace_gaps", str(trace), "--min-us", "100", monkeypatch=monkeypatch)
     out = capsys.readouterr().out
     assert "GPU busy 0.60 ms (60.0%)" in out and "0.40 ms idle at +0.30 ms" in out
+
+
+def test_adapter_in_matmul_lever_computes_the_fast_path(monkeypatch):
+    """layer_levers.py's "adapter in matmul" prototype (each LoRA term inside its base matmul, the linears of one
+    input sharing one extended input) gives a decoder layer the outputs and the input and adapter gradients of the
+    fast LoRA path it replaces (float32, tiny-qwen3, grouped down-projections)."""
+    import torch
+
+    from pipetune.config import LoraConfig, ModelConfig
+    from pipetune.model.load import build_model
+    from pipetune.model.lora import apply_lora, use_fast_path
+    from pipetune.model.shapes import resolve_model
+    from pipetune.model.stage import StageModule, hidden_states, layer_call_kwargs
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    levers = runpy.run_path(str(TOOLS / "layer_levers.py"), run_name="layer_levers")
+    model, _ = build_model(resolve_model(ModelConfig(name="tiny-qwen3", init="random")), torch.float32, "cpu", seed=0)
+    peft_model = apply_lora(model, LoraConfig(dropout=0.0), "tiny-qwen3", seed=0)
+    use_fast_path(peft_model)
+    for name, param in peft_model.named_parameters():  # lora_B starts at 0: give the adapters an effect
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.05)
+    stage = StageModule(peft_model, layer_ids=[0], first=False, last=False)
+    layer = stage.layers[0]
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 24, peft_model.config.hidden_size, requires_grad=True)
+    kwargs = layer_call_kwargs(stage.family, stage.rotary, hidden, torch.arange(24).expand(2, -1))[
+        stage.family.layer_kind(layer)
+    ]
+    adapters = [p for name, p in layer.named_parameters() if "lora_" in name]
+    grad = torch.randn(2, 24, peft_model.config.hidden_size)
+
+    def outputs_and_gradients():
+        out = hidden_states(layer(hidden, **kwargs))
+        return [out.detach(), *torch.autograd.grad(out, [hidden, *adapters], grad)]
+
+    expected = outputs_and_gradients()
+    levers["adapter_in_matmul"](layer)
+    got = outputs_and_gradients()
+    assert len(adapters) == 14  # 7 projections, lora_A and lora_B each
+    for have, want in zip(got, expected, strict=True):  # float32 sums in another order
+        assert float((have - want).norm() / want.norm()) < 1e-6
