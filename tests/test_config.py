@@ -294,6 +294,15 @@ def test_seed_job_config_matches_the_seed_script() -> None:
             2,
             r"lora.shared_dropout = true with parallel.tp = 2: .* set lora.shared_dropout = false, or parallel.tp = 1",
         ),
+        (["lora.adapter_in_matmul=true"], 2, r"set lora.fast_path = true, or set lora.adapter_in_matmul = false"),
+        *(
+            (["lora.adapter_in_matmul=true", "lora.fast_path=true", *more], 2, message)
+            for more, message in (
+                (["parallel.pp=1", "parallel.tp=2"], r"with parallel.tp = 2: the extended weights are not split"),
+                (["parallel.pp=1", "parallel.dp=2", "parallel.dp_shard=true"], r"with FSDP .* use ddp, or set lora"),
+                (['model.quantize="nf4"'], r"with model.quantize = 'nf4': .* set model.quantize = \"none\", or"),
+            )
+        ),
     ],
 )
 def test_validation_errors_name_value_and_fix(

@@ -14,8 +14,8 @@ without dropout), "shared_dropout" (the config's dropout with one mask per share
 the last two on the fast LoRA path. "max-autotune" (only when --levers names it: its autotuning takes minutes)
 compiles with inductor's max_autotune (Triton matmul templates timed against cuBLAS, elementwise work fused into
 the template picked): a lever not in training, timed here first. `--levers a,b` times only those, in that order;
-`--no-profile` skips the kernel profile. "adapter in matmul" (LoRA dropout 0) times the layer with each LoRA
-term computed inside its base matmul (`adapter_in_matmul`: a prototype, not yet a run's path). "coordinate-descent" tunes the block sizes of inductor's own fused
+`--no-profile` skips the kernel profile. "adapter in matmul" times the layer with each LoRA term computed inside
+its base matmul (lora.adapter_in_matmul). "coordinate-descent" tunes the block sizes of inductor's own fused
 kernels (elementwise, norms) by timing, a lever a run takes with TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1.
 
 GPU only for the SDPA backends and CUDA graphs; on a CPU (--set model.name="tiny-qwen3") it checks that it runs.
@@ -64,92 +64,6 @@ def inductor_options(lever: str):
     if lever == "coordinate-descent":
         return inductor.patch(coordinate_descent_tuning=True)
     return contextlib.nullcontext()
-
-
-class _AdapterInMatmul(torch.autograd.Function):
-    """out = extended @ weight^T, where `extended` is [x | the scaled down-projections of its group] and the frozen
-    `weight` is [W | lora_B in this linear's columns, zeros in the others']: the LoRA term comes out of the base
-    matmul. Backward: grad @ weight gives the input's gradient and the down-projections' in one matmul; lora_B's
-    gradient is grad^T @ down, as on the fast path."""
-
-    @staticmethod
-    def forward(ctx, extended, weight, down, lora_b):
-        ctx.save_for_backward(weight, down)
-        return torch.nn.functional.linear(extended, weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        weight, down = ctx.saved_tensors
-        grad_b = grad.flatten(0, -2).t() @ down.flatten(0, -2)
-        return grad @ weight, None, None, grad_b.float()
-
-
-class _ExtendedInput:
-    """A group of LoRA linears reading one input (or one linear alone): [x | their scaled down-projections],
-    computed by the first member called with x and held until each member has taken it (as lora.SharedInput)."""
-
-    def __init__(self, members: list, name: str) -> None:
-        self.members, self.name = members, name
-        self.ranks = [m.lora_A[name].weight.shape[0] for m in members]
-        self.source, self.extended, self.downs, self.waiting = None, None, None, 0
-
-    def take(self, index: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.source is not x or self.waiting == 0:
-            weights = torch.cat([m.lora_A[self.name].weight for m in self.members]).to(x.dtype)
-            down = torch.nn.functional.linear(x, weights)
-            scales = torch.cat(
-                [torch.full((r,), m.scaling[self.name]) for m, r in zip(self.members, self.ranks, strict=True)]
-            )
-            down = down * scales.to(x.device, x.dtype)
-            self.source, self.extended = x, torch.cat([x, down], dim=-1)
-            self.downs, self.waiting = down.split(self.ranks, dim=-1), len(self.members)
-        self.waiting -= 1
-        extended, down = self.extended, self.downs[index]
-        if self.waiting == 0:
-            self.source = self.extended = self.downs = None
-        return extended, down
-
-
-def adapter_in_matmul(layer: torch.nn.Module) -> None:
-    """The "adapter in matmul" lever: each LoRA linear of the layer computes its LoRA term inside its base matmul
-    (`_AdapterInMatmul`), the linears of one input sharing one extended input (a prototype for timing: the
-    extended weights hold the adapters' values of now, which an optimizer step would not refresh; LoRA dropout
-    must be 0). The first lever to size before building it into the fast path (benchmarks/journal/NOTES.md)."""
-    import types
-
-    from peft.tuners.lora import Linear as LoraLinear
-
-    from pipetune.model.families import family_of
-
-    modules = {name.split(".")[-1]: m for name, m in layer.named_modules() if isinstance(m, LoraLinear)}
-    attention = next(m for m in layer.modules() if hasattr(m, "config"))  # the layer's modules carry its config
-    groups = [[modules[n] for n in names if n in modules] for names in family_of(attention.config).shared_inputs]
-    groups = [group for group in groups if group]
-    grouped = {id(m) for group in groups for m in group}
-    groups += [[m] for m in modules.values() if id(m) not in grouped]
-    for members in groups:
-        (name,) = members[0].active_adapters
-        if any(not isinstance(m.lora_dropout[name], torch.nn.Identity) for m in members):
-            raise ValueError("the adapter-in-matmul lever needs lora.dropout = 0")
-        group = _ExtendedInput(members, name)
-        extra = sum(group.ranks)
-        offset = 0
-        for index, member in enumerate(members):
-            base = member.base_layer.weight
-            out, width = base.shape
-            weight = torch.zeros(out, width + extra, dtype=base.dtype, device=base.device)
-            with torch.no_grad():
-                weight[:, :width] = base
-                r = group.ranks[index]
-                weight[:, width + offset : width + offset + r] = member.lora_B[name].weight.to(base.dtype)
-            offset += r
-            member.extended_weight = weight
-
-            def forward(self, x, *args, _group=group, _index=index, _name=name, **kwargs):
-                extended, down = _group.take(_index, x)
-                return _AdapterInMatmul.apply(extended, self.extended_weight, down, self.lora_B[_name].weight)
-
-            member.forward = types.MethodType(forward, member)
 
 
 def kernel_group(name: str) -> str:
@@ -222,7 +136,9 @@ def main() -> None:
             (f"SDPA {b}", config, own_mode, b, True)
             for b in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
         ]
-    variants.append(("adapter in matmul", no_dropout, own_mode, None, True))
+    variants.append(
+        ("adapter in matmul", with_lora(config, fast_path=True, adapter_in_matmul=True), own_mode, None, True)
+    )
     if own_mode != "eager":
         variants.append(("coordinate-descent", config, own_mode, None, True))
     if own_mode != "eager" and args.levers and "max-autotune" in args.levers:  # minutes of autotuning: asked only
@@ -237,9 +153,8 @@ def main() -> None:
     for name, variant, mode, backend, grouped in variants:
         torch._dynamo.reset()
         try:
-            prepare = adapter_in_matmul if name == "adapter in matmul" else None
             with sdpa(backend), inductor_options(name):
-                forward, backward = time_layer(variant, work, mode, device, grouped, prepare=prepare)
+                forward, backward = time_layer(variant, work, mode, device, grouped)
         except Exception as error:  # a backend that does not serve this shape: say so, go on
             print(f"lever {name}: failed: {type(error).__name__}: {str(error)[:200]}", flush=True)
             results.append({"lever": name, "error": f"{type(error).__name__}: {error}"[:500]})

@@ -97,7 +97,7 @@ def run_bench(
 
 
 SWITCHES = {
-    "lora": ("fast_path", "shared_dropout"),
+    "lora": ("fast_path", "shared_dropout", "adapter_in_matmul"),
     "train": ("compile", "cuda_graphs", "layers_per_graph", "fused_loss", "activation_checkpointing", "mlp_chunk"),
     "data": ("buckets", "packing", "max_samples_per_row"),
 }

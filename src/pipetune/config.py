@@ -121,6 +121,13 @@ class LoraConfig:
     each element is dropped with probability lora.dropout and scaled by 1 / (1 - lora.dropout) as before, but
     q, k and v drop the same ones. Fewer random numbers and kernels, one dropped input kept for backward per
     shared input instead of one per adapter; not with parallel.tp > 1."""
+    adapter_in_matmul: bool = False
+    """With lora.fast_path: each adapted linear computes its LoRA term inside its base matmul. The frozen weight is
+    stored as [W | lora_B] (lora_B's bf16 copy refreshed before each forward) and the input as [x | the scaled
+    down-projections], so the up-projection's output is never written and read on its own, and backward's one
+    matmul gives the input's gradient and the down-projections'. Same math, summed in another order. Plain
+    (unquantized) base weights only, not with parallel.tp > 1 or FSDP. Not yet measured faster: a lever to
+    time (benchmarks/tools/layer_levers.py, "adapter in matmul")."""
 
 
 @dataclass
@@ -595,7 +602,7 @@ def validate(config: Config, world_size: int) -> None:
     message names first, or (microbatches, sequence lengths) with the parallel layout that needs it."""
     _check_model(config.model, config.parallel)
     _check_data(config.data)
-    _check_lora(config.lora, config.parallel)
+    _check_lora(config.lora, config.parallel, config.model.quantize)
     _check_train(config.train, config.data)
     _check_parallel(config.parallel, config.train, config.data, world_size)
     _check_output(config.output)
@@ -657,7 +664,7 @@ def _check_data(d: DataConfig) -> None:
     )
 
 
-def _check_lora(lora: LoraConfig, p: ParallelConfig) -> None:
+def _check_lora(lora: LoraConfig, p: ParallelConfig, quantize: str = "none") -> None:
     _at_least_one(("lora.r", lora.r))
     _check(
         lora.alpha > 0 and math.isfinite(lora.alpha),
@@ -679,6 +686,27 @@ def _check_lora(lora: LoraConfig, p: ParallelConfig) -> None:
         f"lora.shared_dropout = true with parallel.tp = {p.tp}: tensor parallelism splits each adapter on its own "
         "and draws its masks per adapter; set lora.shared_dropout = false, or parallel.tp = 1",
     )
+    if lora.adapter_in_matmul:
+        where = "set lora.adapter_in_matmul = false"
+        _check(
+            lora.fast_path,
+            f"lora.adapter_in_matmul = true is part of the fast LoRA path: set lora.fast_path = true, or {where}",
+        )
+        _check(
+            not p.tensor_parallel,
+            f"lora.adapter_in_matmul = true with parallel.tp = {p.tp}: the extended weights are not split; set "
+            f"parallel.tp = 1, or {where}",
+        )
+        _check(
+            not p.sharded,
+            'lora.adapter_in_matmul = true with FSDP (parallel.dp_shard or strategy "fsdp"): the extended weights '
+            f"are not sharded; use ddp, or {where}",
+        )
+        _check(
+            quantize == "none",
+            f"lora.adapter_in_matmul = true with model.quantize = {quantize!r}: an extended weight holds plain "
+            f'values; set model.quantize = "none", or {where}',
+        )
 
 
 def _check_train(t: TrainConfig, d: DataConfig) -> None:

@@ -110,3 +110,58 @@ def test_shared_masks_are_the_same_compiled_and_recomputed() -> None:
             torch.testing.assert_close(gradients[name], gradient, rtol=1e-5, atol=1e-7, msg=f"{variant}: {name}")
         group: SharedInput = stage.layers[0].mlp.gate_proj.shared_input
         assert group.source is None and group.held == [None, None], variant
+
+
+@pytest.mark.parametrize(
+    "lora, fast_path",
+    [
+        (LoraConfig(dropout=0.0), {}),  # one down-projection matmul per input
+        (LoraConfig(dropout=0.2), {}),  # a mask per adapter, drawn in the fast path's order
+        (LoraConfig(dropout=0.2), {"shared_dropout": True}),
+    ],
+    ids=["no dropout", "dropout", "shared dropout"],
+)
+def test_adapter_in_matmul_is_the_fast_paths_math(lora: LoraConfig, fast_path: dict) -> None:
+    """lora.adapter_in_matmul (each LoRA term inside its base matmul, [x | down-projections] @ [W | lora_B]^T) gives
+    the fast path's loss and gradients: eagerly, with every layer recomputed and (without dropout, whose masks
+    inductor draws from a stream of its own) compiled by inductor without a graph break. After an optimizer-like
+    write to lora_B the next forward sees it (the stage copies lora_B into the extended weights before each
+    forward), and the base weights are views of the extended ones."""
+    from pipetune.model.lora import extend_base_weights
+
+    expected_loss, expected = _loss_and_gradients(_stage(lora, fast=True, **fast_path))
+    # inductor draws dropout masks from a stream of its own: compiled without dropout only
+    for variant in ("eager", "checkpointed", *(["compiled"] if lora.dropout == 0 else [])):
+        stage = _stage(lora, fast=True, in_matmul=True, **fast_path)
+        assert len(extend_base_weights(stage)) == 14  # 7 adapted linears in each of the 2 layers
+        q_proj = stage.layers[0].self_attn.q_proj
+        assert (
+            q_proj.base_layer.weight.untyped_storage().data_ptr() == q_proj.extended_weight.untyped_storage().data_ptr()
+        )
+        assert q_proj.extended_weight.shape[1] == TINY.config.hidden_size + 3 * lora.r  # [W | q's | k's | v's B]
+        if variant == "compiled":
+            torch._dynamo.reset()
+            for layer in stage.layers:
+                layer.compile(backend="inductor", fullgraph=True)
+        elif variant == "checkpointed":
+            stage.checkpoint_layers = len(stage.layers)
+        loss, gradients = _loss_and_gradients(stage)
+        torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=0, msg=variant)
+        assert sorted(gradients) == sorted(expected)
+        for name, gradient in expected.items():  # float32 sums in another order
+            assert float((gradients[name] - gradient).norm() / gradient.norm()) < 1e-5, (variant, name)
+        group = q_proj.extended_input
+        assert group.source is None and group.extended is None, variant  # nothing held past the layer's call
+    with torch.no_grad():  # a write to lora_B: the next forward computes with it
+        for name, param in stage.named_parameters():
+            if ".lora_B." in name:
+                param.mul_(-2.0)
+    # and a fused AdamW step's, which moves no tensor's version
+    torch.optim.AdamW([p for p in stage.parameters() if p.requires_grad], lr=0.05, fused=True).step()
+    reference = _stage(lora, fast=True, **fast_path)
+    with torch.no_grad():
+        for param, theirs in zip(reference.parameters(), stage.parameters(), strict=True):
+            param.copy_(theirs)
+    loss, _ = _loss_and_gradients(stage, seed=1)
+    expected_loss, _ = _loss_and_gradients(reference, seed=1)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=0)

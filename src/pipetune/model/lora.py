@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import types
+import weakref
 import zlib
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import save as save_tensors
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from pipetune.config import LoraConfig
 from pipetune.files import write_atomic
@@ -94,7 +96,13 @@ def save_adapter(state: dict[str, torch.Tensor], lora: LoraConfig, base_name: st
     return out_dir
 
 
-def use_fast_path(peft_model: peft.PeftModel, shared_dropout: bool = False, tp: int = 1, grouped: bool = True) -> int:
+def use_fast_path(
+    peft_model: peft.PeftModel,
+    shared_dropout: bool = False,
+    tp: int = 1,
+    grouped: bool = True,
+    in_matmul: bool = False,
+) -> int:
     """Switch every LoRA linear of the model to the fast path (`_fast_lora_forward`); returns how many were switched.
 
     PEFT keeps float32 adapters and casts each activation to float32 for them, then back: with a
@@ -108,6 +116,9 @@ def use_fast_path(peft_model: peft.PeftModel, shared_dropout: bool = False, tp: 
     `shared_dropout` (lora.shared_dropout) draws one mask for all of them. That matmul bypasses their lora_A
     modules, so it is off under tensor parallelism (`tp`: parallel.tp > 1), whose plans hook them, and where
     `grouped` is false (benchmarks).
+
+    `in_matmul` (lora.adapter_in_matmul): every LoRA linear computes its LoRA term inside its base matmul
+    (`ExtendedInput`), once `extend_base_weights` has given the materialized model its extended weights.
     """
     from peft.tuners.lora import Linear as LoraLinear
 
@@ -119,6 +130,9 @@ def use_fast_path(peft_model: peft.PeftModel, shared_dropout: bool = False, tp: 
                 adapter.forward = types.MethodType(_linear_in_input_dtype, adapter)
             switched += 1
     shared_inputs = family_of(peft_model.get_base_model().config).shared_inputs
+    if in_matmul:
+        _group_extended_inputs(peft_model, shared_inputs, shared_dropout)
+        return switched
     for module in peft_model.modules() if grouped and tp == 1 else ():
         for names in shared_inputs:
             members = [getattr(module, name, None) for name in names]
@@ -145,6 +159,9 @@ def _fast_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if self.disable_adapters or self.merged or len(self.active_adapters) != 1:
         return type(self).forward(self, x, *args, **kwargs)
     name = self.active_adapters[0]
+    if getattr(self, "extended_weight", None) is not None:  # lora.adapter_in_matmul (extend_base_weights)
+        extended, down = self.extended_input.take(self.extended_index, x, name)
+        return _AdapterInMatmul.apply(extended, self.extended_weight, down, self.lora_B[name].weight)
     group = getattr(self, "shared_input", None)  # a SharedInput computes the down-projections of its members
     if group is not None:
         down = group.down(self.shared_input_index, x, name)
@@ -183,13 +200,198 @@ class SharedInput:
         return down
 
     def _downs(self, x: torch.Tensor, name: str) -> list[torch.Tensor]:
-        weights = [member.lora_A[name].weight for member in self.members]
-        dropped = self.members[0].lora_dropout[name](x)
-        downs = F.linear(dropped, torch.cat(weights).to(x.dtype)).split([w.shape[0] for w in weights], dim=-1)
-        return [down * member.scaling[name] for down, member in zip(downs, self.members, strict=True)]
+        return grouped_downs(self.members, x, name)
+
+
+def grouped_downs(members: list[nn.Module], x: torch.Tensor, name: str) -> list[torch.Tensor]:
+    """The members' scaled down-projections of `x` as one matmul over their concatenated lora_A weights, on `x`
+    dropped out once (by the first member's dropout module), split per member."""
+    weights = [member.lora_A[name].weight for member in members]
+    dropped = members[0].lora_dropout[name](x)
+    downs = F.linear(dropped, torch.cat(weights).to(x.dtype)).split([w.shape[0] for w in weights], dim=-1)
+    return [down * member.scaling[name] for down, member in zip(downs, members, strict=True)]
 
 
 def _linear_in_input_dtype(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """An adapter linear computing in its input's dtype; on PEFT's own path (float32 inputs) a plain linear."""
     bias = None if self.bias is None else self.bias.to(x.dtype)
     return torch.nn.functional.linear(x, self.weight.to(x.dtype), bias)
+
+
+# --------------------------------------------------------------------------- the LoRA term inside the base matmul
+
+EXTENDED_MULTIPLE = 8
+"""The extended weights' added columns are padded with zeros to a multiple of this: rows of in + R bfloat16
+values then start 16-byte aligned, as cuBLAS's tensor-core kernels want."""
+
+
+class ExtendedInput:
+    """lora.adapter_in_matmul: the LoRA linears of one module that read one input (q/k/v; gate/up), or one alone,
+    and their extended input [x | each member's scaled down-projection | zeros to EXTENDED_MULTIPLE].
+
+    Each member's base weight lives in an extended weight [W | its lora_B in its own columns, zeros in the
+    others'] (`extend_base_weights`), so x_ext @ W_ext^T is the base output plus the LoRA term in one matmul:
+    the up-projection's output is never written and read on its own. In backward, grad @ W_ext is the input's
+    gradient and the down-projections' in one matmul (`_AdapterInMatmul`). The down-projections are one matmul
+    where the members' dropout allows it (none, or lora.shared_dropout), else one per member on its own mask.
+
+    As SharedInput: the first member called with an input computes the extended input and holds it until each
+    member has taken it (any order); a member called with another input computes it anew."""
+
+    def __init__(self, members: list[nn.Module], shared_dropout: bool) -> None:
+        self.members = members
+        self.one_mask = all(_groupable(m, shared_dropout) for m in members)
+        self.source: torch.Tensor | None = None
+        self.extended: torch.Tensor | None = None
+        self.downs: list[torch.Tensor] | None = None
+        self.waiting = 0
+
+    def ranks(self, name: str) -> list[int]:
+        return [member.lora_A[name].weight.shape[0] for member in self.members]
+
+    def take(self, index: int, x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the extended input, member `index`'s scaled down-projection) of `x`."""
+        if self.source is not x or self.waiting == 0:
+            self.downs = self._downs(x, name)
+            pad = _padding(sum(self.ranks(name)))
+            extra = [x.new_zeros(*x.shape[:-1], pad)] if pad else []
+            self.source, self.extended = x, torch.cat([x, *self.downs, *extra], dim=-1)
+            self.waiting = len(self.members)
+        extended, down = self.extended, self.downs[index]
+        self.waiting -= 1
+        if self.waiting == 0:
+            self.source = self.extended = self.downs = None
+        return extended, down
+
+    def _downs(self, x: torch.Tensor, name: str) -> list[torch.Tensor]:
+        if self.one_mask and len(self.members) > 1:
+            return grouped_downs(self.members, x, name)
+        return [m.lora_A[name](m.lora_dropout[name](x)) * m.scaling[name] for m in self.members]
+
+
+def _padding(ranks: int) -> int:
+    return -ranks % EXTENDED_MULTIPLE
+
+
+class _AdapterInMatmul(torch.autograd.Function):
+    """out = extended @ weight^T (the base output with the LoRA term); `weight` is frozen, so backward gives the
+    extended input its gradient (grad @ weight: the input's and the down-projections') and lora_B its own from
+    the saved down-projection (grad^T @ down, as the fast path's up-projection would)."""
+
+    @staticmethod
+    def forward(ctx, extended, weight, down, lora_b):
+        ctx.save_for_backward(weight, down)
+        ctx.b_dtype = lora_b.dtype
+        return F.linear(extended, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, down = ctx.saved_tensors
+        grad_b = grad.flatten(0, -2).t() @ down.flatten(0, -2)
+        return grad @ weight, None, None, grad_b.to(ctx.b_dtype)
+
+
+def _group_extended_inputs(peft_model: peft.PeftModel, shared_inputs, shared_dropout: bool) -> None:
+    from peft.tuners.lora import Linear as LoraLinear
+
+    for module in peft_model.modules():
+        grouped: set[int] = set()
+        for names in shared_inputs:
+            members = [getattr(module, name, None) for name in names]
+            members = [m for m in members if isinstance(m, LoraLinear) and len(m.lora_A) == 1]
+            if members:
+                _extend_group(members, shared_dropout)
+                grouped.update(id(m) for m in members)
+        for child in module.children():
+            if isinstance(child, LoraLinear) and len(child.lora_A) == 1 and id(child) not in grouped:
+                if getattr(child, "extended_input", None) is None:
+                    _extend_group([child], shared_dropout)
+
+
+def _extend_group(members: list[nn.Module], shared_dropout: bool) -> None:
+    group = ExtendedInput(members, shared_dropout)
+    for index, member in enumerate(members):
+        member.extended_input, member.extended_index = group, index
+
+
+def extend_base_weights(peft_model: peft.PeftModel) -> ExtendedWeights:
+    """Give each LoRA linear marked by use_fast_path(in_matmul=True) its extended weight: a buffer
+    [out, in + R] holding the base weight W (the base linear's weight becomes a view of it: no second copy) and
+    lora_B's values in the member's columns (zeros elsewhere; R: its group's ranks, padded), filled now. On a
+    materialized model with plain weights (no quantized base, tensor parallelism or FSDP: the config refuses
+    those)."""
+    for module in peft_model.modules():
+        group = getattr(module, "extended_input", None)
+        if group is None:
+            continue
+        (name,) = module.lora_A.keys()
+        weight = module.base_layer.weight
+        if weight.is_meta or type(weight.data) is not torch.Tensor or weight.dtype.itemsize < 2:
+            raise ValueError(
+                f"lora.adapter_in_matmul needs plain base weights; {type(module.base_layer).__name__} holds "
+                f"{type(weight.data).__name__} {weight.dtype}: set lora.adapter_in_matmul = false"
+            )
+        ranks = group.ranks(name)
+        out, width = weight.shape
+        offset = width + sum(ranks[: module.extended_index])
+        columns = sum(ranks) + _padding(sum(ranks))
+        extended = torch.zeros(out, width + columns, dtype=weight.dtype, device=weight.device)
+        with torch.no_grad():
+            extended[:, :width] = weight
+        module.base_layer.weight = nn.Parameter(extended[:, :width], requires_grad=False)
+        module.register_buffer("extended_weight", extended, persistent=False)
+        module.extended_columns = extended[:, offset : offset + ranks[module.extended_index]]
+    extended = ExtendedWeights.of(peft_model)
+    extended.refresh()
+    return extended
+
+
+class ExtendedWeights:
+    """The lora_B columns of the extended weights under a module (lora.adapter_in_matmul) and the lora_B weights
+    they copy: `refresh` before a forward copies them where lora_B may have changed since: after any optimizer's
+    step (a fused AdamW writes without moving a tensor's version: a hook of torch.optim tells), or any other
+    in-place write (a resume, a test: the versions tell). Between an optimizer step's microbatches nothing is
+    copied: a pipeline's forwards run while earlier microbatches' backwards, which saved the extended weights,
+    still wait."""
+
+    live: weakref.WeakSet[ExtendedWeights] = weakref.WeakSet()
+    """Every instance, so that an optimizer step marks them all (`_after_optimizer_step`)."""
+    hooked = False
+
+    def __init__(self, slots: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.slots = slots
+        self.versions: list[int] | None = None
+        if not slots:
+            return
+        ExtendedWeights.live.add(self)
+        if not ExtendedWeights.hooked:
+            register_optimizer_step_post_hook(_after_optimizer_step)
+            ExtendedWeights.hooked = True
+
+    @classmethod
+    def of(cls, root: nn.Module) -> ExtendedWeights:
+        return cls(
+            [
+                (module.extended_columns, next(iter(module.lora_B.values())).weight)
+                for module in root.modules()
+                if getattr(module, "extended_columns", None) is not None
+            ]
+        )
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def refresh(self) -> None:
+        if not self.slots:
+            return
+        versions = [weight._version for _, weight in self.slots]
+        if versions == self.versions:
+            return
+        with torch.no_grad():
+            torch._foreach_copy_([columns for columns, _ in self.slots], [weight.detach() for _, weight in self.slots])
+        self.versions = versions
+
+
+def _after_optimizer_step(optimizer, args, kwargs) -> None:
+    for extended in ExtendedWeights.live:
+        extended.versions = None  # copied again before the next forward

@@ -25,6 +25,7 @@ from pipetune.config import ConfigError
 from pipetune.model.attention import document_mask
 from pipetune.model.families import Family, LayerInputs, family_of
 from pipetune.model.kept_attention import KeptAttention
+from pipetune.model.lora import ExtendedWeights
 from pipetune.model.offload import ActivationOffload, offloading
 
 
@@ -182,6 +183,9 @@ class StageModule(nn.Module):
         self.own_boundary_memory = False
         """Hand the pipeline its sent tensors (this stage's output, the gradient of its input) in memory of their
         own, not in the CUDA graphs' pool (set with `compile_layers(cuda_graphs=True)`)."""
+        self.extended_weights: ExtendedWeights | None = None
+        """lora.adapter_in_matmul: the layers' extended weights, given lora_B's values before each forward where
+        they changed (model/lora.py; found at the first forward)."""
         self.sequence_shards = 1
         """Ranks the hidden states' sequence positions are split over (tensor parallelism's sequence parallelism):
         this rank's share of them is hidden.shape[1] (parallel/tp.py sets it)."""
@@ -277,6 +281,9 @@ class StageModule(nn.Module):
         every sample; attention then stays within each sample (the model's attention must be
         model.attention.DOCUMENT_ATTENTION)."""
         hidden = self.embed(x) if self.is_first else x
+        if self.extended_weights is None:
+            self.extended_weights = ExtendedWeights.of(self.layers)
+        self.extended_weights.refresh()  # lora_B as the optimizer (or a resume) left it
         if self.own_boundary_memory and not self.is_first:
             hidden = _GradInOwnMemory.apply(hidden)
         document = None

@@ -24,7 +24,7 @@ from pipetune.config import Config, LoraConfig, mlp_chunk_tokens
 from pipetune.model.attention import use_document_attention
 from pipetune.model.chunked import chunk_mlps
 from pipetune.model.load import LoadStats, build_meta, materialize
-from pipetune.model.lora import apply_lora, use_fast_path
+from pipetune.model.lora import apply_lora, extend_base_weights, use_fast_path
 from pipetune.model.quantize import quantize_linears
 from pipetune.model.shapes import ResolvedModel
 from pipetune.model.stage import StageModule
@@ -118,7 +118,7 @@ def build_stage_modules(
     peft_model = apply_lora(model, lora, name or resolved.name, seed)
     quantize_linears(peft_model, quantize)  # placeholders, quantized as materialize fills them
     if lora.fast_path:
-        use_fast_path(peft_model, lora.shared_dropout, tp, grouped)
+        use_fast_path(peft_model, lora.shared_dropout, tp, grouped, in_matmul=lora.adapter_in_matmul)
     peft_model.train()
     if packing or parallelism.keep_attention:
         use_document_attention(peft_model)
@@ -127,6 +127,8 @@ def build_stage_modules(
     loaded = LoadStats()
     if device.type != "meta":
         loaded = materialize(peft_model, resolved, device, seed, roots=modules)
+        if lora.fast_path and lora.adapter_in_matmul:
+            extend_base_weights(peft_model)  # the base weights become views of the extended ones
     return BuiltStages(peft_model, modules, loaded)
 
 

@@ -19,12 +19,10 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pipetune.config import Config, ConfigError
@@ -178,14 +176,11 @@ def time_layer(
     device: torch.device,
     grouped: bool = True,
     tp_mesh: DeviceMesh | None = None,
-    prepare: Callable[[nn.Module], None] | None = None,
 ) -> tuple[float, float]:
     """Median seconds of one forward and one backward of a fresh layer: alone, this rank's share of it under tp
     (without the run's all-reduces); with `tp_mesh` (every rank of it calls this), the whole layer split over the
     mesh as a run splits it (parallel/tp.py), all-reduces and DTensor dispatch included.
-    `grouped`: on the fast LoRA path, the down-projections of one input as one matmul where a run would.
-    `prepare`: changes the built layer in place before it is compiled (a lever a run does not have yet:
-    benchmarks/tools/layer_levers.py)."""
+    `grouped`: on the fast LoRA path, the down-projections of one input as one matmul where a run would."""
     from pipetune.model.graphs import give_gradients_own_memory, mark_graph_step
     from pipetune.model.load import DTYPES
     from pipetune.model.shapes import resolve_model
@@ -212,8 +207,6 @@ def time_layer(
         )
         model, (stage,) = built.peft_model, built.modules
         layer = stage.layers[0]
-        if prepare is not None:
-            prepare(layer)
         if mode in ("compiled", "graphs"):
             compile_stages([stage], cuda_graphs=mode == "graphs")  # its one layer, in place, as a run compiles it
         # Backward adds into the gradients, as a run's microbatches do; made by a replayed graph they would live
