@@ -125,11 +125,10 @@ def test_shared_masks_are_the_same_compiled_and_recomputed() -> None:
 )
 def test_adapter_in_matmul_is_the_fast_paths_math(lora: LoraConfig, fast_path: dict) -> None:
     """lora.adapter_in_matmul (each LoRA term inside its base matmul, [x | down-projections] @ [W | lora_B]^T) gives
-    the fast path's loss and gradients, eagerly and with every layer recomputed (compiled: a whole run in
-    tests/parallel/test_fast_path.py, in processes of its own: a compiled layer's graphs outlive the test here,
-    holding tensors that tests/model/test_stage.py counts). After a write to lora_B, an optimizer's or any
-    other, the next forward sees it (the stage copies lora_B into the extended weights before each forward),
-    and the base weights are views of the extended ones."""
+    the fast path's loss and gradients, eagerly and with every layer recomputed (not compiled here: a compiled
+    layer's graphs outlive the test, holding tensors that tests/model/test_stage.py counts). After a write to
+    lora_B, an optimizer's or any other, the next forward sees it (the stage copies lora_B into the extended
+    weights before each forward), and the base weights are views of the extended ones."""
     from pipetune.model.lora import extend_base_weights
 
     expected_loss, expected = _loss_and_gradients(_stage(lora, fast=True, **fast_path))

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.slow  # multi-process end-to-end runs: pytest -m "not s
 
 SWITCH_RUNS = {
     "fast": ["lora.fast_path=true"],
-    # compiled: inductor's kernels around the extended matmuls, lora_B copied in after each optimizer step
-    "in-matmul": ["lora.fast_path=true", "lora.adapter_in_matmul=true", "train.compile=true"],
+    # each LoRA term inside its base matmul, lora_B copied in after each optimizer step
+    "in-matmul": ["lora.fast_path=true", "lora.adapter_in_matmul=true"],
     # loss_chunk 7: chunk boundaries fall inside sequences and microbatches
     "fused": ["train.fused_loss=true", "train.loss_chunk=7"],
     # "auto" checkpoints where memory is short: under 1F1B stage 0 holds two microbatches' activations, stage 1 one,
@@ -53,9 +53,10 @@ def test_fast_path_pipeline_matches_plain_single_process(reference: Path, two_pr
 
 
 def test_adapter_in_matmul_pipeline_matches_plain_single_process(reference: Path, two_process_runs: Path) -> None:
-    """lora.adapter_in_matmul, compiled, over 3 optimizer steps in a 2-stage pipeline: each stage copies the
-    updated lora_B into its extended weights before each forward."""
-    assert_same_training(two_process_runs / "in-matmul", reference, typical_share=COMPILED_TYPICAL)
+    """lora.adapter_in_matmul over 3 optimizer steps in a 2-stage pipeline: each stage copies the updated lora_B
+    into its extended weights before each forward. (Compiled, on a CPU, it ran the same by hand: a compiled run
+    here costs the suite ~90 s of inductor's CPU compilation.)"""
+    assert_same_training(two_process_runs / "in-matmul", reference)
 
 
 def test_fused_loss_pipeline_matches_plain_single_process(reference: Path, two_process_runs: Path) -> None:
