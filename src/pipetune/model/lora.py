@@ -130,19 +130,38 @@ def use_fast_path(
                 adapter.forward = types.MethodType(_linear_in_input_dtype, adapter)
             switched += 1
     shared_inputs = family_of(peft_model.get_base_model().config).shared_inputs
-    if in_matmul:
-        _group_extended_inputs(peft_model, shared_inputs, shared_dropout)
+    if in_matmul:  # every LoRA linear: its input's group, or alone
+        for members in _input_groups(peft_model, shared_inputs, lambda m: len(m.lora_A) == 1, alone=True):
+            _share(ExtendedInput(members, shared_dropout), members)
         return switched
-    for module in peft_model.modules() if grouped and tp == 1 else ():
+    if grouped and tp == 1:
+        for members in _input_groups(peft_model, shared_inputs, lambda m: _groupable(m, shared_dropout)):
+            if len(members) > 1:
+                _share(SharedInput(members), members)
+    return switched
+
+
+def _input_groups(peft_model: peft.PeftModel, shared_inputs, accept, alone: bool = False):
+    """The LoRA linears `accept` takes, as the groups of one module's linears that read one input (the family's
+    `shared_inputs`; a group may hold one); with `alone` also every other one, as a group of its own."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    for module in peft_model.modules():
+        grouped: set[int] = set()
         for names in shared_inputs:
             members = [getattr(module, name, None) for name in names]
-            members = [m for m in members if isinstance(m, LoraLinear) and _groupable(m, shared_dropout)]
-            if len(members) < 2:
-                continue
-            group = SharedInput(members)
-            for index, member in enumerate(members):
-                member.shared_input, member.shared_input_index = group, index
-    return switched
+            members = [m for m in members if isinstance(m, LoraLinear) and accept(m)]
+            grouped.update(id(m) for m in members)
+            if members:
+                yield members
+        for child in module.children() if alone else ():
+            if isinstance(child, LoraLinear) and accept(child) and id(child) not in grouped:
+                yield [child]
+
+
+def _share(group: SharedInput, members: list[nn.Module]) -> None:
+    for index, member in enumerate(members):
+        member.shared_input, member.shared_input_index = group, index
 
 
 def _groupable(module: nn.Module, shared_dropout: bool) -> bool:
@@ -159,12 +178,12 @@ def _fast_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     if self.disable_adapters or self.merged or len(self.active_adapters) != 1:
         return type(self).forward(self, x, *args, **kwargs)
     name = self.active_adapters[0]
-    if getattr(self, "extended_weight", None) is not None:  # lora.adapter_in_matmul (extend_base_weights)
-        extended, down = self.extended_input.take(self.extended_index, x, name)
-        return _AdapterInMatmul.apply(extended, self.extended_weight, down, self.lora_B[name].weight)
     group = getattr(self, "shared_input", None)  # a SharedInput computes the down-projections of its members
+    if getattr(self, "extended_weight", None) is not None:  # lora.adapter_in_matmul (extend_base_weights)
+        extended, down = group.take(self.shared_input_index, x, name)
+        return _AdapterInMatmul.apply(extended, self.extended_weight, down, self.lora_B[name].weight)
     if group is not None:
-        down = group.down(self.shared_input_index, x, name)
+        down = group.take(self.shared_input_index, x, name)
     else:
         down = self.lora_A[name](self.lora_dropout[name](x)) * self.scaling[name]
     return self.base_layer(x, *args, **kwargs) + self.lora_B[name](down)
@@ -187,19 +206,19 @@ class SharedInput:
         """The input of the held down-projections (None when none is held)."""
         self.held: list[torch.Tensor | None] = [None] * len(members)
 
-    def down(self, index: int, x: torch.Tensor, name: str) -> torch.Tensor:
-        """Member `index`'s scaled down-projection of `x` for adapter `name`."""
+    def take(self, index: int, x: torch.Tensor, name: str):
+        """What the group computed for member `index` from `x` for adapter `name`: its scaled down-projection."""
         if self.source is not x or self.held[index] is None:
             self.source = x
-            for i, computed in enumerate(self._downs(x, name)):
+            for i, computed in enumerate(self._compute(x, name)):
                 self.held[i] = computed
-        down = self.held[index]
+        taken = self.held[index]
         self.held[index] = None
         if all(other is None for other in self.held):
             self.source = None
-        return down
+        return taken
 
-    def _downs(self, x: torch.Tensor, name: str) -> list[torch.Tensor]:
+    def _compute(self, x: torch.Tensor, name: str) -> list:
         return grouped_downs(self.members, x, name)
 
 
@@ -225,7 +244,7 @@ EXTENDED_MULTIPLE = 8
 values then start 16-byte aligned, as cuBLAS's tensor-core kernels want."""
 
 
-class ExtendedInput:
+class ExtendedInput(SharedInput):
     """lora.adapter_in_matmul: the LoRA linears of one module that read one input (q/k/v; gate/up), or one alone,
     and their extended input [x | each member's scaled down-projection | zeros to EXTENDED_MULTIPLE].
 
@@ -234,39 +253,25 @@ class ExtendedInput:
     the up-projection's output is never written and read on its own. In backward, grad @ W_ext is the input's
     gradient and the down-projections' in one matmul (`_AdapterInMatmul`). The down-projections are one matmul
     where the members' dropout allows it (none, or lora.shared_dropout), else one per member on its own mask.
-
-    As SharedInput: the first member called with an input computes the extended input and holds it until each
-    member has taken it (any order); a member called with another input computes it anew."""
+    Held and handed out as SharedInput holds its down-projections: `take` gives a member (the extended input, its
+    down-projection)."""
 
     def __init__(self, members: list[nn.Module], shared_dropout: bool) -> None:
-        self.members = members
+        super().__init__(members)
         self.one_mask = all(_groupable(m, shared_dropout) for m in members)
-        self.source: torch.Tensor | None = None
-        self.extended: torch.Tensor | None = None
-        self.downs: list[torch.Tensor] | None = None
-        self.waiting = 0
 
     def ranks(self, name: str) -> list[int]:
         return [member.lora_A[name].weight.shape[0] for member in self.members]
 
-    def take(self, index: int, x: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the extended input, member `index`'s scaled down-projection) of `x`."""
-        if self.source is not x or self.waiting == 0:
-            self.downs = self._downs(x, name)
-            pad = _padding(sum(self.ranks(name)))
-            extra = [x.new_zeros(*x.shape[:-1], pad)] if pad else []
-            self.source, self.extended = x, torch.cat([x, *self.downs, *extra], dim=-1)
-            self.waiting = len(self.members)
-        extended, down = self.extended, self.downs[index]
-        self.waiting -= 1
-        if self.waiting == 0:
-            self.source = self.extended = self.downs = None
-        return extended, down
-
-    def _downs(self, x: torch.Tensor, name: str) -> list[torch.Tensor]:
+    def _compute(self, x: torch.Tensor, name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if self.one_mask and len(self.members) > 1:
-            return grouped_downs(self.members, x, name)
-        return [m.lora_A[name](m.lora_dropout[name](x)) * m.scaling[name] for m in self.members]
+            downs = grouped_downs(self.members, x, name)
+        else:
+            downs = [m.lora_A[name](m.lora_dropout[name](x)) * m.scaling[name] for m in self.members]
+        pad = _padding(sum(self.ranks(name)))
+        extra = [x.new_zeros(*x.shape[:-1], pad)] if pad else []
+        extended = torch.cat([x, *downs, *extra], dim=-1)
+        return [(extended, down) for down in downs]
 
 
 def _padding(ranks: int) -> int:
@@ -291,29 +296,6 @@ class _AdapterInMatmul(torch.autograd.Function):
         return grad @ weight, None, None, grad_b.to(ctx.b_dtype)
 
 
-def _group_extended_inputs(peft_model: peft.PeftModel, shared_inputs, shared_dropout: bool) -> None:
-    from peft.tuners.lora import Linear as LoraLinear
-
-    for module in peft_model.modules():
-        grouped: set[int] = set()
-        for names in shared_inputs:
-            members = [getattr(module, name, None) for name in names]
-            members = [m for m in members if isinstance(m, LoraLinear) and len(m.lora_A) == 1]
-            if members:
-                _extend_group(members, shared_dropout)
-                grouped.update(id(m) for m in members)
-        for child in module.children():
-            if isinstance(child, LoraLinear) and len(child.lora_A) == 1 and id(child) not in grouped:
-                if getattr(child, "extended_input", None) is None:
-                    _extend_group([child], shared_dropout)
-
-
-def _extend_group(members: list[nn.Module], shared_dropout: bool) -> None:
-    group = ExtendedInput(members, shared_dropout)
-    for index, member in enumerate(members):
-        member.extended_input, member.extended_index = group, index
-
-
 def extend_base_weights(peft_model: peft.PeftModel) -> ExtendedWeights:
     """Give each LoRA linear marked by use_fast_path(in_matmul=True) its extended weight: a buffer
     [out, in + R] holding the base weight W (the base linear's weight becomes a view of it: no second copy) and
@@ -321,8 +303,8 @@ def extend_base_weights(peft_model: peft.PeftModel) -> ExtendedWeights:
     materialized model with plain weights (no quantized base, tensor parallelism or FSDP: the config refuses
     those)."""
     for module in peft_model.modules():
-        group = getattr(module, "extended_input", None)
-        if group is None:
+        group = getattr(module, "shared_input", None)
+        if not isinstance(group, ExtendedInput):
             continue
         (name,) = module.lora_A.keys()
         weight = module.base_layer.weight
@@ -333,14 +315,14 @@ def extend_base_weights(peft_model: peft.PeftModel) -> ExtendedWeights:
             )
         ranks = group.ranks(name)
         out, width = weight.shape
-        offset = width + sum(ranks[: module.extended_index])
+        offset = width + sum(ranks[: module.shared_input_index])
         columns = sum(ranks) + _padding(sum(ranks))
         extended = torch.zeros(out, width + columns, dtype=weight.dtype, device=weight.device)
         with torch.no_grad():
             extended[:, :width] = weight
         module.base_layer.weight = nn.Parameter(extended[:, :width], requires_grad=False)
         module.register_buffer("extended_weight", extended, persistent=False)
-        module.extended_columns = extended[:, offset : offset + ranks[module.extended_index]]
+        module.extended_columns = extended[:, offset : offset + ranks[module.shared_input_index]]
     extended = ExtendedWeights.of(peft_model)
     extended.refresh()
     return extended
