@@ -15,7 +15,7 @@ the last two on the fast LoRA path. "max-autotune" (only when --levers names it:
 compiles with inductor's max_autotune (Triton matmul templates timed against cuBLAS, elementwise work fused into
 the template picked): a lever not in training, timed here first. `--levers a,b` times only those, in that order;
 `--no-profile` skips the kernel profile. "adapter in matmul" times the layer with each LoRA term computed inside
-its base matmul (lora.adapter_in_matmul; "... K64" with its inner size padded to 64, not 8). "coordinate-descent"
+its base matmul (lora.adapter_in_matmul; "... K8" with its inner size padded to 8, not 64). "coordinate-descent"
 tunes the block sizes of inductor's own fused kernels (elementwise, norms) by timing, a lever a run takes with
 TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1.
 
@@ -58,18 +58,18 @@ def inductor_options(lever: str):
     elementwise work after one (the adapters' adds, SwiGLU, the residual) into the template it picks (compiling
     takes minutes); "coordinate-descent": inductor tunes each fused elementwise and norm kernel's block sizes by
     timing its neighbours (TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 does it for a run); the others compile as a
-    run does; "adapter in matmul K64" pads the extended matmuls' inner size to cuBLAS's 64-wide tiles
-    instead of 8."""
+    run does; "adapter in matmul K8" pads the extended matmuls' inner size to a multiple of 8 (16-byte
+    rows) instead of cuBLAS's 64-wide tiles."""
     import torch._inductor.config as inductor
 
     if lever == "max-autotune":
         return inductor.patch(max_autotune=True, epilogue_fusion=True)
     if lever == "coordinate-descent":
         return inductor.patch(coordinate_descent_tuning=True)
-    if lever == "adapter in matmul K64":
+    if lever == "adapter in matmul K8":
         from pipetune.model import lora
 
-        return unittest.mock.patch.object(lora, "EXTENDED_MULTIPLE", 64)
+        return unittest.mock.patch.object(lora, "EXTENDED_MULTIPLE", 8)
     return contextlib.nullcontext()
 
 
@@ -145,7 +145,7 @@ def main() -> None:
         ]
     in_matmul = with_lora(config, fast_path=True, adapter_in_matmul=True)
     variants.append(("adapter in matmul", in_matmul, own_mode, None, True))
-    variants.append(("adapter in matmul K64", in_matmul, own_mode, None, True))
+    variants.append(("adapter in matmul K8", in_matmul, own_mode, None, True))
     if own_mode != "eager":
         variants.append(("coordinate-descent", config, own_mode, None, True))
     if own_mode != "eager" and args.levers and "max-autotune" in args.levers:  # minutes of autotuning: asked only

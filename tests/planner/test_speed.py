@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from collections import Counter
@@ -75,6 +76,12 @@ def test_layer_activations_on_meta_are_the_cpu_measurement() -> None:
     assert measure_layer_memory(config, resolved, torch.device("meta"), 4, 128)[0] == pytest.approx(
         2 * meta[0], rel=0.01
     )
+    # The adapters inside the base matmuls (lora.adapter_in_matmul): measured on their own path, meta as the CPU.
+    in_matmul = copy.deepcopy(config)
+    for item in ("lora.fast_path=true", "lora.adapter_in_matmul=true"):
+        apply_override(in_matmul, item)
+    extended = [measure_layer_memory(in_matmul, resolved, torch.device(d), 2, 128) for d in ("meta", "cpu")]
+    assert extended[0][0] == pytest.approx(extended[1][0], rel=0.05), extended
     # An NF4 layer keeps the same activations: the 4-bit weight's tensors that its operator saves are weights
     # (counted as activations, they had made a 72B NF4 run checkpoint 10 of 80 layers it did not need to).
     apply_override(config, 'model.quantize="nf4"')

@@ -127,8 +127,8 @@ def build_stage_modules(
     loaded = LoadStats()
     if device.type != "meta":
         loaded = materialize(peft_model, resolved, device, seed, roots=modules)
-        if lora.fast_path and lora.adapter_in_matmul:
-            extend_base_weights(peft_model)  # the base weights become views of the extended ones
+    if lora.fast_path and lora.adapter_in_matmul:  # (shape-only on the meta device: what memory probes measure)
+        extend_base_weights(peft_model)  # the base weights become views of the extended ones
     return BuiltStages(peft_model, modules, loaded)
 
 
