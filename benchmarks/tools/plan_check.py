@@ -674,6 +674,49 @@ RUNS = [
         )
         for call, rows, graphs in ((3, 2, ""), (4, 4, ""), (5, 2, ", CUDA graphs"), (5, 4, ", CUDA graphs"))
     ),
+    *(
+        Run(
+            f"4k rows: 8B bf16, {rows} rows of 4,096 a microbatch, 8 a step, compiled{note} (12-02 call {call})",
+            LONG,
+            [
+                *ROWS4K,
+                "train.compile=true",
+                f"train.batch_size={rows}",
+                f"train.grad_accum={8 // rows}",
+                *(["lora.adapter_in_matmul=true"] if note else []),
+            ],
+            "single",
+            f"2026-12-02-im-{call}-bench.json:{entry}:single",
+        )
+        for call, rows, note, entry in (
+            (2, 4, "", "bf16-4k-mb4"),
+            (2, 4, ", the adapters in the matmuls", "bf16-4k-mb4-im"),
+            (3, 4, "", "bf16-4k-mb4-b"),
+            (3, 4, ", the adapters in the matmuls", "bf16-4k-mb4-im-b"),
+            (3, 2, ", the adapters in the matmuls", "bf16-4k-mb2-im"),
+        )
+    ),
+    *(
+        Run(
+            f"packed: 4B, {rows} rows of 4,096 packed in one microbatch, LoRA dropout 0{note} (12-02 call {call})",
+            B4,
+            [
+                *PACKED4K,
+                "parallel.pp=1",
+                "parallel.n_microbatches=1",
+                "lora.dropout=0.0",
+                f"train.batch_size={rows}",
+                *(["lora.adapter_in_matmul=true"] if note else []),
+            ],
+            "single",
+            f"2026-12-02-im-{call}-bench.json:{entry}:single",
+        )
+        for call, rows, note, entry in (
+            (2, 2, "", "packed-mb1"),
+            (2, 2, ", the adapters in the matmuls", "packed-mb1-im"),
+            (4, 4, ", the adapters in the matmuls", "packed-4rows-im"),
+        )
+    ),
 ]
 """Every pipetune training run on 2x H200 in benchmarks/journal/results (the seed script and the baselines are not
 pipetune's; the 72B runs of part A's first call ran a planner since fixed), and the long rows on one H200."""
