@@ -59,13 +59,18 @@ def inductor_options(lever: str):
     takes minutes); "coordinate-descent": inductor tunes each fused elementwise and norm kernel's block sizes by
     timing its neighbours (TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 does it for a run); the others compile as a
     run does; "adapter in matmul K8" pads the extended matmuls' inner size to a multiple of 8 (16-byte
-    rows) instead of cuBLAS's 64-wide tiles."""
+    rows) instead of cuBLAS's 64-wide tiles; "adapter in matmul groups only" leaves o_proj and down_proj (an
+    input of their own: their extended input is a copy) on the fast path."""
     import torch._inductor.config as inductor
 
     if lever == "max-autotune":
         return inductor.patch(max_autotune=True, epilogue_fusion=True)
     if lever == "coordinate-descent":
         return inductor.patch(coordinate_descent_tuning=True)
+    if lever == "adapter in matmul groups only":
+        from pipetune.model import lora
+
+        return unittest.mock.patch.object(lora, "IN_MATMUL_ALONE", False)
     if lever == "adapter in matmul K8":
         from pipetune.model import lora
 
@@ -146,6 +151,7 @@ def main() -> None:
     in_matmul = with_lora(config, fast_path=True, adapter_in_matmul=True)
     variants.append(("adapter in matmul", in_matmul, own_mode, None, True))
     variants.append(("adapter in matmul K8", in_matmul, own_mode, None, True))
+    variants.append(("adapter in matmul groups only", in_matmul, own_mode, None, True))
     if own_mode != "eager":
         variants.append(("coordinate-descent", config, own_mode, None, True))
     if own_mode != "eager" and args.levers and "max-autotune" in args.levers:  # minutes of autotuning: asked only

@@ -3,6 +3,8 @@ lora.shared_dropout, and the same under torch.compile and activation checkpointi
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from peft.tuners.lora import Linear as LoraLinear
@@ -129,12 +131,15 @@ def test_adapter_in_matmul_is_the_fast_paths_math(lora: LoraConfig, fast_path: d
     layer's graphs outlive the test, holding tensors that tests/model/test_stage.py counts). After a write to
     lora_B, an optimizer's or any other, the next forward sees it (the stage copies lora_B into the extended
     weights before each forward), and the base weights are views of the extended ones."""
+    from pipetune.model import lora as lora_module
     from pipetune.model.lora import extend_base_weights
 
     expected_loss, expected = _loss_and_gradients(_stage(lora, fast=True, **fast_path))
-    for variant in ("eager", "checkpointed"):
-        stage = _stage(lora, fast=True, in_matmul=True, **fast_path)
-        assert len(extend_base_weights(stage)) == 14  # 7 adapted linears in each of the 2 layers
+    for variant in ("eager", "checkpointed", "groups only"):
+        with mock.patch.object(lora_module, "IN_MATMUL_ALONE", variant != "groups only"):
+            stage = _stage(lora, fast=True, in_matmul=True, **fast_path)
+        # 7 adapted linears in each of the 2 layers; groups only: o and down on the fast path
+        assert len(extend_base_weights(stage)) == (10 if variant == "groups only" else 14)
         q_proj = stage.layers[0].self_attn.q_proj
         assert (
             q_proj.base_layer.weight.untyped_storage().data_ptr() == q_proj.extended_weight.untyped_storage().data_ptr()

@@ -130,8 +130,9 @@ def use_fast_path(
                 adapter.forward = types.MethodType(_linear_in_input_dtype, adapter)
             switched += 1
     shared_inputs = family_of(peft_model.get_base_model().config).shared_inputs
-    if in_matmul:  # every LoRA linear: its input's group, or alone
-        for members in _input_groups(peft_model, shared_inputs, lambda m: len(m.lora_A) == 1, alone=True):
+    if in_matmul:  # every LoRA linear: its input's group, or alone (IN_MATMUL_ALONE)
+        accept = lambda m: len(m.lora_A) == 1  # noqa: E731
+        for members in _input_groups(peft_model, shared_inputs, accept, alone=IN_MATMUL_ALONE):
             _share(ExtendedInput(members, shared_dropout), members)
         return switched
     if grouped and tp == 1:
@@ -238,6 +239,11 @@ def _linear_in_input_dtype(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- the LoRA term inside the base matmul
+
+IN_MATMUL_ALONE = True
+"""lora.adapter_in_matmul also for the linears that read an input of their own (o_proj, down_proj), whose
+extended input is a copy of theirs (o's comes from the attention kernel: inductor cannot write it in place);
+False keeps those on the fast path (`layer_levers.py`'s "adapter in matmul groups only" times it)."""
 
 EXTENDED_MULTIPLE = 64
 """The extended weights' added columns are padded with zeros to a multiple of this, so that the inner size
