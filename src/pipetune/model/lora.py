@@ -248,8 +248,8 @@ False keeps those on the fast path (`layer_levers.py`'s "adapter in matmul group
 EXTENDED_MULTIPLE = 64
 """The extended weights' added columns are padded with zeros to a multiple of this, so that the inner size
 in + R is a whole number of cuBLAS's 64-wide tiles: one Qwen3-8B layer at 4,096 tokens, compiled, on an H200
-(benchmarks/journal/2026-12-02-in-matmul-one-h200.md) took 4.3% less time than without the adapters inside,
-against 3.1% with R padded to 8 (16-byte rows only)."""
+(benchmarks/journal/2026-12-02-in-matmul-one-h200.md) took 4.3% less time with the adapters inside than
+without, 3.1% less with R padded to 8 (16-byte rows only)."""
 
 
 class ExtendedInput(SharedInput):
