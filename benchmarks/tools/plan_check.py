@@ -95,6 +95,21 @@ class Run:
     """The host memory of the machine the run ran on, where "auto" offloads within it (0: this machine's)."""
 
 
+def _in_matmul_run(
+    label: str, config: str, overrides: list[str], call: int, rows: int, in_matmul: bool, entry: str
+) -> Run:
+    """A `single` run of 2026-12-02's lora.adapter_in_matmul calls (results/2026-12-02-im-CALL-bench.json): `rows`
+    rows a microbatch, with the switch or without."""
+    switch = ["lora.adapter_in_matmul=true"] if in_matmul else []
+    return Run(
+        label,
+        config,
+        [*overrides, f"train.batch_size={rows}", *switch],
+        "single",
+        f"2026-12-02-im-{call}-bench.json:{entry}:single",
+    )
+
+
 RUNS = [
     Run(
         "core: seed job shape, plain path, 8 x 1, accum 2",
@@ -675,18 +690,14 @@ RUNS = [
         for call, rows, graphs in ((3, 2, ""), (4, 4, ""), (5, 2, ", CUDA graphs"), (5, 4, ", CUDA graphs"))
     ),
     *(
-        Run(
+        _in_matmul_run(
             f"4k rows: 8B bf16, {rows} rows of 4,096 a microbatch, 8 a step, compiled{note} (12-02 call {call})",
             LONG,
-            [
-                *ROWS4K,
-                "train.compile=true",
-                f"train.batch_size={rows}",
-                f"train.grad_accum={8 // rows}",
-                *(["lora.adapter_in_matmul=true"] if note else []),
-            ],
-            "single",
-            f"2026-12-02-im-{call}-bench.json:{entry}:single",
+            [*ROWS4K, "train.compile=true", f"train.grad_accum={8 // rows}"],
+            call,
+            rows,
+            bool(note),
+            entry,
         )
         for call, rows, note, entry in (
             (2, 4, "", "bf16-4k-mb4"),
@@ -697,19 +708,14 @@ RUNS = [
         )
     ),
     *(
-        Run(
+        _in_matmul_run(
             f"packed: 4B, {rows} rows of 4,096 packed in one microbatch, LoRA dropout 0{note} (12-02 call {call})",
             B4,
-            [
-                *PACKED4K,
-                "parallel.pp=1",
-                "parallel.n_microbatches=1",
-                "lora.dropout=0.0",
-                f"train.batch_size={rows}",
-                *(["lora.adapter_in_matmul=true"] if note else []),
-            ],
-            "single",
-            f"2026-12-02-im-{call}-bench.json:{entry}:single",
+            [*PACKED4K, "parallel.pp=1", "parallel.n_microbatches=1", "lora.dropout=0.0"],
+            call,
+            rows,
+            bool(note),
+            entry,
         )
         for call, rows, note, entry in (
             (2, 2, "", "packed-mb1"),
