@@ -53,6 +53,13 @@ def sdpa(backend: str | None):
     return sdpa_kernel(getattr(SDPBackend, backend))
 
 
+IN_MATMUL_VARIANTS = {
+    "adapter in matmul K8": ("EXTENDED_MULTIPLE", 8),
+    "adapter in matmul groups only": ("IN_MATMUL_ALONE", False),
+}
+"""lora.adapter_in_matmul's variants: the setting of model/lora.py each one changes for its timing."""
+
+
 def inductor_options(lever: str):
     """The "max-autotune" lever: inductor times Triton templates against cuBLAS for each matmul and may fuse the
     elementwise work after one (the adapters' adds, SwiGLU, the residual) into the template it picks (compiling
@@ -67,14 +74,10 @@ def inductor_options(lever: str):
         return inductor.patch(max_autotune=True, epilogue_fusion=True)
     if lever == "coordinate-descent":
         return inductor.patch(coordinate_descent_tuning=True)
-    if lever == "adapter in matmul groups only":
+    if lever in IN_MATMUL_VARIANTS:
         from pipetune.model import lora
 
-        return unittest.mock.patch.object(lora, "IN_MATMUL_ALONE", False)
-    if lever == "adapter in matmul K8":
-        from pipetune.model import lora
-
-        return unittest.mock.patch.object(lora, "EXTENDED_MULTIPLE", 8)
+        return unittest.mock.patch.object(lora, *IN_MATMUL_VARIANTS[lever])
     return contextlib.nullcontext()
 
 
@@ -149,9 +152,7 @@ def main() -> None:
             for b in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION")
         ]
     in_matmul = with_lora(config, fast_path=True, adapter_in_matmul=True)
-    variants.append(("adapter in matmul", in_matmul, own_mode, None, True))
-    variants.append(("adapter in matmul K8", in_matmul, own_mode, None, True))
-    variants.append(("adapter in matmul groups only", in_matmul, own_mode, None, True))
+    variants += [(name, in_matmul, own_mode, None, True) for name in ("adapter in matmul", *IN_MATMUL_VARIANTS)]
     if own_mode != "eager":
         variants.append(("coordinate-descent", config, own_mode, None, True))
     if own_mode != "eager" and args.levers and "max-autotune" in args.levers:  # minutes of autotuning: asked only
