@@ -41,6 +41,17 @@ DOCUMENT_ATTENTION = "pipetune_document"
 """The attention implementation name a packed run's model config carries."""
 BLOCK = 128
 """Tile size of the block mask (flex attention's default sparse block)."""
+FLEX_KERNEL_OPTIONS: dict[tuple[int, int], dict] = {}
+"""Flex attention's kernel options by CUDA capability, where a measurement on packed rows chose other than torch's
+own heuristic (benchmarks/tools/packed_attention.py); none elsewhere."""
+
+
+def flex_kernel_options(device: torch.device) -> dict | None:
+    """The kernel options packed rows' flex attention runs with on `device` (FLEX_KERNEL_OPTIONS; None: torch's)."""
+    if device.type != "cuda":
+        return None
+    options = FLEX_KERNEL_OPTIONS.get(torch.cuda.get_device_capability(device))
+    return dict(options) if options else None
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -167,7 +178,10 @@ def document_attention(
     else:
         attend = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
         gqa = key.shape[1] != query.shape[1]
-        out = attend(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)
+        options = flex_kernel_options(query.device)
+        out = attend(
+            query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa, kernel_options=options
+        )
     return out.transpose(1, 2).contiguous(), None
 
 
