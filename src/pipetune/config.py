@@ -75,9 +75,10 @@ class DataConfig:
     is padded to the smallest that holds it and each batch holds one bucket, one static shape per bucket.
     [] = every sample padded to max_length."""
     packing: bool = False
-    """Pack several whole samples into each row of max_length (first fit over the epoch's shuffled order), each
-    attending only to itself, with positions restarting per sample: train.batch_size then counts rows, not samples.
-    Far less padding where samples vary in length (whole meetings); not with data.buckets."""
+    """Pack several whole samples into each row of max_length (best fit, longest first, over windows of the epoch's
+    shuffled order; the rows then shuffled: data/packing.py), each attending only to itself, with positions
+    restarting per sample: train.batch_size then counts rows, not samples. Far less padding where samples vary in
+    length (whole meetings); not with data.buckets."""
     max_samples_per_row: int = 16
     """With data.packing: at most this many samples in one row (a fixed bound, for static shapes)."""
     transcript_column: str = "dialogue"

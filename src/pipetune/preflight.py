@@ -187,10 +187,10 @@ def epoch_steps(
     by the launcher and by every worker; ConfigError when an epoch makes none (check_optimizer_steps).
 
     Unpacked, every epoch holds the same batches (with data.buckets: those each bucket fills). Packed, each epoch's
-    rows are first fit over its own order, so epochs may differ by a row or two; an epoch's count depends only on
+    rows are packed from its own order, so epochs may differ by a row or two; an epoch's count depends only on
     (seed, epoch), never on train.epochs, so a run resumed with more epochs continues where it stopped. Packed
     epochs are counted up to the one where train.max_steps ends the run. `rows_of(epoch)`: that epoch's packed rows
-    (default: packed here; a worker passes its plan's, so that first fit runs once an epoch)."""
+    (default: packed here; a worker passes its plan's, so that packing runs once an epoch)."""
     t, d = config.train, config.data
     global_batch = t.batch_size * config.parallel.dp
     if not d.packing:

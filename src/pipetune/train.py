@@ -214,7 +214,7 @@ class TrainData:
         return members(batches) if self.packing else batches.flatten()
 
     def packed_rows(self, epoch: int) -> torch.Tensor:
-        """This epoch's packed rows, every one (first fit takes a while on large splits: packed once an epoch)."""
+        """This epoch's packed rows, every one (packing takes a while on large splits: packed once an epoch)."""
         if epoch not in self._rows:
             rows = epoch_rows(self.real_tokens, self.max_length, self.max_samples_per_row, self.seed, epoch)
             self._rows[epoch] = rows

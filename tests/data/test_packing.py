@@ -1,5 +1,5 @@
-"""Sample packing's data path: first fit over the epoch's order, packed rows with per-sample labels and positions,
-and the config keys that turn it on."""
+"""Sample packing's data path: best fit, longest first, over windows of the epoch's order; packed rows with
+per-sample labels and positions; and the config keys that turn it on."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from pipetune.config import Config, ConfigError, apply_override, validate
-from pipetune.data.batching import IGNORE, SampleStore, epoch_batches
+from pipetune.data.batching import IGNORE, SampleStore, epoch_order
 from pipetune.data.packing import (
     batches_of_rows,
+    best_fit_rows,
     epoch_rows,
-    first_fit_rows,
     members,
     packed_attention_share,
     packed_batch,
@@ -29,13 +29,30 @@ def _store(lengths: list[int], prompt: int = 3) -> SampleStore:
     return SampleStore.from_samples([Sample([next(ids) for _ in range(n)], min(prompt, n - 1), 0, 0) for n in lengths])
 
 
-def test_first_fit_fills_earlier_rows_before_opening_new_ones() -> None:
-    # 60 opens row 0 (40 left), 50 row 1 (50 left), 40 fills row 0, 30 joins row 1: next fit would make 3 rows.
-    rows = first_fit_rows(torch.arange(4), torch.tensor([60, 50, 40, 30]), 100, 4)
-    assert rows.tolist() == [[0, 2, -1, -1], [1, 3, -1, -1]]
-    # At most max_per_row samples a row, even where more would fit.
-    rows = first_fit_rows(torch.arange(5), torch.full((5,), 10), 100, 2)
+def test_best_fit_lays_the_longest_first_and_fills_the_tightest_gap() -> None:
+    # Longest first: 60 opens row 0 (40 left), 45 row 1 (55 left), 40 fills row 0 exactly, 30 and 25 fill row 1.
+    # (First fit over the order 30, 60, 45, 40, 25 would have opened a third row.)
+    rows = best_fit_rows(torch.arange(5), torch.tensor([30, 60, 45, 40, 25]), 100, 4)
+    assert rows.tolist() == [[1, 3, -1, -1], [2, 0, 4, -1]]
+    # At most max_per_row samples a row, even where more would fit; equal lengths keep the order's.
+    rows = best_fit_rows(torch.arange(5), torch.full((5,), 10), 100, 2)
     assert rows.tolist() == [[0, 1], [2, 3], [4, -1]]
+    # Windows: the first window's two samples of 50 pair up before the next window's 70 and 30 are seen.
+    lengths = torch.tensor([50, 50, 30, 70])
+    assert best_fit_rows(torch.arange(4), lengths, 100, 4, window=2).tolist() == [[0, 1, -1, -1], [3, 2, -1, -1]]
+    assert best_fit_rows(torch.arange(4), lengths, 100, 4).tolist() == [[3, 2, -1, -1], [0, 1, -1, -1]]
+
+
+def test_best_fit_leaves_little_padding_on_meeting_lengths() -> None:
+    """Log-normal lengths around 6,000 tokens (whole meetings) in rows of 16,384: within 1.5% of the fewest rows
+    the tokens need; the bound on samples a row is kept, and every sample is in one row once."""
+    lengths = torch.distributions.LogNormal(8.7, 0.5).sample((2000,)).clamp(200, 16_384).long()
+    rows = best_fit_rows(epoch_order(len(lengths), 0, 0), lengths, 16_384, 16)
+    fewest = -(-int(lengths.sum()) // 16_384)
+    assert len(rows) <= 1.015 * fewest
+    assert sorted(members(rows).tolist()) == list(range(len(lengths)))
+    sizes = torch.where(rows >= 0, lengths[rows.clamp(min=0)], 0).sum(-1)
+    assert int(sizes.max()) <= 16_384 and int((rows >= 0).sum(-1).max()) <= 16
 
 
 def test_a_packed_rows_attention_is_its_documents_own() -> None:
@@ -58,24 +75,26 @@ def test_packed_epochs_hold_every_sample_once_within_the_bounds_and_replay() -> 
     assert int(sizes.max()) <= 256
     packed = members(plan)
     assert len(packed) == len(set(packed.tolist()))  # no sample twice
-    everything = first_fit_rows(
-        torch.randperm(300, generator=torch.Generator().manual_seed(7 * 1_000_003 + 1)), lengths, 256, 3
-    )
+    everything = best_fit_rows(epoch_order(300, 7, 1), lengths, 256, 3)
     assert len(everything) - len(rows) < 4  # only the rows that fill no whole batch are left out
     assert len(members(everything)) == 300
+    # The epoch's rows are best fit's over its order, shuffled: not in the order they were opened.
+    shuffled = epoch_rows(lengths, 256, 3, 7, 1)
+    assert sorted(map(tuple, shuffled.tolist())) == sorted(map(tuple, everything.tolist()))
+    assert not torch.equal(shuffled, everything)
     assert torch.equal(plan, batches_of_rows(epoch_rows(lengths, 256, 3, 7, 1), 4))
     assert not torch.equal(plan, batches_of_rows(epoch_rows(lengths, 256, 3, 7, 2), 4))
     # Fewer rows than samples: the point of packing.
     assert len(everything) < 300 * 0.6
 
 
-def test_same_order_as_unpacked_when_every_pair_fits() -> None:
-    """Samples of at most half a row pair up in the epoch's order: the packed step holds the unpacked step's
-    samples (what tests/parallel/test_packing.py's runs rely on)."""
+def test_samples_of_at_most_half_a_row_pair_up() -> None:
+    """With at most 2 samples a row and none longer than half of it, every row holds two: 4 rows a step hold the 8
+    samples an unpacked step of 8 holds (what tests/parallel/test_packing.py's reference runs take)."""
     lengths = torch.randint(10, 51, (32,), generator=torch.Generator().manual_seed(1))
     packed = batches_of_rows(epoch_rows(lengths, 100, 2, 3, 0), 4)
-    unpacked = epoch_batches(32, 8, seed=3, epoch=0)
-    assert torch.equal(packed.flatten(1), unpacked)
+    assert packed.shape == (4, 4, 2) and bool((packed >= 0).all())
+    assert sorted(packed.flatten().tolist()) == list(range(32))
 
 
 def test_packed_row_is_its_samples_unpacked_one_after_another() -> None:
@@ -149,7 +168,7 @@ def test_packed_rows_the_model_cannot_take_are_refused(tmp_path: Path) -> None:
 def test_inspect_reports_rows_and_padding_with_and_without_packing(
     tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
-    """Short meetings in rows of 256: unpacked, one sample a row and most of it padding; packed, the rows first fit
+    """Short meetings in rows of 256: unpacked, one sample a row and most of it padding; packed, the rows best fit
     fills, and their padding, computed here from the tokenized split."""
     from pipetune.cli import run_data_inspect
     from tests.parallel.test_packing import write_short_meetings
@@ -164,8 +183,9 @@ def test_inspect_reports_rows_and_padding_with_and_without_packing(
     store = SampleStore.from_samples(
         prepared.prompts.build_many([(e.transcript, e.summary) for e in _examples(config)])
     )
-    order = torch.randperm(len(store), generator=torch.Generator().manual_seed(5 * 1_000_003))
-    packed = first_fit_rows(order, store.lengths, 256, 16)
+    packed = best_fit_rows(
+        torch.randperm(len(store), generator=torch.Generator().manual_seed(5 * 1_000_003)), store.lengths, 256, 16
+    )
     rows = len(packed)
     real = int(store.lengths.sum())
     used = [[int(store.lengths[i]) for i in row if i >= 0] for row in packed.tolist()]
@@ -205,15 +225,17 @@ def test_the_launcher_counts_optimizer_steps_of_packed_rows() -> None:
         epoch_steps(_config("data.packing=true", *settings), lengths, "skipped rows: none")
 
 
-def test_a_resumed_packed_run_continues_with_the_same_rows() -> None:
+def test_a_resumed_packed_run_continues_with_the_same_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """The training loop's plan (train.TrainData, its steps counted by preflight.epoch_steps as build_data counts
     them) with packing: every epoch repacked in its own order and as many steps in it as its own rows hold
-    (15, 14, 14 here), whatever train.epochs is. A run resumed at a checkpoint's position gets the batches the
-    uninterrupted run got from there on, also when it plans more epochs than the run that saved it."""
+    (14, 13, 13 here, with windows of 8 samples: the 120 samples would all be one window), whatever train.epochs
+    is. A run resumed at a checkpoint's position gets the batches the uninterrupted run got from there on, also
+    when it plans more epochs than the run that saved it."""
     from pipetune.checkpoint import Position
     from pipetune.train import TrainData
 
-    lengths = torch.randint(20, 200, (120,), generator=torch.Generator().manual_seed(4)).tolist()
+    monkeypatch.setattr("pipetune.data.packing.PACK_WINDOW", 8)
+    lengths = torch.randint(20, 200, (120,), generator=torch.Generator().manual_seed(5)).tolist()
     store = _store(lengths)
 
     def plan(epochs: int, *overrides: str) -> TrainData:
@@ -254,19 +276,19 @@ def test_a_resumed_packed_run_continues_with_the_same_rows() -> None:
             assert batches.shape[1:] == (2, 4)
 
     three = plan(3)
-    assert three.epoch_steps == [15, 14, 14]
+    assert three.epoch_steps == [14, 13, 13]
     whole = list(three.steps_from(Position()))
-    assert len(whole) == three.total_steps == 43
+    assert len(whole) == three.total_steps == 40
     for epoch, steps in enumerate(three.epoch_steps):  # each epoch's steps in order, the last one its end
         assert [index for e, index, *_ in whole if e == epoch] == list(range(steps))
         rows = three.epoch_plan(epoch)[0]
         assert torch.equal(torch.cat([b for e, _, b, _ in whole if e == epoch]), rows[: steps * 2])
-    assert not torch.equal(whole[0][2], whole[15][2])  # epoch 2 is packed anew
-    same(list(plan(3).steps_from(Position(step=16, epoch=1, batch=1))), whole[16:])  # one step into epoch 2
-    # A finished 1-epoch run, continued with train.epochs = 3: all 14 steps of epoch 2, then epoch 3.
+    assert not torch.equal(whole[0][2], whole[14][2])  # epoch 2 is packed anew
+    same(list(plan(3).steps_from(Position(step=15, epoch=1, batch=1))), whole[15:])  # one step into epoch 2
+    # A finished 1-epoch run, continued with train.epochs = 3: all 13 steps of epoch 2, then epoch 3.
     one = plan(1)
-    assert one.epoch_steps == [15] and len(list(one.steps_from(Position()))) == 15
-    same(list(plan(3).steps_from(Position(step=15, epoch=1, batch=0))), whole[15:])
+    assert one.epoch_steps == [14] and len(list(one.steps_from(Position()))) == 14
+    same(list(plan(3).steps_from(Position(step=14, epoch=1, batch=0))), whole[14:])
     # train.max_steps ends the run in epoch 2: the epochs after it are not counted (nor packed).
     capped = plan(3, "train.max_steps=20")
-    assert capped.epoch_steps == [15, 14] and len(list(capped.steps_from(Position()))) == 20
+    assert capped.epoch_steps == [14, 13] and len(list(capped.steps_from(Position()))) == 20

@@ -15,6 +15,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from pipetune.config import Config, LoraConfig, ModelConfig
 from pipetune.data.batching import IGNORE
+from pipetune.data.packing import batches_of_rows, epoch_rows
 from pipetune.model.attention import (
     DocumentSpans,
     document_block_mask,
@@ -160,6 +161,21 @@ def _config(tmp: Path, name: str, data: Path, *overrides: str) -> Config:
     )
 
 
+def _on_the_packed_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unpacked runs in this process take, at each step, the samples the packed runs' step holds (the epoch's rows
+    of 2 samples, PACKED's 4 a step, flattened): the unpacked run on the same samples in the same steps. A reference
+    run that left this process would not see it, and its losses would differ."""
+    from pipetune.train import TrainData
+
+    def plan(self: TrainData, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = epoch_rows(self.real_tokens, self.max_length, 2, self.seed, epoch)
+        batches = batches_of_rows(rows, 4).flatten(1)
+        assert batches.shape[1] == self.global_batch and bool((batches >= 0).all())  # two samples every row
+        return batches, torch.full((len(batches),), self.max_length, dtype=torch.long)
+
+    monkeypatch.setattr(TrainData, "epoch_plan", plan)
+
+
 def _run(tmp: Path, name: str, data: Path, *overrides: str) -> Path:
     config_file = write_config(_config(tmp, name, data, *overrides), tmp / f"{name}.toml")
     run_cli("train", "--config", str(config_file), "--quiet")
@@ -189,17 +205,20 @@ def two_process_configs(tmp: Path) -> dict[str, Config]:
 
 
 @pytest.mark.slow
-def test_packed_runs_match_the_unpacked_run_on_the_same_samples(two_process_runs: Path, tmp_path: Path) -> None:
-    """Every sample takes at most half a row, so first fit pairs consecutive samples of the epoch's order: rows of
-    two samples, 4 rows a schedule step, hold the 8 samples an unpacked step of 8 rows holds. The losses of each
+def test_packed_runs_match_the_unpacked_run_on_the_same_samples(
+    two_process_runs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every sample takes at most half a row, so every packed row holds two: 4 rows a schedule step hold 8
+    samples, which the unpacked reference takes as its step of 8 rows (_on_the_packed_steps). The losses of each
     step (normalized over its supervised tokens) and the adapter must match, in one process, through a 1F1B
     pipeline of 2 stages and through an interleaved one of 4 (torch's multi-stage runtime hands the position ids
     to each stage of a rank), over 2 data-parallel replicas (each of 2 of the step's 4 rows) and over 2
     tensor-parallel ranks. The adapters differ from the unpacked one only as rounding does under Adam (attention
     runs per sample instead of over the row: other float32 sums), and from each other likewise."""
     data = two_process_runs / MEETINGS  # the meetings the 2-process runs read
-    reference = _run(tmp_path, "unpacked", data, "parallel.pp=1", "train.batch_size=8")
     single = _run(tmp_path, "single", data, "parallel.pp=1", *PACKED)
+    _on_the_packed_steps(monkeypatch)
+    reference = _run(tmp_path, "unpacked", data, "parallel.pp=1", "train.batch_size=8")
     runs = [single, *(two_process_runs / f"packed-{name}" for name in ("pp2", "looped", "ddp", "tp"))]
     for run_dir in runs:  # losses, gradient norms, adapters (tests/parity.py)
         assert_same_training(run_dir, reference, steps=2)
@@ -219,12 +238,15 @@ def _steps(run_dir: Path) -> list[dict[str, str]]:
 
 
 @pytest.mark.slow
-def test_packed_rows_with_an_nf4_base_fused_loss_and_checkpointing(two_process_runs: Path, tmp_path: Path) -> None:
+def test_packed_rows_with_an_nf4_base_fused_loss_and_checkpointing(
+    two_process_runs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The switches a long-row run sets, on packed rows in one process: an NF4 base, the fused loss and every layer
     checkpointed (what "auto" turns on where memory is short) give the unpacked run's training with the same
     switches (tests/parity.py), the pair of packed and unpacked as above."""
     data = two_process_runs / MEETINGS
     switches = ['model.quantize="nf4"', "train.fused_loss=true", "train.activation_checkpointing=true", "parallel.pp=1"]
-    reference = _run(tmp_path, "unpacked-switches", data, *switches, "train.batch_size=8")
     packed = _run(tmp_path, "packed-switches", data, *switches, *PACKED)
+    _on_the_packed_steps(monkeypatch)
+    reference = _run(tmp_path, "unpacked-switches", data, *switches, "train.batch_size=8")
     assert_same_training(packed, reference, steps=2)

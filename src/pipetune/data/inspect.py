@@ -72,8 +72,8 @@ class SplitReport:
     bucket_samples: list[int]
     """Samples per bucket."""
     packed_rows: int = 0
-    """Rows of max_length that packing (data.packing, at most data.max_samples_per_row a row, first fit over the
-    first epoch's order) fills with the split's samples; unpacked, each sample takes a row."""
+    """Rows of max_length that packing (data.packing, at most data.max_samples_per_row a row, best fit over the
+    first epoch's order: packing.epoch_rows) fills with the split's samples; unpacked, each sample takes a row."""
     packed_pad_fraction: float | None = None
     """1 - real tokens / (packed_rows x max_length); None for an empty split."""
     packed_attention: float = 1.0

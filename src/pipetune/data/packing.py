@@ -1,13 +1,19 @@
 """Sample packing (data.packing): several whole samples in each row of data.max_length, so that rows carry
 meetings instead of padding.
 
-Rows are filled by first fit over the epoch's shuffled order (the same order an unpacked run takes): each sample
-goes into the first row, in the order rows were opened, with room for it and fewer than data.max_samples_per_row
-samples; else it opens a new row. First fit keeps the epoch's order random (no sort by length, so rows and
-batches do not cluster by length, unlike first-fit-decreasing), wastes little more than best fit, and, like the
-unpacked plan, is a pure function of (seed, epoch, lengths): a resumed run rebuilds the same rows and continues
-at its batch index. A sample is never split across rows (one longer than the row was already cut to it by the
-prompt builder).
+Rows are filled by best fit, longest first, over windows of the epoch's shuffled order (`best_fit_rows`): each
+window of PACK_WINDOW samples is taken longest first, each sample going into the open row it leaves the least
+room in (fewer than data.max_samples_per_row samples, room for it), else into a new row; rows stay open from one
+window to the next until nothing fits. The long samples laid first leave gaps the short ones fill: on the
+synthetic whole meetings (~7,400 tokens, rows of 16,384) 0.9% of the tokens are padding against 4.6% by first fit
+over the shuffled order, which this replaced; on the bench config's ~650-token meetings in rows of 4,096, 2.5%
+against 3.6% (the rows still open at an epoch's end hold most of what is left). The rows are then shuffled with
+the epoch's stream, so no stretch of an epoch holds its emptiest rows or its longest samples, and every step's
+padding is a draw of the epoch's. Over more samples than a window, which samples share a row changes with the
+epoch's order; a split of one window packs nearly the same rows every epoch (as a dataset packed once does),
+shuffled anew. All of it is a pure function of (seed, epoch, lengths): a resumed run rebuilds the same rows and
+continues at its batch index. A sample is never split across rows (one longer than the row was already cut to it
+by the prompt builder).
 
 A packed row is [max_length] input ids, labels and per-token position ids that restart at 0 with every sample
 (and once more where the trailing padding starts): each pipeline stage derives its document mask and RoPE
@@ -17,44 +23,65 @@ nothing, so no loss crosses from one sample into the next.
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 import torch
 
-from pipetune.data.batching import IGNORE, SampleStore, epoch_order
+from pipetune.data.batching import IGNORE, SampleStore, epoch_generator
+
+PACK_WINDOW = 1024
+"""Samples of the epoch's order that best fit takes longest first at a time (`best_fit_rows`)."""
 
 
-def first_fit_rows(order: torch.Tensor, lengths: torch.Tensor, row_length: int, max_per_row: int) -> torch.Tensor:
-    """[n_rows, max_per_row] sample indices (-1: no sample) of the samples in `order` packed by first fit into rows
-    of `row_length` tokens, at most `max_per_row` samples a row; rows in the order they were opened."""
+def best_fit_rows(
+    order: torch.Tensor, lengths: torch.Tensor, row_length: int, max_per_row: int, window: int = 0
+) -> torch.Tensor:
+    """[n_rows, max_per_row] sample indices (-1: no sample) of the samples in `order` packed into rows of
+    `row_length` tokens, at most `max_per_row` samples a row, in the order the rows were opened: each `window` of
+    the order longest first (ties in the order's), each sample into the open row with the least room that holds it
+    (of equal rooms, the row that reached it last), else a new row. A row closes when it holds max_per_row samples
+    or less room than the shortest sample. `window` 0: PACK_WINDOW."""
+    window = window or PACK_WINDOW
     sizes = lengths.clamp(max=row_length).numpy()
     smallest = int(sizes.min()) if len(sizes) else 0
     members: list[list[int]] = []
-    room = np.empty(0, dtype=np.int64)  # free tokens of each open row
-    open_rows = np.empty(0, dtype=np.int64)  # their indices in `members`
-    for index in order.tolist():
-        size = int(sizes[index])
-        fits = np.flatnonzero(room >= size)
-        if len(fits):
-            slot = int(fits[0])
-            row = int(open_rows[slot])
-            members[row].append(index)
-            room[slot] -= size
-            if room[slot] < smallest or len(members[row]) == max_per_row:  # nothing fits any more: close it
-                room, open_rows = np.delete(room, slot), np.delete(open_rows, slot)
-        else:
-            members.append([index])
-            if row_length - size >= smallest and max_per_row > 1:
-                room = np.append(room, row_length - size)
-                open_rows = np.append(open_rows, len(members) - 1)
+    rooms: list[int] = []  # the distinct free token counts of the open rows, ascending
+    rows_with: dict[int, list[int]] = {}  # free token count -> the open rows with it
+    indices = order.numpy()
+    for begin in range(0, len(indices), window):
+        part = indices[begin : begin + window]
+        for index in part[np.argsort(-sizes[part], kind="stable")].tolist():
+            size = int(sizes[index])
+            at = bisect.bisect_left(rooms, size)
+            if at < len(rooms):  # the least room that holds it
+                room = rooms[at]
+                row = rows_with[room].pop()
+                if not rows_with[room]:
+                    del rows_with[room], rooms[at]
+                members[row].append(index)
+            else:
+                row, room = len(members), row_length
+                members.append([index])
+            room -= size
+            if room >= smallest and len(members[row]) < max_per_row:
+                if room not in rows_with:
+                    rows_with[room] = []
+                    bisect.insort(rooms, room)
+                rows_with[room].append(row)
     rows = torch.full((len(members), max_per_row), -1, dtype=torch.long)
-    for row, indices in enumerate(members):
-        rows[row, : len(indices)] = torch.tensor(indices, dtype=torch.long)
+    for row, indices_of_row in enumerate(members):
+        rows[row, : len(indices_of_row)] = torch.tensor(indices_of_row, dtype=torch.long)
     return rows
 
 
 def epoch_rows(lengths: torch.Tensor, row_length: int, max_per_row: int, seed: int, epoch: int) -> torch.Tensor:
-    """first_fit_rows over one epoch's order (batching.epoch_order), every row kept."""
-    return first_fit_rows(epoch_order(len(lengths), seed, epoch), lengths, row_length, max_per_row)
+    """One epoch's packed rows, every one: `best_fit_rows` over the epoch's order (batching.epoch_order), the rows
+    then shuffled by the same stream."""
+    stream = epoch_generator(seed, epoch)
+    order = torch.randperm(len(lengths), generator=stream)  # batching.epoch_order's
+    rows = best_fit_rows(order, lengths, row_length, max_per_row)
+    return rows[torch.randperm(len(rows), generator=stream)]
 
 
 def batches_of_rows(rows: torch.Tensor, batch_size: int) -> torch.Tensor:
@@ -99,7 +126,7 @@ def packed_batch(
 
 
 def packed_rows_needed(lengths: torch.Tensor, row_length: int, max_per_row: int, seed: int = 0) -> int:
-    """Rows that first fit packs `lengths` into, over the order of epoch 0 (for reports)."""
+    """Rows that epoch 0 packs `lengths` into (for reports)."""
     return len(epoch_rows(lengths, row_length, max_per_row, seed, 0))
 
 
