@@ -10,7 +10,13 @@ model's heads go through forward and backward:
 - "torch's choice": flex with no kernel options (torch's own heuristic config for this GPU),
 - each variant of VARIANTS: kernel options (tile sizes, warps, stages of the forward or of the backward kernels),
 - "autotuned" (`--autotune`): flex compiled with mode="max-autotune-no-cudagraphs", where inductor times its own
-  list of forward and backward configs and keeps the fastest (its choice is printed in inductor's AUTOTUNE lines).
+  list of forward and backward configs and keeps the fastest (its choice is printed in inductor's AUTOTUNE lines),
+- "cudnn varlen" (`--varlen`): cuDNN's variable-length attention (torch's `aten._cudnn_attention_forward` /
+  `_backward` with the documents' offsets in the rows laid end to end, the row length as the static bound), each
+  document attended exactly, no tiles; the key-value heads repeated to the query heads ("cudnn varlen gqa" passes
+  them grouped, which torch's own varlen wrapper refuses for cuDNN). On whole meetings in rows of 16,384, flex's
+  attention cost ~1.4x Unsloth's per token pair (~407 against ~575 TFLOP/s:
+  journal/2026-12-02-flex-and-best-fit-one-h200.md).
 
 Each is checked against causal SDPA on each sample alone in float32 (output and the query / key / value gradients:
 the error's norm over the reference's) and timed (CUDA events around `--repeats` calls after `--warmup`;
@@ -20,8 +26,9 @@ says which moved).
     python3 benchmarks/tools/packed_attention.py --config configs/bench-qwen3-4b.toml \
         --set data.packing=true --set data.max_length=4096 --rows 4 --autotune --out packed-attention.json
 
-On a CPU (no flex backward there) it runs what a CPU run uses, SDPA per document, against the reference: a check
-that the tool starts and packs.
+On a CPU (no flex backward there, no cuDNN) it runs what a CPU run uses, SDPA per document, and with `--varlen`
+the variable-length layout (`varlen_layout`, `from_varlen`) around SDPA per document: a check that the tool
+starts and packs, and that the layout the cuDNN kernel is given is the rows' documents.
 """
 
 from __future__ import annotations
@@ -118,11 +125,82 @@ def packed_positions(config, rows: int) -> tuple[torch.Tensor, int]:
     return torch.stack(positions), real
 
 
-def kernels(position_ids: torch.Tensor, names: list[str], autotune: bool) -> dict:
+def varlen_layout(position_ids: torch.Tensor) -> torch.Tensor:
+    """[documents + 1] int32 offsets of packed rows' documents in their tokens laid end to end (rows one after
+    another; the last entry their count): a document starts where its position is 0 (the pad tail is one too)."""
+    flat = position_ids.flatten()
+    starts = torch.nonzero(flat == 0).flatten()
+    return torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
+
+
+def to_varlen(t: torch.Tensor) -> torch.Tensor:
+    """[b, heads, s, d] -> [b x s, heads, d], the rows' tokens end to end."""
+    return t.transpose(1, 2).flatten(0, 1).contiguous()
+
+
+def from_varlen(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """[b x s, heads, d] -> [b, s, heads, d]."""
+    return t.unflatten(0, (rows, -1))
+
+
+class CudnnVarlen(torch.autograd.Function):
+    """Causal attention within each document of `offsets` ([total, heads, d] tensors), cuDNN's kernels."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, offsets, bound):
+        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
+            query, key, value, None, offsets, offsets, bound, bound, True, 0.0, True, False
+        )
+        ctx.save_for_backward(query, key, value, out, lse, seed, offset, offsets)
+        ctx.bound = bound
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, key, value, out, lse, seed, offset, offsets = ctx.saved_tensors
+        grads = torch.ops.aten._cudnn_attention_backward(
+            grad.contiguous(), query, key, value, out, lse, seed, offset, None, offsets, offsets, ctx.bound,
+            ctx.bound, 0.0, True,
+        )  # fmt: skip
+        return *grads, None, None
+
+
+def varlen_kernels(position_ids: torch.Tensor) -> dict:
+    """The variable-length kernels (see the module's doc): cuDNN's on a GPU, SDPA per document on a CPU."""
+    rows, seq = position_ids.shape
+    offsets = varlen_layout(position_ids)
+
+    def run(kernel, grouped: bool):
+        def attend(q, k, v):
+            if not grouped:  # the key-value heads repeated to the query heads
+                k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+            return from_varlen(kernel(to_varlen(q), to_varlen(k), to_varlen(v)), rows)
+
+        return attend
+
+    if position_ids.device.type != "cuda":
+        bounds = offsets.tolist()
+
+        def reference(q, k, v):  # [total, heads, d], SDPA on each document
+            parts = [
+                torch.nn.functional.scaled_dot_product_attention(
+                    *(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True
+                ).transpose(0, 1)
+                for a, b in zip(bounds, bounds[1:], strict=False)
+            ]
+            return torch.cat(parts)
+
+        return {"varlen layout": run(reference, grouped=False)}
+    cudnn = lambda q, k, v: CudnnVarlen.apply(q, k, v, offsets, seq)  # noqa: E731
+    return {"cudnn varlen": run(cudnn, grouped=False), "cudnn varlen gqa": run(cudnn, grouped=True)}
+
+
+def kernels(position_ids: torch.Tensor, names: list[str], autotune: bool, varlen: bool) -> dict:
     """name -> attention(query, key, value) as [b, s, heads, d], for the kernels this device runs."""
     if position_ids.device.type != "cuda":
         spans = DocumentSpans.of(position_ids)
-        return {"as run": lambda q, k, v: spans_attention(q, k, v, spans, None).transpose(1, 2)}
+        chosen = {"as run": lambda q, k, v: spans_attention(q, k, v, spans, None).transpose(1, 2)}
+        return chosen | (varlen_kernels(position_ids) if varlen else {})
     mask = document_block_mask(position_ids)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
@@ -136,7 +214,7 @@ def kernels(position_ids: torch.Tensor, names: list[str], autotune: bool) -> dic
     chosen.update({name: flex(VARIANTS[name]) for name in names})
     if autotune:
         chosen["autotuned"] = flex(None, "max-autotune-no-cudagraphs")
-    return chosen
+    return chosen | (varlen_kernels(position_ids) if varlen else {})
 
 
 def errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> dict:
@@ -178,6 +256,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
     parser.add_argument("--autotune", action="store_true", help="also inductor's max-autotune search")
+    parser.add_argument("--varlen", action="store_true", help="also cuDNN's variable-length kernel")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
     names = [name for name in args.variants.split(",") if name]
@@ -215,7 +294,7 @@ def main() -> None:
         "as_run_options": flex_kernel_options(device) if cuda else None,
         "kernels": {},
     }
-    for name, kernel in kernels(position_ids, names, args.autotune).items():
+    for name, kernel in kernels(position_ids, names, args.autotune, args.varlen).items():
         began = time.perf_counter()
         try:
             got = run(kernel, inputs, grad)
