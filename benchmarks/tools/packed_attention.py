@@ -5,9 +5,8 @@ A config's training samples are packed as a run packs them (data.packing, epoch 
 position ids give the document mask (model/attention.py: 128 x 128 tiles), and random query / key / value of the
 model's heads go through forward and backward:
 
-- "as run": flex attention, compiled, with the kernel options a run passes on this GPU
-  (attention.flex_kernel_options: none where nothing was measured),
-- "torch's choice": flex with no kernel options (torch's own heuristic config for this GPU),
+- "as run": flex attention, compiled, as a run calls it: no kernel options (torch's own heuristic config for
+  this GPU),
 - each variant of VARIANTS: kernel options (tile sizes, warps, stages of the forward or of the backward kernels),
 - "autotuned" (`--autotune`): flex compiled with mode="max-autotune-no-cudagraphs", where inductor times its own
   list of forward and backward configs and keeps the fastest (its choice is printed in inductor's AUTOTUNE lines),
@@ -50,7 +49,6 @@ from pipetune.data.packing import epoch_rows  # noqa: E402
 from pipetune.model.attention import (  # noqa: E402
     DocumentSpans,
     document_block_mask,
-    flex_kernel_options,
     spans_attention,
 )
 from pipetune.preflight import prepare  # noqa: E402
@@ -210,7 +208,7 @@ def kernels(position_ids: torch.Tensor, names: list[str], autotune: bool, varlen
             1, 2
         )
 
-    chosen = {"as run": flex(flex_kernel_options(position_ids.device)), "torch's choice": flex(None)}
+    chosen = {"as run": flex(None)}
     chosen.update({name: flex(VARIANTS[name]) for name in names})
     if autotune:
         chosen["autotuned"] = flex(None, "max-autotune-no-cudagraphs")
@@ -291,7 +289,6 @@ def main() -> None:
         "heads": [heads, kv_heads, dim],
         "documents_a_row": [len(row) for row in spans.rows],
         "pad_share": 1 - real / (rows * seq),
-        "as_run_options": flex_kernel_options(device) if cuda else None,
         "kernels": {},
     }
     for name, kernel in kernels(position_ids, names, args.autotune, args.varlen).items():

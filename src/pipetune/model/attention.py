@@ -11,7 +11,9 @@ builds its mask from them (`document_mask`), once per microbatch for all its lay
 
 Flex attention is also the faster kernel on an H200: torch's flash attention variable-length kernel (each
 document attended exactly, no tiles) measured 1.45x slower on the bench config's packed 4,096-token rows and 1.27x
-on a 16,384-token row of whole meetings (benchmarks/journal/2026-12-02-packed-attention-one-h200.md).
+on a 16,384-token row of whole meetings (benchmarks/journal/2026-12-02-packed-attention-one-h200.md). Torch's own
+choice of flex's tiles, warps and stages is within 3% of the best of eleven other choices and of inductor's
+autotuned search on those rows (2026-12-02-flex-and-best-fit-one-h200.md), so no kernel options are passed.
 
 The decoder layers' attention goes through `document_attention` (registered with transformers as
 DOCUMENT_ATTENTION); a call without such a mask (validation, which stays unpacked; the memory probe) takes
@@ -41,17 +43,6 @@ DOCUMENT_ATTENTION = "pipetune_document"
 """The attention implementation name a packed run's model config carries."""
 BLOCK = 128
 """Tile size of the block mask (flex attention's default sparse block)."""
-FLEX_KERNEL_OPTIONS: dict[tuple[int, int], dict] = {}
-"""Flex attention's kernel options by CUDA capability, where a measurement on packed rows chose other than torch's
-own heuristic (benchmarks/tools/packed_attention.py); none elsewhere."""
-
-
-def flex_kernel_options(device: torch.device) -> dict | None:
-    """The kernel options packed rows' flex attention runs with on `device` (FLEX_KERNEL_OPTIONS; None: torch's)."""
-    if device.type != "cuda":
-        return None
-    options = FLEX_KERNEL_OPTIONS.get(torch.cuda.get_device_capability(device))
-    return dict(options) if options else None
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -178,10 +169,7 @@ def document_attention(
     else:
         attend = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
         gqa = key.shape[1] != query.shape[1]
-        options = flex_kernel_options(query.device)
-        out = attend(
-            query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa, kernel_options=options
-        )
+        out = attend(query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous(), None
 
 
