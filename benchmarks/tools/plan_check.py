@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from pipetune.bench import strategy_config  # noqa: E402
 from pipetune.config import load_config  # noqa: E402
+from pipetune.data.inspect import training_attention_share  # noqa: E402
 from pipetune.parallel.memory import GB  # noqa: E402
 from pipetune.planner.layouts import Layout  # noqa: E402
 from pipetune.planner.plan import H200_MEMORY, make_plan  # noqa: E402
@@ -93,6 +94,10 @@ class Run:
     overrides_after: list[str] = field(default_factory=list)
     host_gib: float = 0.0
     """The host memory of the machine the run ran on, where "auto" offloads within it (0: this machine's)."""
+
+
+WHOLE16K = ["data.max_length=16384", 'data.synthetic_lengths="whole"', "data.synthetic_train=256"]
+"""The whole-meeting rows of 2026-12-02's fx calls (4-6)."""
 
 
 def _in_matmul_run(
@@ -723,6 +728,32 @@ RUNS = [
             (4, 4, ", the adapters in the matmuls", "packed-4rows-im"),
         )
     ),
+    *(
+        Run(
+            f"packed: 4B, {label}, one microbatch, LoRA dropout 0, the adapters in the matmuls (12-02 fx call {call})",
+            B4,
+            [
+                "data.packing=true",
+                *overrides,
+                "parallel.pp=1",
+                "parallel.n_microbatches=1",
+                "lora.dropout=0.0",
+                "lora.adapter_in_matmul=true",
+            ],
+            "single",
+            f"2026-12-02-fx-{call}-bench.json:{entry}:single",
+        )
+        for call, label, overrides, entry in (
+            (3, "2 rows of 8,192", ["data.max_length=8192", "train.batch_size=2"], "packed8k-2rows-im"),
+            (4, "whole meetings in 1 row of 16,384", [*WHOLE16K, "train.batch_size=1"], "whole16k-1row-im"),
+            (
+                6,
+                "whole meetings in 1 row of 16,384, best fit",
+                [*WHOLE16K, "train.batch_size=1"],
+                "whole16k-bestfit-24",
+            ),  # noqa: E501
+        )
+    ),
 ]
 """Every pipetune training run on 2x H200 in benchmarks/journal/results (the seed script and the baselines are not
 pipetune's; the 72B runs of part A's first call ran a planner since fixed), and the long rows on one H200."""
@@ -788,7 +819,10 @@ def main() -> int:
         gpus = p.pp * p.dp * getattr(p, "tp", 1)
         budget = None if config.train.memory_gb > 0 else H200_MEMORY  # None: train.memory_gb
         host = run.host_gib * 2**30 if run.host_gib else None  # None: this machine's
-        plan = make_plan(config, gpus, budget, rates, layouts=[Layout.of(config)], host_memory=host)
+        share = training_attention_share(config)  # as `pipetune plan` counts packed rows' attention
+        plan = make_plan(
+            config, gpus, budget, rates, layouts=[Layout.of(config)], host_memory=host, attention_share=share
+        )
         prediction = plan.predictions[0]
         graphs = prediction.mode == "graphs"
         figure = seen["reserved"] if graphs else seen["peak"]
