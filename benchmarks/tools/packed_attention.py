@@ -12,10 +12,11 @@ model's heads go through forward and backward:
   list of forward and backward configs and keeps the fastest (its choice is printed in inductor's AUTOTUNE lines),
 - "cudnn varlen" (`--varlen`): cuDNN's variable-length attention (torch's `aten._cudnn_attention_forward` /
   `_backward` with the documents' offsets in the rows laid end to end, the row length as the static bound), each
-  document attended exactly, no tiles; the key-value heads repeated to the query heads ("cudnn varlen gqa" passes
-  them grouped, which torch's own varlen wrapper refuses for cuDNN). On whole meetings in rows of 16,384, flex's
-  attention cost ~1.4x Unsloth's per token pair (~407 against ~575 TFLOP/s:
-  journal/2026-12-02-flex-and-best-fit-one-h200.md).
+  document attended exactly, no tiles, the key-value heads repeated to the query heads ("cudnn varlen gqa" passes
+  them grouped, which torch's own varlen wrapper refuses for cuDNN); "cudnn varlen static" over
+  data.max_samples_per_row + 1 offsets a row, the rows with fewer ending in empty documents (the static shape a
+  compiled, graphed run needs). On whole meetings in rows of 16,384, flex's attention cost ~1.4x Unsloth's per
+  token pair (~407 against ~575 TFLOP/s: journal/2026-12-02-flex-and-best-fit-one-h200.md).
 
 Each is checked against causal SDPA on each sample alone in float32 (output and the query / key / value gradients:
 the error's norm over the reference's) and timed (CUDA events around `--repeats` calls after `--warmup`;
@@ -123,12 +124,21 @@ def packed_positions(config, rows: int) -> tuple[torch.Tensor, int]:
     return torch.stack(positions), real
 
 
-def varlen_layout(position_ids: torch.Tensor) -> torch.Tensor:
-    """[documents + 1] int32 offsets of packed rows' documents in their tokens laid end to end (rows one after
-    another; the last entry their count): a document starts where its position is 0 (the pad tail is one too)."""
+def varlen_layout(position_ids: torch.Tensor, per_row: int = 0) -> torch.Tensor:
+    """int32 offsets of packed rows' documents in their tokens laid end to end (rows one after another; the last
+    entry their count): a document starts where its position is 0 (the pad tail is one too). `per_row` 0: the
+    documents there are ([documents + 1]); else a static [rows x per_row + 1], each row's list ending in empty
+    documents (what a compiled, graphed run would pass: the same shape every step)."""
     flat = position_ids.flatten()
-    starts = torch.nonzero(flat == 0).flatten()
-    return torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
+    if not per_row:
+        starts = torch.nonzero(flat == 0).flatten()
+        return torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
+    rows, seq = position_ids.shape
+    docs = ((position_ids == 0).cumsum(-1) - 1).contiguous()  # 0 for each row's first document
+    assert int(docs[:, -1].max()) < per_row, "more documents in a row than per_row"
+    wanted = torch.arange(per_row, device=docs.device).expand(rows, per_row).contiguous()
+    starts = torch.searchsorted(docs, wanted) + torch.arange(rows, device=docs.device).unsqueeze(1) * seq
+    return torch.cat([starts.flatten(), starts.new_tensor([rows * seq])]).to(torch.int32)
 
 
 def to_varlen(t: torch.Tensor) -> torch.Tensor:
@@ -163,42 +173,49 @@ class CudnnVarlen(torch.autograd.Function):
         return *grads, None, None
 
 
-def varlen_kernels(position_ids: torch.Tensor) -> dict:
-    """The variable-length kernels (see the module's doc): cuDNN's on a GPU, SDPA per document on a CPU."""
+def varlen_kernels(position_ids: torch.Tensor, per_row: int) -> dict:
+    """The variable-length kernels (see the module's doc): cuDNN's on a GPU, SDPA per document on a CPU; over the
+    rows' own documents, and over a static list of `per_row` a row ("static": empty documents at each row's end)."""
     rows, seq = position_ids.shape
-    offsets = varlen_layout(position_ids)
+    layouts = {"": varlen_layout(position_ids), " static": varlen_layout(position_ids, per_row)}
 
-    def run(kernel, grouped: bool):
+    def run(kernel, offsets: torch.Tensor, grouped: bool):
         def attend(q, k, v):
             if not grouped:  # the key-value heads repeated to the query heads
                 k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-            return from_varlen(kernel(to_varlen(q), to_varlen(k), to_varlen(v)), rows)
+            return from_varlen(kernel(to_varlen(q), to_varlen(k), to_varlen(v), offsets), rows)
 
         return attend
 
     if position_ids.device.type != "cuda":
-        bounds = offsets.tolist()
 
-        def reference(q, k, v):  # [total, heads, d], SDPA on each document
+        def reference(q, k, v, offsets):  # [total, heads, d], SDPA on each (non-empty) document
+            bounds = offsets.tolist()
             parts = [
                 torch.nn.functional.scaled_dot_product_attention(
                     *(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True
                 ).transpose(0, 1)
                 for a, b in zip(bounds, bounds[1:], strict=False)
+                if b > a
             ]
             return torch.cat(parts)
 
-        return {"varlen layout": run(reference, grouped=False)}
-    cudnn = lambda q, k, v: CudnnVarlen.apply(q, k, v, offsets, seq)  # noqa: E731
-    return {"cudnn varlen": run(cudnn, grouped=False), "cudnn varlen gqa": run(cudnn, grouped=True)}
+        return {f"varlen layout{name}": run(reference, offsets, False) for name, offsets in layouts.items()}
+
+    def cudnn(q, k, v, offsets):
+        return CudnnVarlen.apply(q, k, v, offsets, seq)
+
+    chosen = {f"cudnn varlen{name}": run(cudnn, offsets, False) for name, offsets in layouts.items()}
+    chosen["cudnn varlen gqa"] = run(cudnn, layouts[""], True)
+    return chosen
 
 
-def kernels(position_ids: torch.Tensor, names: list[str], autotune: bool, varlen: bool) -> dict:
+def kernels(position_ids: torch.Tensor, names: list[str], autotune: bool, varlen: int) -> dict:
     """name -> attention(query, key, value) as [b, s, heads, d], for the kernels this device runs."""
     if position_ids.device.type != "cuda":
         spans = DocumentSpans.of(position_ids)
         chosen = {"as run": lambda q, k, v: spans_attention(q, k, v, spans, None).transpose(1, 2)}
-        return chosen | (varlen_kernels(position_ids) if varlen else {})
+        return chosen | (varlen_kernels(position_ids, varlen) if varlen else {})
     mask = document_block_mask(position_ids)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
@@ -212,7 +229,7 @@ def kernels(position_ids: torch.Tensor, names: list[str], autotune: bool, varlen
     chosen.update({name: flex(VARIANTS[name]) for name in names})
     if autotune:
         chosen["autotuned"] = flex(None, "max-autotune-no-cudagraphs")
-    return chosen | (varlen_kernels(position_ids) if varlen else {})
+    return chosen | (varlen_kernels(position_ids, varlen) if varlen else {})
 
 
 def errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> dict:
@@ -291,7 +308,8 @@ def main() -> None:
         "pad_share": 1 - real / (rows * seq),
         "kernels": {},
     }
-    for name, kernel in kernels(position_ids, names, args.autotune, args.varlen).items():
+    per_row = config.data.max_samples_per_row + 1  # the trailing pads a document of their own
+    for name, kernel in kernels(position_ids, names, args.autotune, args.varlen and per_row).items():
         began = time.perf_counter()
         try:
             got = run(kernel, inputs, grad)
