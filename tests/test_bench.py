@@ -130,6 +130,26 @@ def test_the_padding_share_is_over_the_timed_tokens_and_ranks_are_in_order(tmp_p
     assert result["peak_gb_per_rank"] == [float(r) for r in range(11)] and result["final_loss"] is None
 
 
+def test_packed_rows_mfu_counts_the_attention_each_step_drew(tmp_path: Path) -> None:
+    """Packed rows record their own attention share (metrics' attention_share): MFU moves each row's FLOPs a token
+    from the epoch's share to the row's before taking the median, and the timed rows' mean share is reported. A run
+    without the column keeps the plain count."""
+    from pipetune.bench import strategy_result
+
+    (tmp_path / "metrics.csv").write_text(
+        "step,loss,tokens_per_sec,real_tokens_per_sec,step_time_sec,peak_gb_rank0,attention_share\n"
+        "1,9.0,1000,990,1.0,5.0,0.2\n2,8.0,900,890,1.0,5.0,0.6\n3,7.0,1100,1090,1.0,5.0,0.1\n"
+    )
+    flops, per_share, share = 1e9, 5e8, 0.3
+    result = strategy_result({}, tmp_path, "single", 0, 1, flops, 790.0, (per_share, share))
+    achieved = sorted(t * (flops + per_share * (s - share)) for t, s in ((1000, 0.2), (900, 0.6), (1100, 0.1)))[1]
+    assert result["mfu"] == pytest.approx(achieved / 790e12)
+    assert result["mfu"] != pytest.approx(1000 * flops / 790e12)  # the epoch's share: the heavy step undercounted
+    assert result["timed_attention_share"] == pytest.approx(0.3)
+    plain = strategy_result({}, tmp_path, "single", 0, 1, flops, 790.0)  # no FLOPs per share: the plain count
+    assert plain["mfu"] == pytest.approx(1000 * flops / 790e12)
+
+
 def test_bench_removes_only_its_own_earlier_runs(tmp_path: Path) -> None:
     from pipetune.bench import clear_previous_run
     from pipetune.config import ConfigError

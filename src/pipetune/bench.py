@@ -12,7 +12,10 @@ input-gradient backward; plus causal attention; the lm_head on every token, or w
 supervised share of them, data.max_summary_tokens + 1 of data.max_length, which is all it runs on) and
 peak = --peak-tflops (790: bf16 dense matmul measured on an H200). Until 2026-12-02 the bench counted the head
 on every token with the fused loss too: its MFU figures before then are ~7% higher than this count at Qwen3-8B's
-4,096-token rows (256 summary tokens; 69.4% is 64.6%) and ~5% at Qwen3-4B's 512-token rows.
+4,096-token rows (256 summary tokens; 69.4% is 64.6%) and ~5% at Qwen3-4B's 512-token rows. Packed rows' causal
+attention is their documents' own: the epoch's share of a whole row's (`data inspect`), and since 2026-12-02 each
+timed step's own rows' share (metrics' attention_share), which at whole meetings varies by step (a step's time
+with it: 0.66-1.19 s at 16,384 tokens) and had MFU follow the draw of rows before.
 """
 
 from __future__ import annotations
@@ -76,6 +79,10 @@ def run_bench(
     share = training_attention_share(config, prepared.prompts)  # packed rows attend within their samples
     costs, _ = run_split(config, prepared.model.config, share)  # with the fused loss: the head on supervised rows
     flops_per_token = prepared.n_layers * costs.layer + costs.head
+    # A packed step attends its own rows, not the epoch's: MFU counts each metrics row's attention share
+    # (metrics' attention_share) with this many FLOPs a token per unit of share.
+    whole = run_split(config, prepared.model.config, 1.0)[0] if config.data.packing else costs
+    attention_flops = prepared.n_layers * (whole.layer - costs.layer) / (1 - share) if share < 1 else 0.0
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = bench_setup(config) | {"attention_share": round(share, 4)}  # MFU counts this share of attention
     results = []
@@ -88,7 +95,9 @@ def run_bench(
         print(f"bench: {strategy} ({n_gpus} process{'es' if n_gpus > 1 else ''}), {warmup} + {steps} steps", flush=True)
         run_dir = Path(variant.output.dir)
         run = run_strategy(path, run_dir, out_dir / f"{strategy}.log", strategy, warmup, timeout_s)
-        result = strategy_result(run, run_dir, strategy, warmup, n_gpus, flops_per_token, peak_tflops)
+        result = strategy_result(
+            run, run_dir, strategy, warmup, n_gpus, flops_per_token, peak_tflops, (attention_flops, share)
+        )
         results.append({**result, "setup": {**setup, "layout": layout_of(variant)}})
         (out_dir / "bench.json").write_text(json.dumps(results, indent=1))  # after each: a later one may fail
     print_table(results, describe_setup(setup))
@@ -256,16 +265,24 @@ def _stop(process: subprocess.Popen) -> None:
 
 
 def strategy_result(
-    run: dict, run_dir: Path, strategy: str, warmup: int, n_gpus: int, flops: float, peak_tflops: float
+    run: dict,
+    run_dir: Path,
+    strategy: str,
+    warmup: int,
+    n_gpus: int,
+    flops: float,
+    peak_tflops: float,
+    attention: tuple[float, float] = (0.0, 1.0),
 ) -> dict:
     """bench.json's entry for a strategy: the figures of its timed steps, or its error. One that the timeout
     ended after some timed steps (or in its final checkpoint, with all of them) keeps their figures, marked
-    "timed_out"."""
+    "timed_out". `flops` a token at the epoch's attention share; `attention`: (FLOPs a token per unit of share,
+    that share), for the rows that record their own (summarize_run)."""
     if not timed_rows(run_dir, warmup) and "error" not in run:  # ended without a timed step (max_steps reached?)
         run = {**run, "error": "no timed step in metrics.csv"}
     if "error" in run and not (run["error"].startswith("timed out") and timed_rows(run_dir, warmup)):
         return {"strategy": strategy, **run}
-    result = {**summarize_run(run_dir, strategy, warmup, n_gpus, flops, peak_tflops), **run}
+    result = {**summarize_run(run_dir, strategy, warmup, n_gpus, flops, peak_tflops, attention), **run}
     if "error" in result:
         result["timed_out"] = result.pop("error")
     return result
@@ -279,7 +296,18 @@ def timed_rows(run_dir: Path, warmup: int) -> list[dict]:
     return [row for row in read_metrics_rows(metrics)[0] if int(row["step"]) > warmup and row["loss"]]
 
 
-def summarize_run(run_dir: Path, strategy: str, warmup: int, n_gpus: int, flops: float, peak_tflops: float) -> dict:
+def summarize_run(
+    run_dir: Path,
+    strategy: str,
+    warmup: int,
+    n_gpus: int,
+    flops: float,
+    peak_tflops: float,
+    attention: tuple[float, float] = (0.0, 1.0),
+) -> dict:
+    """The timed rows' figures. MFU: the median row's tokens/s x `flops`; where the rows record their packed
+    rows' attention share, each row's tokens/s x its own FLOPs a token (`flops` moved by `attention`'s FLOPs per
+    unit of share from the epoch's share to the row's), the median of those, and the timed rows' mean share."""
     rows = timed_rows(run_dir, warmup)
     tokens = statistics.median(float(r["tokens_per_sec"]) for r in rows)
     peaks = rank_columns(rows[0], "peak_gb_rank")
@@ -297,11 +325,13 @@ def summarize_run(run_dir: Path, strategy: str, warmup: int, n_gpus: int, flops:
         "real_tokens_per_sec": statistics.median(float(r["real_tokens_per_sec"]) for r in rows),
         "pad_share": 1 - real_tokens / all_tokens if all_tokens > 0 else 0.0,
         "step_time_sec": statistics.median(float(r["step_time_sec"]) for r in rows),
-        "mfu": tokens * flops / (n_gpus * peak_tflops * 1e12),
+        "mfu": _achieved_flops(rows, tokens, flops, attention) / (n_gpus * peak_tflops * 1e12),
         "peak_gb_per_rank": [max(float(r[k]) for r in rows) for k in peaks],
         "reserved_gb_per_rank": [max(float(r[k] or 0) for r in rows) for k in reserved],
         "final_loss": loss if math.isfinite(loss) else None,  # every step of the last row skipped: no loss
     }
+    if rows[0].get("attention_share"):  # packed rows: the share the timed steps drew, beside the epoch's
+        result["timed_attention_share"] = statistics.fmean(float(r["attention_share"]) for r in rows)
     if rows[0].get("host_wait_frac"):  # GPU runs
         result["host_wait_frac"] = statistics.median(float(r["host_wait_frac"]) for r in rows)
     timeline = run_dir / "timeline.json"
@@ -310,6 +340,16 @@ def summarize_run(run_dir: Path, strategy: str, warmup: int, n_gpus: int, flops:
         result["bubble_per_rank"] = summary["bubble"]
         result["expected_bubble"] = summary["expected_bubble"]
     return result
+
+
+def _achieved_flops(rows: list[dict], tokens: float, flops: float, attention: tuple[float, float]) -> float:
+    """FLOP/s of the timed rows (see summarize_run)."""
+    per_share, share = attention
+    if not per_share or not rows[0].get("attention_share"):
+        return tokens * flops
+    return statistics.median(
+        float(r["tokens_per_sec"]) * (flops + per_share * (float(r["attention_share"]) - share)) for r in rows
+    )
 
 
 def _row_seconds(rows: list[dict], warmup: int) -> list[float]:

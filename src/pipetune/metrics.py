@@ -34,7 +34,9 @@ if TYPE_CHECKING:
     from pipetune.parallel.process_group import DistEnv
 
 SEED_COLUMNS = ["strategy", "epoch", "step", "loss", "tokens_per_sec", "step_time_sec", "peak_vram_gb", "lr"]
-EXTRA_COLUMNS = ["real_tokens_per_sec", "grad_norm", "supervised_tokens", "val_loss", "val_time_sec"]
+EXTRA_COLUMNS = ["real_tokens_per_sec", "grad_norm", "supervised_tokens", "val_loss", "val_time_sec", "attention_share"]
+"""attention_share: packed rows' attention work against whole rows' (packing.rows_attention_share), the row's steps'
+token-weighted mean; empty unpacked."""
 
 
 def host_peak_gb() -> float:
@@ -295,6 +297,7 @@ class MetricsWindow:
         self.grad_norm = torch.zeros((), device=self.device)
         self.skipped = torch.zeros((), device=self.device)
         self.steps = self.tokens = self.real_tokens = self.supervised = 0
+        self.attention_tokens = 0.0
         self.waited = 0.0
         """Seconds the host spent waiting for the GPU (`wait_for`): near none, the host is the limit."""
         self.start = time.perf_counter()
@@ -315,9 +318,10 @@ class MetricsWindow:
         real: int,
         supervised: int,
         skipped: torch.Tensor | bool,
+        attention_share: float | None = None,
     ) -> None:
         """One optimizer step's figures; `skipped` (1 or 0, on the device: the step's non-finite flag) keeps a
-        skipped step's loss out of the row's mean."""
+        skipped step's loss out of the row's mean; `attention_share`: packed rows' (None unpacked)."""
         skipped = torch.as_tensor(skipped, dtype=torch.float32, device=self.device)
         self.loss += torch.where(skipped > 0, 0.0, loss)
         self.skipped += skipped
@@ -326,6 +330,8 @@ class MetricsWindow:
         self.tokens += tokens
         self.real_tokens += real
         self.supervised += supervised
+        if attention_share is not None:
+            self.attention_tokens += attention_share * tokens
 
     def exclude_since(self, started: float) -> float:
         """Keep the time since `started` (validation, a checkpoint) out of this window; returns it in seconds."""
@@ -363,6 +369,8 @@ class MetricsWindow:
             "supervised_tokens": self.supervised,
             **{f"peak_gb_rank{i}": peak for i, peak in enumerate(peaks)},
         }
+        if self.attention_tokens:
+            row["attention_share"] = self.attention_tokens / self.tokens
         if self.device.type == "cuda":
             row.update({f"reserved_gb_rank{i}": float(reserved) for i, reserved in enumerate(values[:, 3])})
             # Allocations that failed at first and succeeded after the allocator freed its cache (a slow,

@@ -39,7 +39,7 @@ from pipetune.checkpoint import (
 from pipetune.config import Config, save_config
 from pipetune.data.batching import SampleStore, bucket_lengths, bucketed_epoch_batches, epoch_batches, pad_fraction
 from pipetune.data.cache import tokenized_data
-from pipetune.data.packing import batches_of_rows, epoch_rows, members, packed_batch
+from pipetune.data.packing import batches_of_rows, epoch_rows, members, packed_batch, rows_attention_share
 from pipetune.data.sources import chat_lines
 from pipetune.export import PROMPT_FILE, write_prompt_settings
 from pipetune.metrics import MetricsLog, PhaseLog, host_peak_gb, peak_memory_gb, reset_peak_memory
@@ -208,6 +208,10 @@ class TrainData:
     @property
     def packing(self) -> bool:
         return self.max_samples_per_row > 0
+
+    def attention_share(self, batches: torch.Tensor) -> float:
+        """Packed batches' attention work against whole rows' (packing.rows_attention_share)."""
+        return rows_attention_share(batches.reshape(-1, self.max_samples_per_row), self.real_tokens, self.max_length)
 
     def samples_in(self, batches: torch.Tensor) -> torch.Tensor:
         """The sample indices in some of a plan's batches, flat."""
@@ -580,7 +584,8 @@ def run_step(loop: Loop, batches: torch.Tensor, lengths: torch.Tensor) -> float:
     loop.step += 1
     loop.unsettled = (loop.step, HostCopy(flags))
     tokens, real = data.global_batch * int(lengths.sum()), int(data.real_tokens[data.samples_in(batches)].sum())
-    loop.metrics.window.add(step_loss, grad_norm, tokens, real, n_supervised, skipped)
+    share = data.attention_share(batches) if data.packing else None
+    loop.metrics.window.add(step_loss, grad_norm, tokens, real, n_supervised, skipped, share)
     return lr
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import random
+import statistics
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from pipetune.config import Config, LoraConfig, ModelConfig
 from pipetune.data.batching import IGNORE
+from pipetune.data.inspect import training_attention_share
 from pipetune.data.packing import batches_of_rows, epoch_rows
 from pipetune.model.attention import (
     DocumentSpans,
@@ -226,6 +228,10 @@ def test_packed_runs_match_the_unpacked_run_on_the_same_samples(
         assert_same_training(run_dir, runs[0], steps=2)
     # The metrics count the same supervised and real tokens, in half the rows: twice the real share of them.
     unpacked, packed_rows = _steps(reference), _steps(runs[1])
+    # Each packed step records its rows' attention share; over the epoch's steps, the epoch's (data inspect's).
+    epoch_share = training_attention_share(_config(tmp_path, "single", data, "parallel.pp=1", *PACKED))
+    assert statistics.fmean(float(r["attention_share"]) for r in _steps(single)) == pytest.approx(epoch_share)
+    assert len({r["attention_share"] for r in _steps(single)}) > 1 and not any(r["attention_share"] for r in unpacked)
     assert [r["supervised_tokens"] for r in packed_rows] == [r["supervised_tokens"] for r in unpacked]
     for got, want in zip(packed_rows, unpacked, strict=True):
         share = float(got["real_tokens_per_sec"]) / float(got["tokens_per_sec"])

@@ -136,7 +136,14 @@ def packed_attention_share(lengths: torch.Tensor, row_length: int, max_per_row: 
     pads are a document of their own, which flex attention computes too), over rows x row_length squared (1.0 for
     no samples). Flex attention skips the block mask's tiles outside every document, so a packed row costs about
     this share of a whole row's attention (the tiles on a document's edge are computed whole: a little more)."""
-    rows = epoch_rows(lengths, row_length, max_per_row, seed, 0)
+    return rows_attention_share(epoch_rows(lengths, row_length, max_per_row, seed, 0), lengths, row_length)
+
+
+def rows_attention_share(rows: torch.Tensor, lengths: torch.Tensor, row_length: int) -> float:
+    """Attention work of these packed rows ([n, max_per_row] sample indices, -1: none) against causal attention
+    over each whole row: their samples' lengths squared and each pad tail's, over n x row_length squared (1.0 for
+    no rows). The metrics record it for each step's rows, the bench's MFU counts it (a packed step's attention is
+    its own rows', not the epoch's)."""
     if not len(rows):
         return 1.0
     sizes = lengths.clamp(max=row_length).double()
