@@ -151,6 +151,11 @@ def from_varlen(t: torch.Tensor, rows: int) -> torch.Tensor:
     return t.unflatten(0, (rows, -1))
 
 
+KERNEL_OUTPUTS: dict[str, list] = {}
+"""What cuDNN's variable-length forward returned beside its output, by name: shape, dtype, device (the JSON's
+"cudnn_outputs"). torch has no meta kernel for it, so a compiled path needs a hand-written fake of these."""
+
+
 class CudnnVarlen(torch.autograd.Function):
     """Causal attention within each document of `offsets` ([total, heads, d] tensors), cuDNN's kernels."""
 
@@ -159,6 +164,8 @@ class CudnnVarlen(torch.autograd.Function):
         out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
             query, key, value, None, offsets, offsets, bound, bound, True, 0.0, True, False
         )
+        for name, t in (("out", out), ("logsumexp", lse), ("philox_seed", seed), ("philox_offset", offset)):
+            KERNEL_OUTPUTS[name] = [list(t.shape), str(t.dtype), str(t.device)]
         ctx.save_for_backward(query, key, value, out, lse, seed, offset, offsets)
         ctx.bound = bound
         return out
@@ -325,6 +332,7 @@ def main() -> None:
         results["kernels"][name] = {"ms_a_row": ms / rows, "compile_s": compile_s, "relative_errors": found}
         worst = max(found.values())
         print(f"{name:20s} {ms / rows:8.3f} ms a row  worst relative error {worst:.2e}  first call {compile_s:.0f} s")
+    results["cudnn_outputs"] = KERNEL_OUTPUTS
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")
