@@ -148,6 +148,12 @@ def test_packed_rows_mfu_counts_the_attention_each_step_drew(tmp_path: Path) -> 
     assert result["timed_attention_share"] == pytest.approx(0.3)
     plain = strategy_result({}, tmp_path, "single", 0, 1, flops, 790.0)  # no FLOPs per share: the plain count
     assert plain["mfu"] == pytest.approx(1000 * flops / 790e12)
+    # The table says when the timed rows' share is 5% or more off the epoch's (not when it is within).
+    from pipetune.bench import drawn_rows_notes
+
+    (note,) = drawn_rows_notes([{**result, "setup": {"attention_share": 0.25}}])
+    assert note.startswith("note: single's timed steps drew packed rows of 30% attention share against the epoch's 25%")
+    assert drawn_rows_notes([{**result, "setup": {"attention_share": 0.29}}]) == []
 
 
 def test_bench_removes_only_its_own_earlier_runs(tmp_path: Path) -> None:

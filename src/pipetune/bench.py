@@ -405,6 +405,23 @@ def print_table(results: list[dict], caption: str = "") -> None:
     if not console.is_terminal:  # a log file: no terminal width to fit, keep every column readable
         console.width = 160
     console.print(table)
+    for line in drawn_rows_notes(results):
+        console.print(line)
+
+
+def drawn_rows_notes(results: list[dict]) -> list[str]:
+    """A line for each strategy whose timed steps drew packed rows of an attention share 5% or more off the
+    epoch's: its tokens/s are those rows', not the epoch's (a long packed row's step time follows its documents'
+    squared lengths)."""
+    notes = []
+    for r in results:
+        timed, epoch = r.get("timed_attention_share"), r.get("setup", {}).get("attention_share")
+        if timed is not None and epoch and abs(timed / epoch - 1) >= 0.05:
+            notes.append(
+                f"note: {r['strategy']}'s timed steps drew packed rows of {timed:.0%} attention share against the "
+                f"epoch's {epoch:.0%}: its tokens/s are theirs (more timed steps come closer to the epoch's)"
+            )
+    return notes
 
 
 def _timing_cells(result: dict) -> list[str]:
