@@ -101,17 +101,17 @@ WHOLE16K = ["data.max_length=16384", 'data.synthetic_lengths="whole"', "data.syn
 
 
 def _in_matmul_run(
-    label: str, config: str, overrides: list[str], call: int, rows: int, in_matmul: bool, entry: str
+    label: str, config: str, overrides: list[str], call: int, rows: int, in_matmul: bool, entry: str, tag: str = "im"
 ) -> Run:
-    """A `single` run of 2026-12-02's lora.adapter_in_matmul calls (results/2026-12-02-im-CALL-bench.json): `rows`
-    rows a microbatch, with the switch or without."""
+    """A `single` run of 2026-12-02's calls since lora.adapter_in_matmul (results/2026-12-02-TAG-CALL-bench.json):
+    `rows` rows a microbatch, with the switch or without."""
     switch = ["lora.adapter_in_matmul=true"] if in_matmul else []
     return Run(
         label,
         config,
         [*overrides, f"train.batch_size={rows}", *switch],
         "single",
-        f"2026-12-02-im-{call}-bench.json:{entry}:single",
+        f"2026-12-02-{tag}-{call}-bench.json:{entry}:single",
     )
 
 
@@ -729,29 +729,20 @@ RUNS = [
         )
     ),
     *(
-        Run(
+        _in_matmul_run(
             f"packed: 4B, {label}, one microbatch, LoRA dropout 0, the adapters in the matmuls (12-02 fx call {call})",
             B4,
-            [
-                "data.packing=true",
-                *overrides,
-                "parallel.pp=1",
-                "parallel.n_microbatches=1",
-                "lora.dropout=0.0",
-                "lora.adapter_in_matmul=true",
-            ],
-            "single",
-            f"2026-12-02-fx-{call}-bench.json:{entry}:single",
+            ["data.packing=true", *rows, "parallel.pp=1", "parallel.n_microbatches=1", "lora.dropout=0.0"],
+            call,
+            batch,
+            True,
+            entry,
+            "fx",
         )
-        for call, label, overrides, entry in (
-            (3, "2 rows of 8,192", ["data.max_length=8192", "train.batch_size=2"], "packed8k-2rows-im"),
-            (4, "whole meetings in 1 row of 16,384", [*WHOLE16K, "train.batch_size=1"], "whole16k-1row-im"),
-            (
-                6,
-                "whole meetings in 1 row of 16,384, best fit",
-                [*WHOLE16K, "train.batch_size=1"],
-                "whole16k-bestfit-24",
-            ),  # noqa: E501
+        for call, label, rows, batch, entry in (
+            (3, "2 rows of 8,192", ["data.max_length=8192"], 2, "packed8k-2rows-im"),
+            (4, "whole meetings in 1 row of 16,384", WHOLE16K, 1, "whole16k-1row-im"),
+            (6, "whole meetings in 1 row of 16,384, best fit", WHOLE16K, 1, "whole16k-bestfit-24"),
         )
     ),
 ]
