@@ -50,6 +50,7 @@ from pipetune.data.packing import epoch_rows  # noqa: E402
 from pipetune.model.attention import (  # noqa: E402
     DocumentSpans,
     document_block_mask,
+    document_ids,
     spans_attention,
 )
 from pipetune.preflight import prepare  # noqa: E402
@@ -134,7 +135,7 @@ def varlen_layout(position_ids: torch.Tensor, per_row: int = 0) -> torch.Tensor:
         starts = torch.nonzero(flat == 0).flatten()
         return torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
     rows, seq = position_ids.shape
-    docs = ((position_ids == 0).cumsum(-1) - 1).contiguous()  # 0 for each row's first document
+    docs = (document_ids(position_ids) - 1).contiguous()  # 0 for each row's first document
     assert int(docs[:, -1].max()) < per_row, "more documents in a row than per_row"
     wanted = torch.arange(per_row, device=docs.device).expand(rows, per_row).contiguous()
     starts = torch.searchsorted(docs, wanted) + torch.arange(rows, device=docs.device).unsqueeze(1) * seq
