@@ -90,22 +90,22 @@ def test_bench_reports_a_strategy_past_its_timeout_and_runs_the_next(tmp_path: P
 
 def test_a_strategy_timed_out_after_timed_steps_keeps_their_figures(tmp_path: Path) -> None:
     """The 72B shape's NF4 run ended all its steps, then the timeout came while it saved: its steps count."""
-    from pipetune.bench import strategy_result
+    from pipetune.bench import FlopCount, strategy_result
 
     (tmp_path / "metrics.csv").write_text(
         "step,loss,tokens_per_sec,real_tokens_per_sec,step_time_sec,peak_gb_rank0\n"
         "1,9.0,100,90,8.0,5.0\n2,8.0,1000,900,0.8,6.0\n3,7.0,2000,1800,0.4,6.5\n"
     )
     ended = {"error": "timed out after 155 s in done", "last_phase": "done", "load_s": 38.0}
-    result = strategy_result(ended, tmp_path, "ddp", 1, 2, 1e9, 790.0)
+    result = strategy_result(ended, tmp_path, "ddp", 1, 2, FlopCount(1e9, 790.0))
     assert result["timed_out"] == ended["error"] and "error" not in result
     assert (result["timed_steps"], result["tokens_per_sec"], result["peak_gb_per_rank"]) == (2, 1500.0, [6.5])
     warming = {"error": "timed out after 155 s in warm-up step 1/1", "last_phase": "warm-up step 1/1"}
-    assert strategy_result(warming, tmp_path, "ddp", 3, 2, 1e9, 790.0) == {"strategy": "ddp", **warming}
+    assert strategy_result(warming, tmp_path, "ddp", 3, 2, FlopCount(1e9, 790.0)) == {"strategy": "ddp", **warming}
     failed = {"error": "exit code 1 in timed step 2", "last_phase": "timed step 2"}
-    assert strategy_result(failed, tmp_path, "ddp", 1, 2, 1e9, 790.0) == {"strategy": "ddp", **failed}
+    assert strategy_result(failed, tmp_path, "ddp", 1, 2, FlopCount(1e9, 790.0)) == {"strategy": "ddp", **failed}
     # A run that ended well without a timed step is an error entry, not a crash of the whole bench.
-    assert strategy_result({"load_s": 38.0}, tmp_path, "ddp", 3, 2, 1e9, 790.0) == {
+    assert strategy_result({"load_s": 38.0}, tmp_path, "ddp", 3, 2, FlopCount(1e9, 790.0)) == {
         "strategy": "ddp",
         "load_s": 38.0,
         "error": "no timed step in metrics.csv",
@@ -116,7 +116,7 @@ def test_the_padding_share_is_over_the_timed_tokens_and_ranks_are_in_order(tmp_p
     """The pad share is 1 - real tokens / tokens of the timed steps (not a ratio of two medians of other rows);
     rows that cover several steps weigh as many; rank 10's peak comes after rank 9's; a loss that is not a number
     (every step of the row skipped) is null in bench.json."""
-    from pipetune.bench import strategy_result
+    from pipetune.bench import FlopCount, strategy_result
 
     peaks = ",".join(f"peak_gb_rank{r}" for r in range(11))
     values = ",".join(str(r) for r in range(11))
@@ -124,7 +124,7 @@ def test_the_padding_share_is_over_the_timed_tokens_and_ranks_are_in_order(tmp_p
         f"step,loss,tokens_per_sec,real_tokens_per_sec,step_time_sec,{peaks}\n"
         f"2,9.0,1000,950,1.0,{values}\n4,8.0,2000,1000,1.0,{values}\n5,nan,3000,2950,1.0,{values}\n"
     )
-    result = strategy_result({}, tmp_path, "ddp", 0, 11, 1e9, 790.0)
+    result = strategy_result({}, tmp_path, "ddp", 0, 11, FlopCount(1e9, 790.0))
     tokens, real = 1000 * 2 + 2000 * 2 + 3000, 950 * 2 + 1000 * 2 + 2950
     assert result["pad_share"] == pytest.approx(1 - real / tokens)
     assert result["peak_gb_per_rank"] == [float(r) for r in range(11)] and result["final_loss"] is None
@@ -134,19 +134,19 @@ def test_packed_rows_mfu_counts_the_attention_each_step_drew(tmp_path: Path) -> 
     """Packed rows record their own attention share (metrics' attention_share): MFU moves each row's FLOPs a token
     from the epoch's share to the row's before taking the median, and the timed rows' mean share is reported. A run
     without the column keeps the plain count."""
-    from pipetune.bench import strategy_result
+    from pipetune.bench import FlopCount, strategy_result
 
     (tmp_path / "metrics.csv").write_text(
         "step,loss,tokens_per_sec,real_tokens_per_sec,step_time_sec,peak_gb_rank0,attention_share\n"
         "1,9.0,1000,990,1.0,5.0,0.2\n2,8.0,900,890,1.0,5.0,0.6\n3,7.0,1100,1090,1.0,5.0,0.1\n"
     )
     flops, per_share, share = 1e9, 5e8, 0.3
-    result = strategy_result({}, tmp_path, "single", 0, 1, flops, 790.0, (per_share, share))
+    result = strategy_result({}, tmp_path, "single", 0, 1, FlopCount(flops, 790.0, per_share, share))
     achieved = sorted(t * (flops + per_share * (s - share)) for t, s in ((1000, 0.2), (900, 0.6), (1100, 0.1)))[1]
     assert result["mfu"] == pytest.approx(achieved / 790e12)
     assert result["mfu"] != pytest.approx(1000 * flops / 790e12)  # the epoch's share: the heavy step undercounted
     assert result["timed_attention_share"] == pytest.approx(0.3)
-    plain = strategy_result({}, tmp_path, "single", 0, 1, flops, 790.0)  # no FLOPs per share: the plain count
+    plain = strategy_result({}, tmp_path, "single", 0, 1, FlopCount(flops, 790.0))  # no FLOPs per share: plain
     assert plain["mfu"] == pytest.approx(1000 * flops / 790e12)
     # The table says when the timed rows' share is 5% or more off the epoch's (not when it is within).
     from pipetune.bench import drawn_rows_notes

@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipetune.config import RUN_STRATEGIES, Config, ConfigError, save_config
@@ -83,6 +84,7 @@ def run_bench(
     # (metrics' attention_share) with this many FLOPs a token per unit of share.
     whole = run_split(config, prepared.model.config, 1.0)[0] if config.data.packing else costs
     attention_flops = prepared.n_layers * (whole.layer - costs.layer) / (1 - share) if share < 1 else 0.0
+    count = FlopCount(flops_per_token, peak_tflops, attention_flops, share)
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = bench_setup(config) | {"attention_share": round(share, 4)}  # MFU counts this share of attention
     results = []
@@ -95,9 +97,7 @@ def run_bench(
         print(f"bench: {strategy} ({n_gpus} process{'es' if n_gpus > 1 else ''}), {warmup} + {steps} steps", flush=True)
         run_dir = Path(variant.output.dir)
         run = run_strategy(path, run_dir, out_dir / f"{strategy}.log", strategy, warmup, timeout_s)
-        result = strategy_result(
-            run, run_dir, strategy, warmup, n_gpus, flops_per_token, peak_tflops, (attention_flops, share)
-        )
+        result = strategy_result(run, run_dir, strategy, warmup, n_gpus, count)
         results.append({**result, "setup": {**setup, "layout": layout_of(variant)}})
         (out_dir / "bench.json").write_text(json.dumps(results, indent=1))  # after each: a later one may fail
     print_table(results, describe_setup(setup))
@@ -264,25 +264,38 @@ def _stop(process: subprocess.Popen) -> None:
             continue
 
 
-def strategy_result(
-    run: dict,
-    run_dir: Path,
-    strategy: str,
-    warmup: int,
-    n_gpus: int,
-    flops: float,
-    peak_tflops: float,
-    attention: tuple[float, float] = (0.0, 1.0),
-) -> dict:
+@dataclass(frozen=True)
+class FlopCount:
+    """How the bench counts MFU: `per_token` FLOPs a token at the epoch's attention `share`, against
+    `peak_tflops` a GPU; where metrics rows record their packed rows' own attention share, each row's FLOPs a
+    token move from the epoch's share to the row's by `per_share` a unit of share (0: not packed)."""
+
+    per_token: float
+    peak_tflops: float
+    per_share: float = 0.0
+    share: float = 1.0
+
+    def mfu(self, rows: list[dict], tokens: float, n_gpus: int) -> float:
+        """The timed rows' MFU: the median row's `tokens`/s x per_token; with rows' own shares, the median of each
+        row's tokens/s x its own FLOPs a token."""
+        achieved = tokens * self.per_token
+        if self.per_share and rows[0].get("attention_share"):
+            moved = [self.per_share * (float(r["attention_share"]) - self.share) for r in rows]
+            achieved = statistics.median(
+                float(r["tokens_per_sec"]) * (self.per_token + m) for r, m in zip(rows, moved, strict=True)
+            )
+        return achieved / (n_gpus * self.peak_tflops * 1e12)
+
+
+def strategy_result(run: dict, run_dir: Path, strategy: str, warmup: int, n_gpus: int, count: FlopCount) -> dict:
     """bench.json's entry for a strategy: the figures of its timed steps, or its error. One that the timeout
     ended after some timed steps (or in its final checkpoint, with all of them) keeps their figures, marked
-    "timed_out". `flops` a token at the epoch's attention share; `attention`: (FLOPs a token per unit of share,
-    that share), for the rows that record their own (summarize_run)."""
+    "timed_out"."""
     if not timed_rows(run_dir, warmup) and "error" not in run:  # ended without a timed step (max_steps reached?)
         run = {**run, "error": "no timed step in metrics.csv"}
     if "error" in run and not (run["error"].startswith("timed out") and timed_rows(run_dir, warmup)):
         return {"strategy": strategy, **run}
-    result = {**summarize_run(run_dir, strategy, warmup, n_gpus, flops, peak_tflops, attention), **run}
+    result = {**summarize_run(run_dir, strategy, warmup, n_gpus, count), **run}
     if "error" in result:
         result["timed_out"] = result.pop("error")
     return result
@@ -296,18 +309,8 @@ def timed_rows(run_dir: Path, warmup: int) -> list[dict]:
     return [row for row in read_metrics_rows(metrics)[0] if int(row["step"]) > warmup and row["loss"]]
 
 
-def summarize_run(
-    run_dir: Path,
-    strategy: str,
-    warmup: int,
-    n_gpus: int,
-    flops: float,
-    peak_tflops: float,
-    attention: tuple[float, float] = (0.0, 1.0),
-) -> dict:
-    """The timed rows' figures. MFU: the median row's tokens/s x `flops`; where the rows record their packed
-    rows' attention share, each row's tokens/s x its own FLOPs a token (`flops` moved by `attention`'s FLOPs per
-    unit of share from the epoch's share to the row's), the median of those, and the timed rows' mean share."""
+def summarize_run(run_dir: Path, strategy: str, warmup: int, n_gpus: int, count: FlopCount) -> dict:
+    """The timed rows' figures (MFU: `count`), and where they record packed rows' attention share, its mean."""
     rows = timed_rows(run_dir, warmup)
     tokens = statistics.median(float(r["tokens_per_sec"]) for r in rows)
     peaks = rank_columns(rows[0], "peak_gb_rank")
@@ -325,7 +328,7 @@ def summarize_run(
         "real_tokens_per_sec": statistics.median(float(r["real_tokens_per_sec"]) for r in rows),
         "pad_share": 1 - real_tokens / all_tokens if all_tokens > 0 else 0.0,
         "step_time_sec": statistics.median(float(r["step_time_sec"]) for r in rows),
-        "mfu": _achieved_flops(rows, tokens, flops, attention) / (n_gpus * peak_tflops * 1e12),
+        "mfu": count.mfu(rows, tokens, n_gpus),
         "peak_gb_per_rank": [max(float(r[k]) for r in rows) for k in peaks],
         "reserved_gb_per_rank": [max(float(r[k] or 0) for r in rows) for k in reserved],
         "final_loss": loss if math.isfinite(loss) else None,  # every step of the last row skipped: no loss
@@ -340,16 +343,6 @@ def summarize_run(
         result["bubble_per_rank"] = summary["bubble"]
         result["expected_bubble"] = summary["expected_bubble"]
     return result
-
-
-def _achieved_flops(rows: list[dict], tokens: float, flops: float, attention: tuple[float, float]) -> float:
-    """FLOP/s of the timed rows (see summarize_run)."""
-    per_share, share = attention
-    if not per_share or not rows[0].get("attention_share"):
-        return tokens * flops
-    return statistics.median(
-        float(r["tokens_per_sec"]) * (flops + per_share * (float(r["attention_share"]) - share)) for r in rows
-    )
 
 
 def _row_seconds(rows: list[dict], warmup: int) -> list[float]:
