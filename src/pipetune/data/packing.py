@@ -146,8 +146,7 @@ def rows_attention_share(rows: torch.Tensor, lengths: torch.Tensor, row_length: 
     its own rows', not the epoch's)."""
     if not len(rows):
         return 1.0
-    sizes = lengths.clamp(max=row_length).double()
-    in_row = torch.where(rows >= 0, sizes[rows.clamp(min=0)], 0.0)
+    in_row = torch.where(rows >= 0, lengths[rows.clamp(min=0)].clamp(max=row_length).double(), 0.0)  # rows' only
     squares = (in_row**2).sum() + ((row_length - in_row.sum(-1)) ** 2).sum()
     return float(squares) / (len(rows) * row_length**2)
 
