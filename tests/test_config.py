@@ -284,6 +284,12 @@ def test_seed_job_config_matches_the_seed_script() -> None:
             2,
             r"does not combine with train.activation_checkpointing = true",
         ),
+        (['train.packed_attention="tiles"'], 2, r"train.packed_attention = 'tiles' is unknown; use \"flex\" or"),
+        (
+            ['train.packed_attention="documents"', "train.compile=true", "train.cuda_graphs=true"],
+            2,
+            r"a CUDA graph cannot replay: set train.cuda_graphs = false \(or train.packed_attention = \"flex\"\)",
+        ),
         (["train.layers_per_graph=-1"], 2, r"train.layers_per_graph = -1 must be >= 0"),
         (["train.memory_gb=-1"], 2, r"train.memory_gb = -1.0 must be >= 0 \(0: the GPU's total memory\)"),
         (["train.loss_chunk=0"], 2, r"train.loss_chunk = 0 must be at least 1"),

@@ -10,13 +10,12 @@ model's heads go through forward and backward:
 - each variant of VARIANTS: kernel options (tile sizes, warps, stages of the forward or of the backward kernels),
 - "autotuned" (`--autotune`): flex compiled with mode="max-autotune-no-cudagraphs", where inductor times its own
   list of forward and backward configs and keeps the fastest (its choice is printed in inductor's AUTOTUNE lines),
-- "cudnn varlen" (`--varlen`): cuDNN's variable-length attention (torch's `aten._cudnn_attention_forward` /
-  `_backward` with the documents' offsets in the rows laid end to end, the row length as the static bound), each
-  document attended exactly, no tiles, the key-value heads repeated to the query heads ("cudnn varlen gqa" passes
-  them grouped, which torch's own varlen wrapper refuses for cuDNN); "cudnn varlen static" over
-  data.max_samples_per_row + 1 offsets a row, the rows with fewer ending in empty documents (the static shape a
-  compiled, graphed run needs). On whole meetings in rows of 16,384, flex's attention cost ~1.4x Unsloth's per
-  token pair (~407 against ~575 TFLOP/s: journal/2026-12-02-flex-and-best-fit-one-h200.md).
+- "documents": SDPA's fused kernel on each document alone (`attention.document_sdpa`, a run's
+  train.packed_attention = "documents"; cuDNN's on an H200), over a static table of data.max_samples_per_row + 1
+  spans a row (the rows with fewer end in empty spans). On whole meetings in rows of 16,384, flex's attention
+  cost ~1.4x Unsloth's per token pair (~407 against ~575 TFLOP/s: journal/2026-12-02-flex-and-best-fit-one-h200.md).
+  cuDNN builds a plan for each new shape, so `--new-lengths N` also times N calls on rows whose first two documents
+  have lengths it has not seen (`moved`): what a run's steps pay where every meeting's length is new.
 
 Each is checked against causal SDPA on each sample alone in float32 (output and the query / key / value gradients:
 the error's norm over the reference's) and timed (CUDA events around `--repeats` calls after `--warmup`;
@@ -26,15 +25,15 @@ says which moved).
     python3 benchmarks/tools/packed_attention.py --config configs/bench-qwen3-4b.toml \
         --set data.packing=true --set data.max_length=4096 --rows 4 --autotune --out packed-attention.json
 
-On a CPU (no flex backward there, no cuDNN) it runs what a CPU run uses, SDPA per document, and with `--varlen`
-the variable-length layout (`varlen_layout`, `from_varlen`) around SDPA per document: a check that the tool
-starts and packs, and that the layout the cuDNN kernel is given is the rows' documents.
+On a CPU (no flex backward there, no cuDNN) it runs what a CPU run uses, SDPA per document, and the documents
+kernel (the CPU's flash attention per document): a check that the tool starts and packs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -50,7 +49,8 @@ from pipetune.data.packing import epoch_rows  # noqa: E402
 from pipetune.model.attention import (  # noqa: E402
     DocumentSpans,
     document_block_mask,
-    document_ids,
+    document_sdpa,
+    span_table,
     spans_attention,
 )
 from pipetune.preflight import prepare  # noqa: E402
@@ -125,105 +125,31 @@ def packed_positions(config, rows: int) -> tuple[torch.Tensor, int]:
     return torch.stack(positions), real
 
 
-def varlen_layout(position_ids: torch.Tensor, per_row: int = 0) -> torch.Tensor:
-    """int32 offsets of packed rows' documents in their tokens laid end to end (rows one after another; the last
-    entry their count): a document starts where its position is 0 (the pad tail is one too). `per_row` 0: the
-    documents there are ([documents + 1]); else a static [rows x per_row + 1], each row's list ending in empty
-    documents (what a compiled, graphed run would pass: the same shape every step)."""
-    flat = position_ids.flatten()
-    if not per_row:
-        starts = torch.nonzero(flat == 0).flatten()
-        return torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
-    rows, seq = position_ids.shape
-    docs = (document_ids(position_ids) - 1).contiguous()  # 0 for each row's first document
-    assert int(docs[:, -1].max()) < per_row, "more documents in a row than per_row"
-    wanted = torch.arange(per_row, device=docs.device).expand(rows, per_row).contiguous()
-    starts = torch.searchsorted(docs, wanted) + torch.arange(rows, device=docs.device).unsqueeze(1) * seq
-    return torch.cat([starts.flatten(), starts.new_tensor([rows * seq])]).to(torch.int32)
+def documents(position_ids: torch.Tensor, per_row: int):
+    """The documents kernel as a run calls it (`attention.document_sdpa` over the rows' `span_table`, static at
+    `per_row` spans a row): [b, heads, s, d] in, [b, s, heads, d] out."""
+    table = span_table(position_ids, per_row)
+    return lambda q, k, v: document_sdpa(q, k, v, table, q.shape[-1] ** -0.5)[0].transpose(1, 2)
 
 
-def to_varlen(t: torch.Tensor) -> torch.Tensor:
-    """[b, heads, s, d] -> [b x s, heads, d], the rows' tokens end to end."""
-    return t.transpose(1, 2).flatten(0, 1).contiguous()
+def moved(position_ids: torch.Tensor, shift: int) -> torch.Tensor:
+    """The rows with each row's first document `shift` tokens shorter and its second as much longer: lengths a
+    kernel that builds a plan per shape has not seen (the rows keep their documents' count)."""
+    moved = position_ids.clone()
+    for row in moved:
+        starts = torch.nonzero(row == 0).flatten().tolist()
+        if len(starts) > 2 and starts[1] > shift:
+            start, end = starts[1] - shift, starts[2]
+            row[start:end] = torch.arange(end - start, device=row.device)
+    return moved
 
 
-def from_varlen(t: torch.Tensor, rows: int) -> torch.Tensor:
-    """[b x s, heads, d] -> [b, s, heads, d]."""
-    return t.unflatten(0, (rows, -1))
-
-
-KERNEL_OUTPUTS: dict[str, list] = {}
-"""What cuDNN's variable-length forward returned beside its output, by name: shape, dtype, device (the JSON's
-"cudnn_outputs"). torch has no meta kernel for it, so a compiled path needs a hand-written fake of these."""
-
-
-class CudnnVarlen(torch.autograd.Function):
-    """Causal attention within each document of `offsets` ([total, heads, d] tensors), cuDNN's kernels."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, offsets, bound):
-        out, lse, _, _, _, _, seed, offset, _ = torch.ops.aten._cudnn_attention_forward(
-            query, key, value, None, offsets, offsets, bound, bound, True, 0.0, True, False
-        )
-        for name, t in (("out", out), ("logsumexp", lse), ("philox_seed", seed), ("philox_offset", offset)):
-            KERNEL_OUTPUTS[name] = [list(t.shape), str(t.dtype), str(t.device)]
-        ctx.save_for_backward(query, key, value, out, lse, seed, offset, offsets)
-        ctx.bound = bound
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        query, key, value, out, lse, seed, offset, offsets = ctx.saved_tensors
-        grads = torch.ops.aten._cudnn_attention_backward(
-            grad.contiguous(), query, key, value, out, lse, seed, offset, None, offsets, offsets, ctx.bound,
-            ctx.bound, 0.0, True,
-        )  # fmt: skip
-        return *grads, None, None
-
-
-def varlen_kernels(position_ids: torch.Tensor, per_row: int) -> dict:
-    """The variable-length kernels (see the module's doc): cuDNN's on a GPU, SDPA per document on a CPU; over the
-    rows' own documents, and over a static list of `per_row` a row ("static": empty documents at each row's end)."""
-    rows, seq = position_ids.shape
-    layouts = {"": varlen_layout(position_ids), " static": varlen_layout(position_ids, per_row)}
-
-    def run(kernel, offsets: torch.Tensor, grouped: bool):
-        def attend(q, k, v):
-            if not grouped:  # the key-value heads repeated to the query heads
-                k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-            return from_varlen(kernel(to_varlen(q), to_varlen(k), to_varlen(v), offsets), rows)
-
-        return attend
-
-    if position_ids.device.type != "cuda":
-
-        def reference(q, k, v, offsets):  # [total, heads, d], SDPA on each (non-empty) document
-            bounds = offsets.tolist()
-            parts = [
-                torch.nn.functional.scaled_dot_product_attention(
-                    *(t[a:b].transpose(0, 1) for t in (q, k, v)), is_causal=True
-                ).transpose(0, 1)
-                for a, b in zip(bounds, bounds[1:], strict=False)
-                if b > a
-            ]
-            return torch.cat(parts)
-
-        return {f"varlen layout{name}": run(reference, offsets, False) for name, offsets in layouts.items()}
-
-    def cudnn(q, k, v, offsets):
-        return CudnnVarlen.apply(q, k, v, offsets, seq)
-
-    chosen = {f"cudnn varlen{name}": run(cudnn, offsets, False) for name, offsets in layouts.items()}
-    chosen["cudnn varlen gqa"] = run(cudnn, layouts[""], True)
-    return chosen
-
-
-def kernels(position_ids: torch.Tensor, names: list[str], autotune: bool, varlen: int) -> dict:
+def kernels(position_ids: torch.Tensor, names: list[str], autotune: bool, per_row: int) -> dict:
     """name -> attention(query, key, value) as [b, s, heads, d], for the kernels this device runs."""
+    chosen = {"documents": documents(position_ids, per_row)}
     if position_ids.device.type != "cuda":
         spans = DocumentSpans.of(position_ids)
-        chosen = {"as run": lambda q, k, v: spans_attention(q, k, v, spans, None).transpose(1, 2)}
-        return chosen | (varlen_kernels(position_ids, varlen) if varlen else {})
+        return {"as run": lambda q, k, v: spans_attention(q, k, v, spans, None).transpose(1, 2)} | chosen
     mask = document_block_mask(position_ids)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
@@ -233,11 +159,11 @@ def kernels(position_ids: torch.Tensor, names: list[str], autotune: bool, varlen
             1, 2
         )
 
-    chosen = {"as run": flex(None)}
+    chosen = {"as run": flex(None)} | chosen
     chosen.update({name: flex(VARIANTS[name]) for name in names})
     if autotune:
         chosen["autotuned"] = flex(None, "max-autotune-no-cudagraphs")
-    return chosen | (varlen_kernels(position_ids, varlen) if varlen else {})
+    return chosen
 
 
 def errors(got: list[torch.Tensor], want: list[torch.Tensor]) -> dict:
@@ -279,7 +205,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
     parser.add_argument("--autotune", action="store_true", help="also inductor's max-autotune search")
-    parser.add_argument("--varlen", action="store_true", help="also cuDNN's variable-length kernel")
+    parser.add_argument("--new-lengths", type=int, default=0, help="time the documents kernel on N unseen lengths")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
     names = [name for name in args.variants.split(",") if name]
@@ -317,7 +243,7 @@ def main() -> None:
         "kernels": {},
     }
     per_row = config.data.max_samples_per_row + 1  # the trailing pads a document of their own
-    for name, kernel in kernels(position_ids, names, args.autotune, args.varlen and per_row).items():
+    for name, kernel in kernels(position_ids, names, args.autotune, per_row).items():
         began = time.perf_counter()
         try:
             got = run(kernel, inputs, grad)
@@ -333,7 +259,17 @@ def main() -> None:
         results["kernels"][name] = {"ms_a_row": ms / rows, "compile_s": compile_s, "relative_errors": found}
         worst = max(found.values())
         print(f"{name:20s} {ms / rows:8.3f} ms a row  worst relative error {worst:.2e}  first call {compile_s:.0f} s")
-    results["cudnn_outputs"] = KERNEL_OUTPUTS
+    if args.new_lengths:  # each call its own new lengths: wall time, plan building included
+        calls = []
+        for shift in range(1, args.new_lengths + 1):
+            kernel = documents(moved(position_ids, shift), per_row)
+            began = time.perf_counter()
+            run(kernel, inputs, grad)
+            if cuda:
+                torch.cuda.synchronize()
+            calls.append((time.perf_counter() - began) * 1e3 / rows)
+        results["new_lengths_ms_a_row"] = calls
+        print(f"documents, new lengths {statistics.median(calls):8.3f} ms a row (median of {len(calls)} calls)")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1) + "\n")

@@ -186,6 +186,11 @@ class TrainConfig:
     token and head), so its recomputation skips attention, most of a layer's forward at long rows (Qwen3-8B at
     131,072 tokens: 1.07 of 1.46 GFLOP a token); offloaded layers keep them in host memory too. Causal,
     unmasked attention in eager layers: not with train.compile or data.packing (model/kept_attention.py)."""
+    packed_attention: str = "flex"
+    """With data.packing on a GPU, the kernel of each row's document attention: "flex" (flex attention over a
+    block mask of 128 x 128 tiles, compiled) or "documents" (SDPA's fused kernel on each sample alone, cuDNN's on
+    an H200: model/attention.py); CPU runs take each sample alone. "documents" reads each row's samples on the host
+    at every call: not with train.cuda_graphs."""
     mlp_chunk: int | str = field(default=0, metadata={"also": ("auto",)})
     """Tokens per chunk of each decoder layer's MLP: its [tokens, 3 x intermediate_size] gate/up/activation
     workspace is computed (and recomputed in backward) a chunk of the sequence at a time, so it stops growing
@@ -757,6 +762,15 @@ def _check_train(t: TrainConfig, d: DataConfig) -> None:
             "train.keep_attention = true keeps causal, unmasked attention, but data.packing = true masks each "
             "row's samples (flex attention): set one of them to false",
         )
+    _check(
+        t.packed_attention in ("flex", "documents"),
+        f'train.packed_attention = {t.packed_attention!r} is unknown; use "flex" or "documents"',
+    )
+    _check(
+        not (t.packed_attention == "documents" and t.cuda_graphs),
+        'train.packed_attention = "documents" reads each row\'s samples on the host at every call, which a CUDA '
+        'graph cannot replay: set train.cuda_graphs = false (or train.packed_attention = "flex")',
+    )
     _check(
         t.mlp_chunk == "auto" or (isinstance(t.mlp_chunk, int) and t.mlp_chunk >= 0),
         f'train.mlp_chunk = {t.mlp_chunk!r} must be "auto" or a number of tokens >= 0 (0: off; e.g. 8192)',

@@ -95,18 +95,20 @@ def test_trace_gaps_finds_the_gpu_idle_gap(tmp_path, monkeypatch, capsys):
 
 def test_packed_attention_packs_and_checks_the_cpu_kernel(tmp_path, monkeypatch, capsys):
     """On a CPU the tool packs the demo's samples as a run does and runs the CPU's document attention (SDPA per
-    sample, no flex backward there) forward and backward against the float32 reference, and the variable-length
-    layouts the cuDNN kernel is given (the rows' tokens end to end, the documents' offsets, also as a static list
-    ending in empty documents, the key-value heads repeated) around SDPA per document; the GPU's variants are
-    named and checked before anything runs."""
+    sample, no flex backward there) and the documents kernel (the CPU's flash attention per sample, over a static
+    span table) forward and backward against the float32 reference, also on rows of unseen lengths; the GPU's
+    variants are named and checked before anything runs."""
     out = tmp_path / "packed.json"
     args = ["--config", "configs/demo.toml", "--set", "data.packing=true", "--rows", "2", "--warmup", "0"]
-    run_tool("packed_attention", *args, "--repeats", "1", "--varlen", "--out", str(out), monkeypatch=monkeypatch)
+    run_tool(
+        "packed_attention", *args, "--repeats", "1", "--new-lengths", "2", "--out", str(out), monkeypatch=monkeypatch
+    )
     results = json.loads(out.read_text())
     assert results["rows"] == 2 and results["seq"] == 384
     assert all(n >= 2 for n in results["documents_a_row"])  # packed: several samples a row (and the pads)
     assert 0 <= results["pad_share"] < 0.5
-    assert set(results["kernels"]) == {"as run", "varlen layout", "varlen layout static"}  # static: empty documents
+    assert set(results["kernels"]) == {"as run", "documents"}
+    assert len(results["new_lengths_ms_a_row"]) == 2
     for kernel in results["kernels"].values():
         assert max(kernel["relative_errors"].values()) < 1e-5
     assert "as run" in capsys.readouterr().out

@@ -102,8 +102,8 @@ def test_kept_attention_skips_attention_in_the_recomputation(offloaded: bool, mo
     stage.keep_attention = True
     stage.set_layer_modes(n, n if offloaded else 0)
     computed = []
-    forward = kept_attention._forward
-    monkeypatch.setattr(kept_attention, "_forward", lambda *a: computed.append(1) or forward(*a))
+    forward = kept_attention.sdpa_forward
+    monkeypatch.setattr(kept_attention, "sdpa_forward", lambda *a: computed.append(1) or forward(*a))
     with torch.enable_grad():  # a forward whose backward never comes (a pipeline stage's shape inference)
         stage(tokens)
     assert len(computed) == n

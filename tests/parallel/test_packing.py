@@ -20,8 +20,10 @@ from pipetune.data.inspect import training_attention_share
 from pipetune.data.packing import batches_of_rows, epoch_rows
 from pipetune.model.attention import (
     DocumentSpans,
+    document_attention,
     document_block_mask,
     document_ids,
+    document_mask,
     spans_attention,
     use_document_attention,
 )
@@ -96,6 +98,41 @@ def test_block_mask_is_the_document_mask() -> None:
     )
     torch.testing.assert_close(flex_attention(query, key, value, block_mask=mask, enable_gqa=True), expected)
     torch.testing.assert_close(spans_attention(query, key, value, spans, None), expected)
+
+
+def test_documents_kernel_is_the_document_mask_compiled_or_not() -> None:
+    """train.packed_attention = "documents" (and every CPU run): SDPA's fused kernel on each span of a static span
+    table (rows with fewer documents end in empty spans) gives causal SDPA under the dense document mask, output
+    and gradients, eagerly and traced whole by torch.compile (one graph: the table is a graph input, the kernel an
+    operator of its own)."""
+    row = 300
+    position_ids = torch.stack(
+        [positions_of([100, 50, 129], row), positions_of([300], row), positions_of([1, 1, 130, 20], row)]
+    )
+    mask = document_mask(position_ids, "documents", per_row=6)
+    assert mask.spans.shape == (3, 6, 2) and mask.spans.dtype == torch.int64
+    assert mask.spans[2].tolist() == [[0, 1], [1, 2], [2, 132], [132, 152], [152, 300], [300, 300]]
+    with pytest.raises(ValueError, match="5 documents, over the bound of 4"):
+        document_mask(position_ids, "documents", per_row=4)
+    docs, q = document_ids(position_ids), torch.arange(row)
+    dense = (docs[:, :, None] == docs[:, None, :]) & (q[:, None] >= q[None, :])
+    torch.manual_seed(0)
+    inputs = [torch.randn(3, n, row, 16, requires_grad=True) for n in (4, 2, 2)]  # grouped key-value heads
+    grad = torch.randn(3, row, 4, 16)
+    query, key, value = inputs
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), attn_mask=dense.unsqueeze(1)
+    ).transpose(1, 2)
+    expected_grads = torch.autograd.grad(expected, inputs, grad)
+
+    def attend(query, key, value, mask):
+        return document_attention(torch.nn.Module(), query, key, value, mask)[0]
+
+    for call in (attend, torch.compile(attend, backend="aot_eager", fullgraph=True)):
+        out = call(query, key, value, mask)
+        torch.testing.assert_close(out, expected)
+        for got, want in zip(torch.autograd.grad(out, inputs, grad), expected_grads, strict=True):
+            torch.testing.assert_close(got, want)
 
 
 def test_packed_row_matches_each_sample_alone() -> None:

@@ -37,7 +37,15 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from pipetune.model.kept_attention import kept_attention, kept_kernel
+from pipetune.model.kept_attention import (
+    _Kept,
+    dense_extra,
+    kept_attention,
+    kept_kernel,
+    sdpa_backend,
+    sdpa_backward,
+    sdpa_forward,
+)
 
 DOCUMENT_ATTENTION = "pipetune_document"
 """The attention implementation name a packed run's model config carries."""
@@ -107,10 +115,22 @@ class DocumentSpans:
         return cls(tuple(rows))
 
 
-def document_mask(position_ids: torch.Tensor) -> BlockMask | DocumentSpans:
-    """The mask every layer of a stage uses for packed rows of these [b, s] position ids (see the module's doc)."""
-    if position_ids.device.type == "cpu":
-        return DocumentSpans.of(position_ids)
+@dataclass(frozen=True)
+class DocumentTable:
+    """Packed rows' documents as a `span_table` on the host: the "documents" kernel's mask (`document_sdpa`)."""
+
+    spans: torch.Tensor
+
+
+def document_mask(
+    position_ids: torch.Tensor, kernel: str = "flex", per_row: int = 0, host: torch.Tensor | None = None
+) -> BlockMask | DocumentTable:
+    """The mask every layer of a stage uses for packed rows of these [b, s] position ids (see the module's doc):
+    `kernel` (train.packed_attention) "flex" on a GPU: a BlockMask; "documents", or on the CPU: a DocumentTable of
+    `per_row` spans a row (0: these rows' most), read from `host` (the position ids on the host, where the batch
+    was made: no wait for the GPU) if given."""
+    if position_ids.device.type == "cpu" or kernel == "documents":
+        return DocumentTable(span_table(position_ids if host is None else host, per_row))
     return document_block_mask(position_ids)
 
 
@@ -136,6 +156,117 @@ def spans_attention(
     return torch.cat(rows)
 
 
+def span_table(position_ids: torch.Tensor, per_row: int = 0) -> torch.Tensor:
+    """[b, per_row, 2] int64 (start, end) of each row's documents, on the host: a document starts where its position
+    is 0 (a row's pad tail is one too); rows with fewer end in empty spans (start = end = seq), so a compiled layer
+    sees one shape every step. `per_row` 0: the most documents of these rows."""
+    positions = position_ids.cpu()
+    batch, seq = positions.shape
+    starts = [torch.nonzero(row == 0).flatten().tolist() or [0] for row in positions]
+    per_row = per_row or max(len(row) for row in starts)
+    table = torch.full((batch, per_row, 2), seq, dtype=torch.int64)
+    for row, row_starts in enumerate(starts):
+        if len(row_starts) > per_row:
+            raise ValueError(f"a packed row holds {len(row_starts)} documents, over the bound of {per_row}")
+        ends = [*row_starts[1:], seq]
+        table[row, : len(row_starts)] = torch.tensor([row_starts, ends]).T
+    return table
+
+
+def _spans(table: torch.Tensor):
+    """(row, start, end) of each non-empty span of a `span_table`."""
+    for row, spans in enumerate(table.tolist()):
+        for start, end in spans:
+            if end > start:
+                yield row, start, end
+
+
+_LSE_SHAPES: dict[tuple, torch.Size] = {}
+"""The log-sum-exp's shape each kernel returned for a document of a length, by (kernel, device type, heads,
+length): kernels differ ([1, heads, length]; cuDNN's [heads, length, 1] with torch 2.11), so `document_sdpa` keeps
+each document's flat and its backward gives it back in the shape its kernel made."""
+
+
+def _lse_slice(row: int, start: int, end: int, heads: int, seq: int) -> slice:
+    """Where a document's log-sum-exp lies in `document_sdpa`'s flat one: rows after each other, a row's
+    documents in order, heads x length floats each."""
+    return slice((row * seq + start) * heads, (row * seq + end) * heads)
+
+
+@torch.library.custom_op("pipetune::document_sdpa", mutates_args=())
+def document_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of [b, heads, s, d] query and [b, kv heads, s, d] key and value within each span of
+    `spans` (a `span_table`), each span through SDPA's fused kernel (kept_attention's operators: cuDNN's on an H200,
+    flash attention's elsewhere and on the CPU): the [b, heads, s, d] output (laid out as [b, s, heads, d]) and the
+    documents' float32 log-sum-exps, flat ([b x heads x s], `_lse_slice`), for the backward."""
+    batch, heads, seq, dim = query.shape
+    out = query.new_empty(batch, seq, heads, dim).transpose(1, 2)
+    lse = query.new_empty(batch * heads * seq, dtype=torch.float32)
+    backend = sdpa_backend(query, key, value)
+    for row, start, end in _spans(spans):
+        part = slice(start, end)
+        kept = sdpa_forward(*(t[row : row + 1, :, part] for t in (query, key, value)), scale, backend)
+        out[row : row + 1, :, part] = kept.out
+        lse[_lse_slice(row, start, end, heads, seq)] = kept.logsumexp.reshape(-1)
+        _LSE_SHAPES.setdefault((backend, query.device.type, heads, end - start), kept.logsumexp.shape)
+    return out, lse
+
+
+@document_sdpa.register_fake
+def _(query, key, value, spans, scale):
+    batch, heads, seq, dim = query.shape
+    out = query.new_empty(batch, seq, heads, dim).transpose(1, 2)
+    return out, query.new_empty(batch * heads * seq, dtype=torch.float32)
+
+
+@torch.library.custom_op("pipetune::document_sdpa_backward", mutates_args=())
+def document_sdpa_backward(
+    grad: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    spans: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`document_sdpa`'s query, key and value gradients: each span through its kernel's backward operator."""
+    heads, seq = query.shape[1], query.shape[2]
+    grads = [torch.empty_like(t) for t in (query, key, value)]
+    backend = sdpa_backend(query, key, value)
+    for row, start, end in _spans(spans):
+        part = slice(start, end)
+        pieces = [t[row : row + 1, :, part] for t in (grad, query, key, value, out)]
+        shape = _LSE_SHAPES[(backend, query.device.type, heads, end - start)]
+        pieces.append(lse[_lse_slice(row, start, end, heads, seq)].view(shape))
+        kept = _Kept(None, None, backend, dense_extra(query, end - start))
+        for whole, piece in zip(grads, sdpa_backward(*pieces, kept, scale), strict=True):
+            whole[row : row + 1, :, part] = piece
+    return tuple(grads)
+
+
+@document_sdpa_backward.register_fake
+def _(grad, query, key, value, out, lse, spans, scale):
+    return tuple(torch.empty_like(t) for t in (query, key, value))
+
+
+def _document_sdpa_setup(ctx, inputs, output) -> None:
+    query, key, value, spans, scale = inputs
+    ctx.save_for_backward(query, key, value, *output, spans)
+    ctx.scale = scale
+
+
+def _document_sdpa_grads(ctx, grad, _lse_grad):
+    query, key, value, out, lse, spans = ctx.saved_tensors
+    grad = grad.contiguous() if grad.stride(-1) != 1 else grad
+    return *document_sdpa_backward(grad, query, key, value, out, lse, spans, ctx.scale), None, None
+
+
+document_sdpa.register_autograd(_document_sdpa_grads, setup_context=_document_sdpa_setup)
+
+
 @functools.cache
 def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
@@ -158,14 +289,15 @@ def document_attention(
     kernel = kept_kernel(module, query, key, value, attention_mask, dropout, kwargs)
     if kernel is not None:
         return kept_attention(query, key, value, scaling, kernel), None
-    if not isinstance(attention_mask, (BlockMask, DocumentSpans)):
+    if not isinstance(attention_mask, (BlockMask, DocumentTable)):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     if dropout > 0:
         raise ValueError(f"attention dropout {dropout} is not supported with data.packing")
-    if isinstance(attention_mask, DocumentSpans):
-        out = spans_attention(query, key, value, attention_mask, scaling)
+    if isinstance(attention_mask, DocumentTable):
+        scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+        out, _ = document_sdpa(query, key, value, attention_mask.spans, scale)
     else:
         attend = flex_attention if torch.compiler.is_compiling() else _compiled_flex_attention()
         gqa = key.shape[1] != query.shape[1]

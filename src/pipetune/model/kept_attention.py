@@ -158,11 +158,11 @@ def kept_kernel(
         return None
     if kwargs.get("sliding_window") or kwargs.get("softcap") or kwargs.get("s_aux") is not None:
         return None
-    backend = _backend(query, key, value)
+    backend = sdpa_backend(query, key, value)
     return backend if backend in KERNELS else None
 
 
-def _backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
+def sdpa_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
     """The kernel SDPA picks for causal, unmasked attention of these tensors (SDPBackend's value)."""
     if query.device.type == "meta":  # the memory probe: what CUDA's kernels keep, flash attention's being one
         return FLASH if query.dtype in (torch.float16, torch.bfloat16) else -1
@@ -180,7 +180,11 @@ def kept_attention(
     return out.transpose(1, 2).contiguous()
 
 
-def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, backend: int) -> _Kept:
+def sdpa_forward(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float | None, backend: int
+) -> _Kept:
+    """Causal attention by SDPA's fused `backend` (one of KERNELS; the CPU's flash attention on a CPU), as its own
+    operator: the output, the log-sum-exp and the operator's other outputs its backward takes."""
     aten = torch.ops.aten
     if query.device.type == "cpu":
         out, lse = aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, True, scale=scale)
@@ -196,7 +200,15 @@ def _forward(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale:
     return _Kept(out, lse, backend, (cum_q, cum_k, max_q, max_k, seed, offset))
 
 
-def _backward(grad: torch.Tensor, query, key, value, out, lse, kept: _Kept, scale: float | None) -> tuple:
+def dense_extra(query: torch.Tensor, length: int) -> tuple:
+    """What `sdpa_forward` returns beside the output and log-sum-exp for causal, dropout-free attention over whole
+    rows of `length` tokens, made anew (no sequence tables; the random state unused without dropout)."""
+    none, zero = query.new_empty(0, dtype=torch.int32), query.new_zeros((), dtype=torch.int64)
+    return none, none, length, length, zero, zero
+
+
+def sdpa_backward(grad: torch.Tensor, query, key, value, out, lse, kept: _Kept, scale: float | None) -> tuple:
+    """`sdpa_forward`'s query, key and value gradients: its kernel's backward operator."""
     aten = torch.ops.aten
     if query.device.type == "cpu":
         return aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -219,7 +231,7 @@ class _KeptAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, scale, call: _Call, kernel: int):
         if call.mode == "record":
-            kept = _forward(query, key, value, scale, kernel)
+            kept = sdpa_forward(query, key, value, scale, kernel)
             out = kept.out
             kept.out = out.detach()  # an alias of its own: the returned tensor gets this call's history
             call.record(kept)
@@ -234,5 +246,5 @@ class _KeptAttention(torch.autograd.Function):
     def backward(ctx, grad):
         query, key, value, out, lse = ctx.saved_tensors
         grad = grad.contiguous() if grad.stride(-1) != 1 else grad
-        dq, dk, dv = _backward(grad, query, key, value, out, lse, ctx.kept, ctx.scale)
+        dq, dk, dv = sdpa_backward(grad, query, key, value, out, lse, ctx.kept, ctx.scale)
         return dq, dk, dv, None, None, None

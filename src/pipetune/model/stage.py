@@ -178,6 +178,10 @@ class StageModule(nn.Module):
         """Checkpointed layers keep their attention's output through recomputation (train.keep_attention)."""
         self.kept: KeptAttention | None = None
         """Those outputs while they wait for backward (model/kept_attention.py); None: attention is recomputed."""
+        self.packed_attention = "flex"
+        """Packed rows' document attention on a GPU (train.packed_attention, model/attention.py)."""
+        self.documents_per_row = 0
+        """The bound on a packed row's documents for the "documents" kernel's span tables (0: each batch's most)."""
         self.head_in_loss = False
         """The last stage returns normed hidden states; the loss applies lm_head (train.fused_loss)."""
         self.own_boundary_memory = False
@@ -291,8 +295,8 @@ class StageModule(nn.Module):
             batch, seq = hidden.shape[0], hidden.shape[1] * self.sequence_shards
             position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0).expand(batch, -1)
         else:
-            position_ids = position_ids.to(hidden.device, non_blocking=True)
-            document = document_mask(position_ids)
+            host, position_ids = position_ids, position_ids.to(hidden.device, non_blocking=True)
+            document = document_mask(position_ids, self.packed_attention, self.documents_per_row, host)
         inputs = layer_call_kwargs(self.family, self.rotary, hidden, position_ids, document)
         runs = self.layers if self.runs is None else self.runs
         for index, run in enumerate(runs):  # the first checkpoint_layers runs are single layers

@@ -61,6 +61,10 @@ class Parallelism:
     """train.keep_attention: checkpointed layers keep attention's output (model/kept_attention.py)."""
     mlp_chunk: int = 0
     """Tokens per MLP chunk (config.mlp_chunk_tokens: train.mlp_chunk resolved, 0 under tp; 0: whole rows)."""
+    packed_attention: str = "flex"
+    """train.packed_attention: packed rows' document attention kernel on a GPU (model/attention.py)."""
+    documents_per_row: int = 0
+    """data.max_samples_per_row + 1 (a row's pad tail a document of its own): the span tables' static bound."""
 
 
 def run_parallelism(config: Config, mesh: Mesh) -> Parallelism:
@@ -74,6 +78,8 @@ def run_parallelism(config: Config, mesh: Mesh) -> Parallelism:
         checkpointing=config.train.activation_checkpointing,
         keep_attention=config.train.keep_attention,
         mlp_chunk=mlp_chunk_tokens(config.train, config.data.max_length, p.tp),
+        packed_attention=config.train.packed_attention,
+        documents_per_row=config.data.max_samples_per_row + 1,
     )
 
 
@@ -142,6 +148,8 @@ def parallelize(modules: list[StageModule], parallelism: Parallelism) -> None:
     for module in modules:
         layers = len(module.layers) if every else 0
         module.keep_attention = parallelism.keep_attention
+        module.packed_attention = parallelism.packed_attention
+        module.documents_per_row = parallelism.documents_per_row
         module.set_layer_modes(layers, layers if parallelism.checkpointing == "offload" else 0)
         chunk_mlps(list(module.layers), parallelism.mlp_chunk)
     if parallelism.fsdp_mesh is not None:
