@@ -19,12 +19,10 @@ from pipetune.data.batching import IGNORE
 from pipetune.data.inspect import training_attention_share
 from pipetune.data.packing import batches_of_rows, epoch_rows
 from pipetune.model.attention import (
-    DocumentSpans,
     document_attention,
     document_block_mask,
     document_ids,
     document_mask,
-    spans_attention,
     use_document_attention,
 )
 from pipetune.model.load import build_model
@@ -91,13 +89,10 @@ def test_block_mask_is_the_document_mask() -> None:
 
     torch.manual_seed(0)
     query, key, value = torch.randn(3, 4, row, 16), torch.randn(3, 2, row, 16), torch.randn(3, 2, row, 16)
-    spans = DocumentSpans.of(position_ids)
-    assert spans.rows[2] == ((0, 1), (1, 2), (2, 132), (132, 152), (152, 300))
     expected = torch.nn.functional.scaled_dot_product_attention(
         query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), attn_mask=dense.unsqueeze(1)
     )
     torch.testing.assert_close(flex_attention(query, key, value, block_mask=mask, enable_gqa=True), expected)
-    torch.testing.assert_close(spans_attention(query, key, value, spans, None), expected)
 
 
 def test_documents_kernel_is_the_document_mask_compiled_or_not() -> None:

@@ -1,28 +1,36 @@
 """Document-masked attention for packed rows (data.packing): each token attends, causally, to its own sample only.
 
 A stage gets each packed microbatch's position ids (restarting at 0 with every sample, data/packing.py) and
-builds its mask from them (`document_mask`), once per microbatch for all its layers:
+builds its mask from them (`document_mask`), once per microbatch for all its layers, by train.packed_attention:
 
-- on a GPU, a flex-attention BlockMask (`document_block_mask`): which 128 x 128 tiles of the [seq, seq] score
-  matrix hold any pair of one document (and the diagonal's causal cut), computed from each tile's first and last
-  document: [seq / 128]^2 entries per row, never [seq, seq]. Flex attention then skips the empty tiles.
-- on the CPU, each row's document spans (`DocumentSpans`), and causal SDPA runs on each span alone: torch's flex
-  attention has no backward on the CPU ("FlexAttention does not support backward on CPU", torch 2.11-2.13).
+- "flex" on a GPU: a flex-attention BlockMask (`document_block_mask`): which 128 x 128 tiles of the [seq, seq]
+  score matrix hold any pair of one document (and the diagonal's causal cut), computed from each tile's first and
+  last document: [seq / 128]^2 entries per row, never [seq, seq]. Flex attention then skips the empty tiles.
+- "documents", and every CPU run: a `DocumentTable`, each row's documents as (start, end) spans on the host, and
+  `document_sdpa` runs SDPA's fused kernel on each document alone (cuDNN's on an H200, flash attention's on other
+  GPUs and on the CPU; torch's flex attention has no backward on the CPU, torch 2.11-2.13). Each document is
+  attended exactly, with the kernel full rows use; the price is a call per document and, with cuDNN, a plan
+  built for each new document length (kept for the process: an epoch's lengths recur the next).
 
-Flex attention is also the faster kernel on an H200: torch's flash attention variable-length kernel (each
-document attended exactly, no tiles) measured 1.45x slower on the bench config's packed 4,096-token rows and 1.27x
-on a 16,384-token row of whole meetings (benchmarks/journal/2026-12-02-packed-attention-one-h200.md). Torch's own
-choice of flex's tiles, warps and stages is within 3% of the best of eleven other choices and of inductor's
-autotuned search on those rows (2026-12-02-flex-and-best-fit-one-h200.md), so no kernel options are passed.
+Tried and dropped (benchmarks/journal/): torch's flash attention variable-length kernel measured 1.45x slower
+than flex on the bench config's packed 4,096-token rows and 1.27x on a 16,384-token row of whole meetings
+(2026-12-02-packed-attention-one-h200.md); cuDNN's variable-length kernel (`aten._cudnn_attention_forward` over
+the rows' offsets, torch 2.11) gave the right output but wrong query and key gradients, 13x slower than flex
+(2026-12-02-documents-attention-one-h200.md). Torch's own choice of flex's tiles, warps and stages is within 3%
+of the best of eleven other choices and of inductor's autotuned search (2026-12-02-flex-and-best-fit-one-h200.md),
+so no kernel options are passed.
 
 The decoder layers' attention goes through `document_attention` (registered with transformers as
 DOCUMENT_ATTENTION); a call without such a mask (validation, which stays unpacked; the memory probe) takes
 transformers' SDPA path as before.
 
-Compile and CUDA graphs: the BlockMask is built eagerly, outside the compiled layers, from tensors of static shape
-([batch, seq] position ids; tile tables of [batch, 1, seq / 128, seq / 128]), so a compiled layer sees the same
-shapes every step and traces flex attention into its own graph. Without train.compile, flex attention runs
-through one torch.compile of its own (eager flex attention is a dense reference implementation).
+Compile and CUDA graphs: both masks are built eagerly, outside the compiled layers, as tensors of static shape
+([batch, seq] position ids; tile tables of [batch, 1, seq / 128, seq / 128]; span tables of [batch,
+data.max_samples_per_row + 1, 2]), so a compiled layer sees the same shapes every step. It traces flex attention
+into its own graph; `document_sdpa` is an operator of its own (torch.library), which a graph calls with the span
+table as an input, and which reads it on the host at every call: CUDA graphs cannot replay it. Without
+train.compile, flex attention runs through one torch.compile of its own (eager flex attention is a dense
+reference implementation).
 """
 
 from __future__ import annotations
@@ -101,21 +109,6 @@ def _kv_table(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @dataclass(frozen=True)
-class DocumentSpans:
-    """Each row's documents as (start, end) token spans, on the host: the CPU's document mask."""
-
-    rows: tuple[tuple[tuple[int, int], ...], ...]
-
-    @classmethod
-    def of(cls, position_ids: torch.Tensor) -> DocumentSpans:
-        rows = []
-        for positions in position_ids.tolist():
-            starts = [i for i, p in enumerate(positions) if p == 0] or [0]
-            rows.append(tuple(zip(starts, [*starts[1:], len(positions)], strict=True)))
-        return cls(tuple(rows))
-
-
-@dataclass(frozen=True)
 class DocumentTable:
     """Packed rows' documents as a `span_table` on the host: the "documents" kernel's mask (`document_sdpa`)."""
 
@@ -132,28 +125,6 @@ def document_mask(
     if position_ids.device.type == "cpu" or kernel == "documents":
         return DocumentTable(span_table(position_ids if host is None else host, per_row))
     return document_block_mask(position_ids)
-
-
-def spans_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: DocumentSpans, scale: float | None
-) -> torch.Tensor:
-    """[b, heads, s, d] causal attention within each document span of each row (grouped key-value heads)."""
-    gqa = key.shape[1] != query.shape[1]
-    rows = []
-    for row, row_spans in enumerate(spans.rows):
-        parts = [
-            F.scaled_dot_product_attention(
-                query[row : row + 1, :, start:end],
-                key[row : row + 1, :, start:end],
-                value[row : row + 1, :, start:end],
-                is_causal=True,
-                scale=scale,
-                enable_gqa=gqa,
-            )
-            for start, end in row_spans
-        ]
-        rows.append(torch.cat(parts, dim=2))
-    return torch.cat(rows)
 
 
 def span_table(position_ids: torch.Tensor, per_row: int = 0) -> torch.Tensor:
@@ -283,7 +254,7 @@ def document_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """A transformers attention function: within documents under a document mask (flex attention with a
-    BlockMask, SDPA per span with DocumentSpans); inside a checkpointed layer that keeps attention
+    BlockMask, `document_sdpa` with a DocumentTable); inside a checkpointed layer that keeps attention
     (train.keep_attention), SDPA's fused kernel with its output kept (model/kept_attention.py); transformers'
     SDPA otherwise."""
     kernel = kept_kernel(module, query, key, value, attention_mask, dropout, kwargs)
