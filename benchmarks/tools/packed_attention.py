@@ -144,10 +144,11 @@ def documents(position_ids: torch.Tensor, per_row: int):
 
 def moved(position_ids: torch.Tensor, shift: int) -> torch.Tensor:
     """The rows with each row's first document `shift` tokens shorter and its second as much longer: lengths a
-    kernel that builds a plan per shape has not seen (the rows keep their documents' count)."""
+    kernel that builds a plan per shape has not seen (the rows keep their documents' count; a row of one
+    document stays as it is)."""
     moved = position_ids.clone()
     for row in moved:
-        starts = torch.nonzero(row == 0).flatten().tolist()
+        starts = [*torch.nonzero(row == 0).flatten().tolist(), row.numel()]
         if len(starts) > 2 and starts[1] > shift:
             start, end = starts[1] - shift, starts[2]
             row[start:end] = torch.arange(end - start, device=row.device)

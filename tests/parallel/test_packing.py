@@ -23,6 +23,7 @@ from pipetune.model.attention import (
     document_block_mask,
     document_ids,
     document_mask,
+    padded_length,
     use_document_attention,
 )
 from pipetune.model.load import build_model
@@ -97,9 +98,9 @@ def test_block_mask_is_the_document_mask() -> None:
 
 def test_documents_kernel_is_the_document_mask_compiled_or_not() -> None:
     """train.packed_attention = "documents" (and every CPU run): SDPA's fused kernel on each span of a static span
-    table (rows with fewer documents end in empty spans) gives causal SDPA under the dense document mask, output
-    and gradients, eagerly and traced whole by torch.compile (one graph: the table is a graph input, the kernel an
-    operator of its own)."""
+    table (rows with fewer documents end in empty spans), each document run zero-padded to its padded length,
+    gives causal SDPA under the dense document mask, output and gradients, eagerly and traced whole by
+    torch.compile (one graph: the table is a graph input, the kernel an operator of its own)."""
     row = 300
     position_ids = torch.stack(
         [positions_of([100, 50, 129], row), positions_of([300], row), positions_of([1, 1, 130, 20], row)]
@@ -123,6 +124,8 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not() -> None:
     def attend(query, key, value, mask):
         return document_attention(torch.nn.Module(), query, key, value, mask)[0]
 
+    padded = [padded_length(n) for n in range(1, 16385)]  # what cuDNN builds plans for: few lengths, little padding
+    assert all(0 <= p - n < max(64, n / 16) for n, p in enumerate(padded, 1)) and len(set(padded)) <= 140
     for call in (attend, torch.compile(attend, backend="aot_eager", fullgraph=True)):
         out = call(query, key, value, mask)
         torch.testing.assert_close(out, expected)

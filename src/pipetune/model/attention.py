@@ -152,15 +152,35 @@ def _spans(table: torch.Tensor):
                 yield row, start, end
 
 
+def padded_length(length: int) -> int:
+    """The length `document_sdpa` runs a document of `length` tokens at: rounded up to a sixteenth of its power of
+    two (at least 64), so cuDNN, which builds an execution plan for every shape it has not seen (~0.17 s a new
+    document a step at whole meetings, 2026-12-02-documents-attention-one-h200.md), sees at most 16 lengths an
+    octave, for <= 1/16 more tokens (a 7,400-token meeting runs at 7,424)."""
+    step = max(64, 1 << max(length.bit_length() - 5, 0))
+    return -(-length // step) * step
+
+
+def _staged(t: torch.Tensor, length: int) -> torch.Tensor:
+    """A document's [1, heads, n, d] slice as [1, heads, length, d] (laid out [1, length, heads, d] as the rows
+    are), zeros past n: the slice itself where n is the length already."""
+    n = t.shape[2]
+    if n == length:
+        return t
+    staged = t.new_zeros(1, length, t.shape[1], t.shape[3]).transpose(1, 2)
+    staged[:, :, :n] = t
+    return staged
+
+
 _LSE_SHAPES: dict[tuple, torch.Size] = {}
-"""The log-sum-exp's shape each kernel returned for a document of a length, by (kernel, device type, heads,
-length): kernels differ ([1, heads, length]; cuDNN's [heads, length, 1] with torch 2.11), so `document_sdpa` keeps
-each document's flat and its backward gives it back in the shape its kernel made."""
+"""The log-sum-exp's shape each kernel returned at a (padded) length, by (kernel, device type, heads, length):
+kernels differ ([1, heads, length]; cuDNN's [heads, length, 1] with torch 2.11), so `document_sdpa` keeps each
+document's as [heads, its tokens] and its backward gives it back padded, in the shape its kernel made."""
 
 
 def _lse_slice(row: int, start: int, end: int, heads: int, seq: int) -> slice:
-    """Where a document's log-sum-exp lies in `document_sdpa`'s flat one: rows after each other, a row's
-    documents in order, heads x length floats each."""
+    """Where a document's log-sum-exp ([heads, end - start]) lies in `document_sdpa`'s flat one: rows after each
+    other, a row's documents in order."""
     return slice((row * seq + start) * heads, (row * seq + end) * heads)
 
 
@@ -170,18 +190,20 @@ def document_sdpa(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of [b, heads, s, d] query and [b, kv heads, s, d] key and value within each span of
     `spans` (a `span_table`), each span through SDPA's fused kernel (kept_attention's operators: cuDNN's on an H200,
-    flash attention's elsewhere and on the CPU): the [b, heads, s, d] output (laid out as [b, s, heads, d]) and the
-    documents' float32 log-sum-exps, flat ([b x heads x s], `_lse_slice`), for the backward."""
+    flash attention's elsewhere and on the CPU) at its `padded_length` (zeros past the document: causal attention
+    keeps its tokens' outputs exact): the [b, heads, s, d] output (laid out as [b, s, heads, d]) and the documents'
+    float32 log-sum-exps, flat ([b x heads x s], `_lse_slice`), for the backward."""
     batch, heads, seq, dim = query.shape
     out = query.new_empty(batch, seq, heads, dim).transpose(1, 2)
     lse = query.new_empty(batch * heads * seq, dtype=torch.float32)
     backend = sdpa_backend(query, key, value)
     for row, start, end in _spans(spans):
-        part = slice(start, end)
-        kept = sdpa_forward(*(t[row : row + 1, :, part] for t in (query, key, value)), scale, backend)
-        out[row : row + 1, :, part] = kept.out
-        lse[_lse_slice(row, start, end, heads, seq)] = kept.logsumexp.reshape(-1)
-        _LSE_SHAPES.setdefault((backend, query.device.type, heads, end - start), kept.logsumexp.shape)
+        part, length = slice(start, end), padded_length(end - start)
+        staged = (_staged(t[row : row + 1, :, part], length) for t in (query, key, value))
+        kept = sdpa_forward(*staged, scale, backend)
+        out[row : row + 1, :, part] = kept.out[:, :, : end - start]
+        lse[_lse_slice(row, start, end, heads, seq)] = kept.logsumexp.reshape(heads, length)[:, : end - start].flatten()
+        _LSE_SHAPES.setdefault((backend, query.device.type, heads, length), kept.logsumexp.shape)
     return out, lse
 
 
@@ -203,18 +225,21 @@ def document_sdpa_backward(
     spans: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`document_sdpa`'s query, key and value gradients: each span through its kernel's backward operator."""
+    """`document_sdpa`'s query, key and value gradients: each span through its kernel's backward operator at the
+    forward's padded length. The padding's queries get no gradient (zeros) and a log-sum-exp of 0: with their
+    zero query their scores are 0, so every term they add to the keys' and values' gradients is 0 (finite)."""
     heads, seq = query.shape[1], query.shape[2]
     grads = [torch.empty_like(t) for t in (query, key, value)]
     backend = sdpa_backend(query, key, value)
     for row, start, end in _spans(spans):
-        part = slice(start, end)
-        pieces = [t[row : row + 1, :, part] for t in (grad, query, key, value, out)]
-        shape = _LSE_SHAPES[(backend, query.device.type, heads, end - start)]
-        pieces.append(lse[_lse_slice(row, start, end, heads, seq)].view(shape))
-        kept = _Kept(None, None, backend, dense_extra(query, end - start))
+        part, length, n = slice(start, end), padded_length(end - start), end - start
+        pieces = [_staged(t[row : row + 1, :, part], length) for t in (grad, query, key, value, out)]
+        padded = lse.new_zeros(heads, length)
+        padded[:, :n] = lse[_lse_slice(row, start, end, heads, seq)].view(heads, n)
+        pieces.append(padded.view(_LSE_SHAPES[(backend, query.device.type, heads, length)]))
+        kept = _Kept(None, None, backend, dense_extra(query, length))
         for whole, piece in zip(grads, sdpa_backward(*pieces, kept, scale), strict=True):
-            whole[row : row + 1, :, part] = piece
+            whole[row : row + 1, :, part] = piece[:, :, :n]
     return tuple(grads)
 
 

@@ -203,8 +203,8 @@ def sdpa_forward(
 def dense_extra(query: torch.Tensor, length: int) -> tuple:
     """What `sdpa_forward` returns beside the output and log-sum-exp for causal, dropout-free attention over whole
     rows of `length` tokens, made anew (no sequence tables; the random state unused without dropout)."""
-    none, zero = query.new_empty(0, dtype=torch.int32), query.new_zeros((), dtype=torch.int64)
-    return none, none, length, length, zero, zero
+    zero = query.new_zeros((), dtype=torch.int64)
+    return None, None, length, length, zero, zero
 
 
 def sdpa_backward(grad: torch.Tensor, query, key, value, out, lse, kept: _Kept, scale: float | None) -> tuple:
