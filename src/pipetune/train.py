@@ -637,7 +637,7 @@ def forward_backward(loop: Loop, batches: torch.Tensor, lengths: torch.Tensor) -
         if env.device.type == "cuda":
             input_ids = input_ids.pin_memory()
             position_ids = position_ids.pin_memory() if position_ids is not None else None
-        if position_ids is not None:
+        if position_ids is not None and t.packed_attention != "documents":  # that kernel reads them on the host
             position_ids = position_ids.to(env.device, non_blocking=True)
         out = runners.by_length[length].step(input_ids.to(env.device, non_blocking=True), labels, position_ids)
         if stashed is not None:

@@ -283,7 +283,8 @@ class StageModule(nn.Module):
         """input_ids [b, s] on the first stage, hidden states [b, s, h] elsewhere; logits [b, s, v] on the last
         (normed hidden states with head_in_loss). `position_ids` [b, s]: packed rows' positions, restarting with
         every sample; attention then stays within each sample (the model's attention must be
-        model.attention.DOCUMENT_ATTENTION)."""
+        model.attention.DOCUMENT_ATTENTION). On the host (pinned) or the device: the "documents" kernel reads them
+        on the host, where a training step leaves them for it (no wait for the device)."""
         hidden = self.embed(x) if self.is_first else x
         if self.extended_weights is None:
             self.extended_weights = ExtendedWeights.of(self.layers)
