@@ -46,8 +46,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from pipetune.model.kept_attention import (
-    _Kept,
-    dense_extra,
+    dense_kept,
     kept_attention,
     kept_kernel,
     sdpa_backend,
@@ -237,8 +236,7 @@ def document_sdpa_backward(
         padded = lse.new_zeros(heads, length)
         padded[:, :n] = lse[_lse_slice(row, start, end, heads, seq)].view(heads, n)
         pieces.append(padded.view(_LSE_SHAPES[(backend, query.device.type, heads, length)]))
-        kept = _Kept(None, None, backend, dense_extra(query, length))
-        for whole, piece in zip(grads, sdpa_backward(*pieces, kept, scale), strict=True):
+        for whole, piece in zip(grads, sdpa_backward(*pieces, dense_kept(query, backend, length), scale), strict=True):
             whole[row : row + 1, :, part] = piece[:, :, :n]
     return tuple(grads)
 
