@@ -15,7 +15,8 @@ model's heads go through forward and backward:
   spans a row (the rows with fewer end in empty spans). On whole meetings in rows of 16,384, flex's attention
   cost ~1.4x Unsloth's per token pair (~407 against ~575 TFLOP/s: journal/2026-12-02-flex-and-best-fit-one-h200.md).
   cuDNN builds a plan for each new shape, so `--new-lengths N` also times N calls on rows whose first two documents
-  have lengths it has not seen (`moved`): what a run's steps pay where every meeting's length is new.
+  run at (padded) lengths it has not seen (`moved`, by multiples of NEW_LENGTH_SHIFT): what a run pays the first
+  time it meets a length.
 
 Each is checked against causal SDPA on each sample alone in float32 (output and the query / key / value gradients:
 the error's norm over the reference's) and timed (CUDA events around `--repeats` calls after `--warmup`;
@@ -140,6 +141,11 @@ def documents(position_ids: torch.Tensor, per_row: int):
     `per_row` spans a row): [b, heads, s, d] in, [b, s, heads, d] out."""
     table = span_table(position_ids, per_row)
     return lambda q, k, v: document_sdpa(q, k, v, table, q.shape[-1] ** -0.5)[0].transpose(1, 2)
+
+
+NEW_LENGTH_SHIFT = 1031
+"""Tokens `--new-lengths` moves a row's first document boundary by, per call: more than the padding's step
+(`attention.padded_length`: up to 1,024 below 32,768 tokens), so each call's documents run at lengths not seen."""
 
 
 def moved(position_ids: torch.Tensor, shift: int) -> torch.Tensor:
@@ -271,7 +277,7 @@ def main() -> None:
     if args.new_lengths:  # each call its own new lengths: wall time, plan building included
         calls = []
         for shift in range(1, args.new_lengths + 1):
-            kernel = documents(moved(position_ids, shift), per_row)
+            kernel = documents(moved(position_ids, shift * NEW_LENGTH_SHIFT), per_row)
             began = time.perf_counter()
             run(kernel, inputs, grad)
             if cuda:

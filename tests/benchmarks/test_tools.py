@@ -96,8 +96,8 @@ def test_trace_gaps_finds_the_gpu_idle_gap(tmp_path, monkeypatch, capsys):
 def test_packed_attention_packs_and_checks_the_cpu_kernel(tmp_path, monkeypatch, capsys):
     """On a CPU the tool packs the demo's samples as a run does and runs the CPU's document attention (the
     documents kernel: the CPU's flash attention on each sample, over a static span table; no flex backward there)
-    forward and backward against the float32 reference, also on rows of unseen lengths; the GPU's variants are
-    named and checked before anything runs."""
+    forward and backward against the float32 reference, and the unseen-lengths calls run (the demo's short samples
+    are not moved: `moved` is timed on the GPU); the GPU's variants are named and checked before anything runs."""
     out = tmp_path / "packed.json"
     args = ["--config", "configs/demo.toml", "--set", "data.packing=true", "--rows", "2", "--warmup", "0"]
     run_tool(
