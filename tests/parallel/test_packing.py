@@ -18,6 +18,7 @@ from pipetune.config import Config, LoraConfig, ModelConfig
 from pipetune.data.batching import IGNORE
 from pipetune.data.inspect import training_attention_share
 from pipetune.data.packing import batches_of_rows, epoch_rows
+from pipetune.model import attention
 from pipetune.model.attention import (
     document_attention,
     document_block_mask,
@@ -100,7 +101,8 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not() -> None:
     """train.packed_attention = "documents" (and every CPU run): SDPA's fused kernel on each span of a static span
     table (rows with fewer documents end in empty spans), each document run zero-padded to its padded length,
     gives causal SDPA under the dense document mask, output and gradients, eagerly and traced whole by
-    torch.compile (one graph: the table is a graph input, the kernel an operator of its own)."""
+    torch.compile (one graph: the table is a graph input, the kernel an operator of its own); where no fused kernel
+    runs (float32 off the CPU) it refuses, naming the fix."""
     row = 300
     position_ids = torch.stack(
         [positions_of([100, 50, 129], row), positions_of([300], row), positions_of([1, 1, 130, 20], row)]
@@ -124,6 +126,9 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not() -> None:
     def attend(query, key, value, mask):
         return document_attention(torch.nn.Module(), query, key, value, mask)[0]
 
+    meta = [torch.empty(1, n, 8, 16, device="meta") for n in (4, 2, 2)]  # float32: no fused kernel off the CPU
+    with pytest.raises(ValueError, match='set model.dtype = "bfloat16", or train.packed_attention = "flex"'):
+        attention._documents_backend(*meta)
     padded = [padded_length(n) for n in range(1, 16385)]  # what cuDNN builds plans for: few lengths, little padding
     assert all(0 <= p - n < max(64, n / 16) for n, p in enumerate(padded, 1)) and len(set(padded)) <= 140
     for call in (attend, torch.compile(attend, backend="aot_eager", fullgraph=True)):

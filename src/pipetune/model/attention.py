@@ -46,6 +46,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from pipetune.model.kept_attention import (
+    KERNELS,
     dense_kept,
     kept_attention,
     kept_kernel,
@@ -151,6 +152,19 @@ def _spans(table: torch.Tensor):
                 yield row, start, end
 
 
+def _documents_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
+    """The fused kernel `document_sdpa` runs these tensors with (kept_attention.KERNELS; the CPU's flash attention
+    on a CPU), or a clear error where SDPA would pick neither (float32 on a GPU)."""
+    backend = sdpa_backend(query, key, value)
+    if query.device.type == "cpu" or backend in KERNELS:
+        return backend
+    raise ValueError(
+        f"train.packed_attention = \"documents\" runs SDPA's fused kernels (cuDNN's, flash attention's), which "
+        f"this {query.device.type} device does not run for {query.dtype} attention: set model.dtype = "
+        '"bfloat16", or train.packed_attention = "flex"'
+    )
+
+
 def padded_length(length: int) -> int:
     """The length `document_sdpa` runs a document of `length` tokens at: rounded up to a sixteenth of its power of
     two (at least 64), so cuDNN, which builds an execution plan for every shape it has not seen (~0.17 s a new
@@ -195,7 +209,7 @@ def document_sdpa(
     batch, heads, seq, dim = query.shape
     out = query.new_empty(batch, seq, heads, dim).transpose(1, 2)
     lse = query.new_empty(batch * heads * seq, dtype=torch.float32)
-    backend = sdpa_backend(query, key, value)
+    backend = _documents_backend(query, key, value)
     for row, start, end in _spans(spans):
         part, length = slice(start, end), padded_length(end - start)
         staged = (_staged(t[row : row + 1, :, part], length) for t in (query, key, value))
@@ -229,7 +243,7 @@ def document_sdpa_backward(
     zero query their scores are 0, so every term they add to the keys' and values' gradients is 0 (finite)."""
     heads, seq = query.shape[1], query.shape[2]
     grads = [torch.empty_like(t) for t in (query, key, value)]
-    backend = sdpa_backend(query, key, value)
+    backend = _documents_backend(query, key, value)
     for row, start, end in _spans(spans):
         part, length, n = slice(start, end), padded_length(end - start), end - start
         pieces = [_staged(t[row : row + 1, :, part], length) for t in (grad, query, key, value, out)]
