@@ -39,10 +39,18 @@ from pipetune.checkpoint import (
 from pipetune.config import Config, save_config
 from pipetune.data.batching import SampleStore, bucket_lengths, bucketed_epoch_batches, epoch_batches, pad_fraction
 from pipetune.data.cache import tokenized_data
-from pipetune.data.packing import batches_of_rows, epoch_rows, members, packed_batch, rows_attention_share
+from pipetune.data.packing import (
+    batches_of_rows,
+    epoch_rows,
+    members,
+    packed_batch,
+    row_documents,
+    rows_attention_share,
+)
 from pipetune.data.sources import chat_lines
 from pipetune.export import PROMPT_FILE, write_prompt_settings
 from pipetune.metrics import MetricsLog, PhaseLog, host_peak_gb, peak_memory_gb, reset_peak_memory
+from pipetune.model.attention import PLAN_BUILDS, expect_document_lengths
 from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory, graphs_untried
 from pipetune.model.load import DTYPES
 from pipetune.model.lora import adapter_state, save_adapter
@@ -121,6 +129,8 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     torch.manual_seed(t.seed + mesh.replica_rank)
 
     data = build_data(config, env, prepared, run_dir, say)
+    if data.packing and t.packed_attention == "documents":  # cuDNN's plans for them, built in the first step
+        expect_document_lengths(row_documents(data.packed_rows(0), data.real_tokens, data.max_length))
     stages = build_stages(config, env, mesh, prepared, phases, say, quiet)
     runners = build_runners(config, env, mesh, prepared, stages)
     optimizer, scheduler = build_optimizer(config, stages.params, data.total_steps)
@@ -150,6 +160,9 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     for epoch, index, batches, lengths in data.steps_from(position):
         with profiled(loop.step + 1, env.rank, device):  # PIPETUNE_PROFILE_STEP, for diagnosis
             lr = run_step(loop, batches, lengths)
+        while PLAN_BUILDS:
+            count, seconds = PLAN_BUILDS.pop(0)
+            say(f"packed attention: cuDNN's plans for {count} document lengths built in {seconds:.1f} s")
         loop.hooks.after_step(loop.step, saved=False)
         epoch_end = index == data.epoch_steps[epoch] - 1
         log, evaluate, save = cadence(config, loop.step, data.total_steps, epoch_end, data.validation is not None)

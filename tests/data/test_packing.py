@@ -18,8 +18,11 @@ from pipetune.data.packing import (
     members,
     packed_attention_share,
     packed_batch,
+    row_documents,
+    rows_attention_share,
 )
 from pipetune.data.prompt import Sample
+from pipetune.model.attention import span_table
 from pipetune.preflight import check_packing, epoch_steps, preflight, prepare
 from tests.conftest import tiny_config, write_config
 
@@ -116,6 +119,11 @@ def test_packed_row_is_its_samples_unpacked_one_after_another() -> None:
         assert (input_ids[row, start:] == 0).all() and (labels[row, start:] == IGNORE).all()
         assert torch.equal(position_ids[row, start:], torch.arange(32 - start))  # the pads: a document of their own
     assert int((labels != IGNORE).sum()) == int(store.supervised.sum())
+    # The documents the attention kernels see (a new one wherever the position restarts): the samples, the pad tails.
+    spans = span_table(position_ids)
+    seen = sorted(int(end - start) for row in spans for start, end in row.tolist() if end > start)
+    assert seen == sorted(row_documents(rows, store.lengths, 32).tolist()) == [5, 6, 7, 9, 12, 25]
+    assert rows_attention_share(rows, store.lengths, 32) == pytest.approx(sum(n * n for n in seen) / (2 * 32**2))
     with pytest.raises(ValueError, match="overruns the row of 16"):
         packed_batch(store, torch.tensor([[0, 2]]), 16, pad_id=0)
 

@@ -97,12 +97,13 @@ def test_block_mask_is_the_document_mask() -> None:
     torch.testing.assert_close(flex_attention(query, key, value, block_mask=mask, enable_gqa=True), expected)
 
 
-def test_documents_kernel_is_the_document_mask_compiled_or_not() -> None:
+def test_documents_kernel_is_the_document_mask_compiled_or_not(monkeypatch) -> None:
     """train.packed_attention = "documents" (and every CPU run): SDPA's fused kernel on each span of a static span
     table (rows with fewer documents end in empty spans), each document run zero-padded to its padded length,
     gives causal SDPA under the dense document mask, output and gradients, eagerly and traced whole by
     torch.compile (one graph: the table is a graph input, the kernel an operator of its own); where no fused kernel
-    runs (float32 off the CPU) it refuses, naming the fix."""
+    runs (float32 off the CPU) it refuses, naming the fix. The plans built ahead for a run's lengths (cuDNN's only;
+    here the CPU's kernel through the same calls) run each padded length once per attention shape."""
     row = 300
     position_ids = torch.stack(
         [positions_of([100, 50, 129], row), positions_of([300], row), positions_of([1, 1, 130, 20], row)]
@@ -131,6 +132,13 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not() -> None:
         attention._documents_backend(*meta)
     padded = [padded_length(n) for n in range(1, 16385)]  # what cuDNN builds plans for: few lengths, little padding
     assert all(0 <= p - n < max(64, n / 16) for n, p in enumerate(padded, 1)) and len(set(padded)) <= 140
+    for name, value_ in (("_EXPECTED_LENGTHS", set()), ("_BUILT", set()), ("PLAN_BUILDS", [])):
+        monkeypatch.setattr(attention, name, value_)
+    attention.expect_document_lengths(torch.tensor([0, 30, 100, 128, 129]))
+    assert attention._EXPECTED_LENGTHS == {64, 128, 192}
+    for _ in range(2):
+        attention._build_plans(query.detach(), key.detach(), value.detach(), 0.25, attention.CUDNN)
+    assert [count for count, _ in attention.PLAN_BUILDS] == [3]
     for call in (attend, torch.compile(attend, backend="aot_eager", fullgraph=True)):
         out = call(query, key, value, mask)
         torch.testing.assert_close(out, expected)

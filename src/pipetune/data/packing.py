@@ -139,15 +139,24 @@ def packed_attention_share(lengths: torch.Tensor, row_length: int, max_per_row: 
     return rows_attention_share(epoch_rows(lengths, row_length, max_per_row, seed, 0), lengths, row_length)
 
 
+def row_documents(rows: torch.Tensor, lengths: torch.Tensor, row_length: int) -> torch.Tensor:
+    """The lengths of the documents in these packed rows ([n, max_per_row] sample indices, -1: none), flat: each
+    sample's (cut to the row) and each row's pad tail (a document of its own to the attention kernels), no empty
+    tails. What `rows_attention_share` counts, and the lengths the "documents" kernel meets
+    (model/attention.py's `expect_document_lengths`)."""
+    in_row = torch.where(rows >= 0, lengths[rows.clamp(min=0)].clamp(max=row_length), 0)
+    tails = row_length - in_row.sum(-1)
+    return torch.cat([in_row[rows >= 0], tails[tails > 0]])
+
+
 def rows_attention_share(rows: torch.Tensor, lengths: torch.Tensor, row_length: int) -> float:
     """Attention work of these packed rows ([n, max_per_row] sample indices, -1: none) against causal attention
-    over each whole row: their samples' lengths squared and each pad tail's, over n x row_length squared (1.0 for
-    no rows). The metrics record it for each step's rows, the bench's MFU counts it (a packed step's attention is
-    its own rows', not the epoch's)."""
+    over each whole row: their documents' lengths squared (`row_documents`: the samples' and each pad tail's),
+    over n x row_length squared (1.0 for no rows). The metrics record it for each step's rows, the bench's MFU
+    counts it (a packed step's attention is its own rows', not the epoch's)."""
     if not len(rows):
         return 1.0
-    in_row = torch.where(rows >= 0, lengths[rows.clamp(min=0)].clamp(max=row_length).double(), 0.0)  # rows' only
-    squares = (in_row**2).sum() + ((row_length - in_row.sum(-1)) ** 2).sum()
+    squares = (row_documents(rows, lengths, row_length).double() ** 2).sum()
     return float(squares) / (len(rows) * row_length**2)
 
 

@@ -10,7 +10,8 @@ builds its mask from them (`document_mask`), once per microbatch for all its lay
   `document_sdpa` runs SDPA's fused kernel on each document alone (cuDNN's on an H200, flash attention's on other
   GPUs and on the CPU; torch's flex attention has no backward on the CPU, torch 2.11-2.13). Each document is
   attended exactly, with the kernel full rows use; the price is a call per document and, with cuDNN, a plan
-  built for each new document length (kept for the process: an epoch's lengths recur the next).
+  built for each new (padded) document length, kept for the process: a training run names its lengths ahead
+  (`expect_document_lengths`) and the first call builds them all.
 
 Tried and dropped (benchmarks/journal/): torch's flash attention variable-length kernel measured 1.45x slower
 than flex on the bench config's packed 4,096-token rows and 1.27x on a 16,384-token row of whole meetings
@@ -36,6 +37,7 @@ reference implementation).
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +48,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from pipetune.model.kept_attention import (
+    CUDNN,
     KERNELS,
     dense_kept,
     kept_attention,
@@ -175,13 +178,11 @@ def padded_length(length: int) -> int:
 
 
 def _staged(t: torch.Tensor, length: int) -> torch.Tensor:
-    """A document's [1, heads, n, d] slice as [1, heads, length, d] (laid out [1, length, heads, d] as the rows
-    are), zeros past n: the slice itself where n is the length already."""
-    n = t.shape[2]
-    if n == length:
-        return t
+    """A document's [1, heads, n, d] slice copied into [1, heads, length, d] (laid out [1, length, heads, d] as the
+    rows are), zeros past n. Always a copy: every call of a length then hands cuDNN the same strides, so the plans
+    `expect_document_lengths` builds ahead are the ones the steps use (a plan is kept per shape and strides)."""
     staged = t.new_zeros(1, length, t.shape[1], t.shape[3]).transpose(1, 2)
-    staged[:, :, :n] = t
+    staged[:, :, : t.shape[2]] = t
     return staged
 
 
@@ -197,6 +198,65 @@ def _lse_slice(row: int, start: int, end: int, heads: int, seq: int) -> slice:
     return slice((row * seq + start) * heads, (row * seq + end) * heads)
 
 
+def _document_forward(query, key, value, scale: float, backend: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One document's ([1, heads, n, d] slices) causal attention at its `padded_length`: its [1, heads, n, d]
+    output and [heads, n] float32 log-sum-exp."""
+    n, heads = query.shape[2], query.shape[1]
+    length = padded_length(n)
+    kept = sdpa_forward(*(_staged(t, length) for t in (query, key, value)), scale, backend)
+    _LSE_SHAPES.setdefault((backend, query.device.type, heads, length), kept.logsumexp.shape)
+    return kept.out[:, :, :n], kept.logsumexp.reshape(heads, length)[:, :n]
+
+
+def _document_backward(grad, query, key, value, out, lse, scale: float, backend: int) -> tuple:
+    """`_document_forward`'s query, key and value gradients ([1, heads, n, d] each) through its kernel's backward
+    operator at the same padded length. The padding's queries get no gradient (zeros) and a log-sum-exp of 0: with
+    their zero query their scores are 0, so every term they add to the keys' and values' gradients is 0."""
+    n, heads = query.shape[2], query.shape[1]
+    length = padded_length(n)
+    pieces = [_staged(t, length) for t in (grad, query, key, value, out)]
+    padded = lse.new_zeros(heads, length)
+    padded[:, :n] = lse
+    pieces.append(padded.view(_LSE_SHAPES[(backend, query.device.type, heads, length)]))
+    grads = sdpa_backward(*pieces, dense_kept(query, backend, length), scale)
+    return tuple(g[:, :, :n] for g in grads)
+
+
+_EXPECTED_LENGTHS: set[int] = set()
+"""The padded document lengths this process's packed rows hold (`expect_document_lengths`)."""
+_BUILT: set[tuple] = set()
+"""The attention shapes (kernel, device, dtype, heads, key-value heads, head size, scale) whose plans were built
+for every expected length."""
+PLAN_BUILDS: list[tuple[int, float]] = []
+"""(lengths, seconds) of each build of cuDNN's plans ahead (`_build_plans`), for the run's log."""
+
+
+def expect_document_lengths(lengths) -> None:
+    """Name the document lengths (tokens: the samples', a packed row's pad tail) this process's packed rows will
+    hold. cuDNN builds an execution plan (forward and backward) for every attention shape it has not seen, ~0.17 s
+    each (2026-12-02-documents-attention-one-h200.md), which a first epoch of whole meetings otherwise pays step
+    after step; with the lengths known, `document_sdpa`'s first call builds the plans of all their padded lengths
+    at once (`_build_plans`). A length not named costs its build when it comes."""
+    _EXPECTED_LENGTHS.update(padded_length(int(n)) for n in lengths if int(n) > 0)
+
+
+def _build_plans(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, backend: int) -> None:
+    """Run one zero document of every expected padded length, forward and backward, through cuDNN at this call's
+    shape (once per shape and process): the plans the steps will use, built before the first step's documents."""
+    shape = (backend, query.device, query.dtype, query.shape[1], key.shape[1], query.shape[3], scale)
+    if backend != CUDNN or shape in _BUILT or not _EXPECTED_LENGTHS:
+        return
+    _BUILT.add(shape)
+    started = time.perf_counter()
+    for length in sorted(_EXPECTED_LENGTHS):
+        q, k, v = (t.new_zeros(1, t.shape[1], length, t.shape[3]) for t in (query, key, value))
+        out, lse = _document_forward(q, k, v, scale, backend)
+        _document_backward(torch.zeros_like(out), q, k, v, out, lse, scale, backend)
+    if query.device.type == "cuda":
+        torch.cuda.synchronize(query.device)
+    PLAN_BUILDS.append((len(_EXPECTED_LENGTHS), time.perf_counter() - started))
+
+
 @torch.library.custom_op("pipetune::document_sdpa", mutates_args=())
 def document_sdpa(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: torch.Tensor, scale: float
@@ -210,13 +270,12 @@ def document_sdpa(
     out = query.new_empty(batch, seq, heads, dim).transpose(1, 2)
     lse = query.new_empty(batch * heads * seq, dtype=torch.float32)
     backend = _documents_backend(query, key, value)
+    _build_plans(query, key, value, scale, backend)
     for row, start, end in _spans(spans):
-        part, length = slice(start, end), padded_length(end - start)
-        staged = (_staged(t[row : row + 1, :, part], length) for t in (query, key, value))
-        kept = sdpa_forward(*staged, scale, backend)
-        out[row : row + 1, :, part] = kept.out[:, :, : end - start]
-        lse[_lse_slice(row, start, end, heads, seq)] = kept.logsumexp.reshape(heads, length)[:, : end - start].flatten()
-        _LSE_SHAPES.setdefault((backend, query.device.type, heads, length), kept.logsumexp.shape)
+        part = slice(start, end)
+        doc_out, doc_lse = _document_forward(*(t[row : row + 1, :, part] for t in (query, key, value)), scale, backend)
+        out[row : row + 1, :, part] = doc_out
+        lse[_lse_slice(row, start, end, heads, seq)] = doc_lse.flatten()
     return out, lse
 
 
@@ -238,20 +297,16 @@ def document_sdpa_backward(
     spans: torch.Tensor,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`document_sdpa`'s query, key and value gradients: each span through its kernel's backward operator at the
-    forward's padded length. The padding's queries get no gradient (zeros) and a log-sum-exp of 0: with their
-    zero query their scores are 0, so every term they add to the keys' and values' gradients is 0 (finite)."""
+    """`document_sdpa`'s query, key and value gradients: each span through `_document_backward`."""
     heads, seq = query.shape[1], query.shape[2]
     grads = [torch.empty_like(t) for t in (query, key, value)]
     backend = _documents_backend(query, key, value)
     for row, start, end in _spans(spans):
-        part, length, n = slice(start, end), padded_length(end - start), end - start
-        pieces = [_staged(t[row : row + 1, :, part], length) for t in (grad, query, key, value, out)]
-        padded = lse.new_zeros(heads, length)
-        padded[:, :n] = lse[_lse_slice(row, start, end, heads, seq)].view(heads, n)
-        pieces.append(padded.view(_LSE_SHAPES[(backend, query.device.type, heads, length)]))
-        for whole, piece in zip(grads, sdpa_backward(*pieces, dense_kept(query, backend, length), scale), strict=True):
-            whole[row : row + 1, :, part] = piece[:, :, :n]
+        part = slice(start, end)
+        pieces = [t[row : row + 1, :, part] for t in (grad, query, key, value, out)]
+        doc_lse = lse[_lse_slice(row, start, end, heads, seq)].view(heads, end - start)
+        for whole, piece in zip(grads, _document_backward(*pieces, doc_lse, scale, backend), strict=True):
+            whole[row : row + 1, :, part] = piece
     return tuple(grads)
 
 
