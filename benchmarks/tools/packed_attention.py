@@ -239,8 +239,9 @@ def main() -> None:
     position_ids = position_ids.to(device)
     rows, seq = position_ids.shape
     torch.manual_seed(0)
-    inputs = [torch.randn(rows, n, seq, dim, device=device, dtype=dtype) for n in (heads, kv_heads, kv_heads)]
-    inputs = [t.requires_grad_(True) for t in inputs]
+    # laid out [rows, seq, heads, d] as a layer's projections leave them (what the documents kernel's windows see)
+    inputs = [torch.randn(rows, seq, n, dim, device=device, dtype=dtype) for n in (heads, kv_heads, kv_heads)]
+    inputs = [t.transpose(1, 2).requires_grad_(True) for t in inputs]
     grad = torch.randn(rows, seq, heads, dim, device=device, dtype=dtype)
     reference_inputs = [t.detach().float().requires_grad_(True) for t in inputs]
     want = run(reference(position_ids), reference_inputs, grad.float())

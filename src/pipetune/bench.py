@@ -2,9 +2,11 @@
 
 Each strategy is a normal `pipetune train` run in its own process group (so GPU memory is
 released between them) of warmup + timed optimizer steps; figures come from its metrics.csv.
-Warm-up steps (which include compilation) are excluded; tokens/s and step time are medians over the metrics
-rows, one per step by default (--rows N: one every N steps, between which the host runs ahead of the GPU, as in
-a run that logs every few steps).
+Warm-up steps (which include compilation) are excluded; tokens/s are the timed steps' tokens over their time and
+step time their time over their count (until 2026-12-02: medians of the metrics rows, which packed rows, whose
+steps' work varies, overstated: 20,103 real tokens/s for whole meetings' 19,062 over the same 117 steps), from
+the metrics rows, one per step by default (--rows N: one every N steps, between which the host runs ahead of the
+GPU, as in a run that logs every few steps).
 
 MFU = tokens/s x FLOPs per token / (GPUs x peak FLOP/s), FLOPs per token from the stage cost
 model of model/split.py (4 x weights of every matmul: frozen-base LoRA training is forward plus
@@ -275,16 +277,16 @@ class FlopCount:
     per_share: float = 0.0
     share: float = 1.0
 
-    def mfu(self, rows: list[dict], tokens: float, n_gpus: int) -> float:
-        """The timed rows' MFU: the median row's `tokens`/s x per_token; with rows' own shares, the median of each
-        row's tokens/s x its own FLOPs a token."""
-        achieved = tokens * self.per_token
+    def mfu(self, rows: list[dict], seconds: list[float], n_gpus: int) -> float:
+        """The timed rows' MFU: their FLOPs (tokens x per_token; with rows' own shares, each row's tokens x its own
+        FLOPs a token) over their `seconds`."""
+        moved = [0.0] * len(rows)
         if self.per_share and rows[0].get("attention_share"):
             moved = [self.per_share * (float(r["attention_share"]) - self.share) for r in rows]
-            achieved = statistics.median(
-                float(r["tokens_per_sec"]) * (self.per_token + m) for r, m in zip(rows, moved, strict=True)
-            )
-        return achieved / (n_gpus * self.peak_tflops * 1e12)
+        flops = sum(
+            float(r["tokens_per_sec"]) * t * (self.per_token + m) for r, t, m in zip(rows, seconds, moved, strict=True)
+        )
+        return flops / sum(seconds) / (n_gpus * self.peak_tflops * 1e12)
 
 
 def strategy_result(run: dict, run_dir: Path, strategy: str, warmup: int, n_gpus: int, count: FlopCount) -> dict:
@@ -312,23 +314,23 @@ def timed_rows(run_dir: Path, warmup: int) -> list[dict]:
 def summarize_run(run_dir: Path, strategy: str, warmup: int, n_gpus: int, count: FlopCount) -> dict:
     """The timed rows' figures (MFU: `count`), and where they record packed rows' attention share, its mean."""
     rows = timed_rows(run_dir, warmup)
-    tokens = statistics.median(float(r["tokens_per_sec"]) for r in rows)
     peaks = rank_columns(rows[0], "peak_gb_rank")
     reserved = [k for k in rank_columns(rows[0], "reserved_gb_rank") if rows[0][k]]
     seconds = _row_seconds(rows, warmup)
+    timed, steps = sum(seconds), int(rows[-1]["step"]) - warmup
     all_tokens = sum(float(r["tokens_per_sec"]) * t for r, t in zip(rows, seconds, strict=True))
     real_tokens = sum(float(r["real_tokens_per_sec"]) * t for r, t in zip(rows, seconds, strict=True))
     loss = float(rows[-1]["loss"])
     result = {
         "strategy": strategy,
         "gpus": n_gpus,
-        "timed_steps": int(rows[-1]["step"]) - warmup,
-        "tokens_per_sec": tokens,
-        "tokens_per_sec_per_gpu": tokens / n_gpus,
-        "real_tokens_per_sec": statistics.median(float(r["real_tokens_per_sec"]) for r in rows),
+        "timed_steps": steps,
+        "tokens_per_sec": all_tokens / timed,
+        "tokens_per_sec_per_gpu": all_tokens / timed / n_gpus,
+        "real_tokens_per_sec": real_tokens / timed,
         "pad_share": 1 - real_tokens / all_tokens if all_tokens > 0 else 0.0,
-        "step_time_sec": statistics.median(float(r["step_time_sec"]) for r in rows),
-        "mfu": count.mfu(rows, tokens, n_gpus),
+        "step_time_sec": timed / steps,
+        "mfu": count.mfu(rows, seconds, n_gpus),
         "peak_gb_per_rank": [max(float(r[k]) for r in rows) for k in peaks],
         "reserved_gb_per_rank": [max(float(r[k] or 0) for r in rows) for k in reserved],
         "final_loss": loss if math.isfinite(loss) else None,  # every step of the last row skipped: no loss

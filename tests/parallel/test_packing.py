@@ -132,13 +132,14 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not(monkeypatch) -> N
         attention._documents_backend(*meta)
     padded = [padded_length(n) for n in range(1, 16385)]  # what cuDNN builds plans for: few lengths, little padding
     assert all(0 <= p - n < max(64, n / 16) for n, p in enumerate(padded, 1)) and len(set(padded)) <= 140
+    assert all(padded_length(p) == p for p in set(padded))
     for name, value_ in (("_EXPECTED_LENGTHS", set()), ("_BUILT", set()), ("PLAN_BUILDS", [])):
         monkeypatch.setattr(attention, name, value_)
-    attention.expect_document_lengths(torch.tensor([0, 30, 100, 128, 129]))
-    assert attention._EXPECTED_LENGTHS == {64, 128, 192}
+    attention.expect_document_lengths(torch.tensor([0, 30, 100, 128, 129, 300]))
+    assert attention._EXPECTED_LENGTHS == {64, 128, 192, 320}  # 320: past the row of 300, a copy
     for _ in range(2):
         attention._build_plans(query.detach(), key.detach(), value.detach(), 0.25, attention.CUDNN)
-    assert [count for count, _ in attention.PLAN_BUILDS] == [3]
+    assert [count for count, _ in attention.PLAN_BUILDS] == [4]
     for call in (attend, torch.compile(attend, backend="aot_eager", fullgraph=True)):
         out = call(query, key, value, mask)
         torch.testing.assert_close(out, expected)

@@ -177,19 +177,28 @@ def padded_length(length: int) -> int:
     return -(-length // step) * step
 
 
-def _staged(t: torch.Tensor, length: int) -> torch.Tensor:
-    """A document's [1, heads, n, d] slice copied into [1, heads, length, d] (laid out [1, length, heads, d] as the
-    rows are), zeros past n. Always a copy: every call of a length then hands cuDNN the same strides, so the plans
-    `expect_document_lengths` builds ahead are the ones the steps use (a plan is kept per shape and strides)."""
-    staged = t.new_zeros(1, length, t.shape[1], t.shape[3]).transpose(1, 2)
-    staged[:, :, : t.shape[2]] = t
-    return staged
+def _window(t: torch.Tensor, row: int, start: int, length: int) -> torch.Tensor:
+    """[1, heads, length, d] of a [b, heads, s, d] row from `start`: a view where the row has the room (past the
+    document it holds the next one's tokens), else a copy, zeros past the row's end, laid out as the rows are
+    ([b, s, heads, d]: the projections' layout) with the row's batch stride, so that with such rows a length
+    meets cuDNN in one layout either way and one plan serves it (cuDNN keeps a plan per shape and strides)."""
+    seq = t.shape[2]
+    if start + length <= seq:
+        return t[row : row + 1, :, start : start + length]
+    window = t.new_zeros(1, length, t.shape[1], t.shape[3]).transpose(1, 2)
+    window = window.as_strided(window.shape, (t.stride(0), *window.stride()[1:]))
+    window[:, :, : seq - start] = t[row : row + 1, :, start:]
+    return window
 
 
 _LSE_SHAPES: dict[tuple, torch.Size] = {}
 """The log-sum-exp's shape each kernel returned at a (padded) length, by (kernel, device type, heads, length):
 kernels differ ([1, heads, length]; cuDNN's [heads, length, 1] with torch 2.11), so `document_sdpa` keeps each
 document's as [heads, its tokens] and its backward gives it back padded, in the shape its kernel made."""
+
+_NO_WEIGHT = 1e30
+"""The log-sum-exp a backward gives the window's queries past the document: every attention weight it implies is
+exp(score - 1e30) = 0, so they add nothing to any gradient, whatever their output gradient."""
 
 
 def _lse_slice(row: int, start: int, end: int, heads: int, seq: int) -> slice:
@@ -198,28 +207,35 @@ def _lse_slice(row: int, start: int, end: int, heads: int, seq: int) -> slice:
     return slice((row * seq + start) * heads, (row * seq + end) * heads)
 
 
-def _document_forward(query, key, value, scale: float, backend: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One document's ([1, heads, n, d] slices) causal attention at its `padded_length`: its [1, heads, n, d]
-    output and [heads, n] float32 log-sum-exp."""
-    n, heads = query.shape[2], query.shape[1]
+def _document_forward(query, key, value, row: int, start: int, end: int, scale: float, backend: int) -> tuple:
+    """Causal attention of the document at [start, end) of a row, run over a window of its `padded_length` from
+    its start (causal: the tokens past the document change none of its outputs): its [1, heads, n, d] output and
+    [heads, n] float32 log-sum-exp."""
+    n, heads = end - start, query.shape[1]
     length = padded_length(n)
-    kept = sdpa_forward(*(_staged(t, length) for t in (query, key, value)), scale, backend)
+    kept = sdpa_forward(*(_window(t, row, start, length) for t in (query, key, value)), scale, backend)
     _LSE_SHAPES.setdefault((backend, query.device.type, heads, length), kept.logsumexp.shape)
     return kept.out[:, :, :n], kept.logsumexp.reshape(heads, length)[:, :n]
 
 
-def _document_backward(grad, query, key, value, out, lse, scale: float, backend: int) -> tuple:
-    """`_document_forward`'s query, key and value gradients ([1, heads, n, d] each) through its kernel's backward
-    operator at the same padded length. The padding's queries get no gradient (zeros) and a log-sum-exp of 0: with
-    their zero query their scores are 0, so every term they add to the keys' and values' gradients is 0."""
-    n, heads = query.shape[2], query.shape[1]
+def _document_backward(grad, query, key, value, out, lse, row: int, start: int, end: int, scale: float, backend: int):
+    """`_document_forward`'s query, key and value gradients ([1, heads, n, d] each): its kernel's backward operator
+    over the same window, the queries past the document given `_NO_WEIGHT` as their log-sum-exp."""
+    n, heads = end - start, query.shape[1]
     length = padded_length(n)
-    pieces = [_staged(t, length) for t in (grad, query, key, value, out)]
-    padded = lse.new_zeros(heads, length)
+    pieces = [_window(t, row, start, length) for t in (grad, query, key, value, out)]
+    padded = lse.new_full((heads, length), _NO_WEIGHT)
     padded[:, :n] = lse
     pieces.append(padded.view(_LSE_SHAPES[(backend, query.device.type, heads, length)]))
     grads = sdpa_backward(*pieces, dense_kept(query, backend, length), scale)
     return tuple(g[:, :, :n] for g in grads)
+
+
+def _row_like(query: torch.Tensor) -> torch.Tensor:
+    """An empty [b, heads, s, d] laid out [b, s, heads, d]: `document_sdpa`'s output, and the layout its backward
+    takes the output's gradient in."""
+    batch, heads, seq, dim = query.shape
+    return query.new_empty(batch, seq, heads, dim).transpose(1, 2)
 
 
 _EXPECTED_LENGTHS: set[int] = set()
@@ -248,10 +264,10 @@ def _build_plans(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sc
         return
     _BUILT.add(shape)
     started = time.perf_counter()
-    for length in sorted(_EXPECTED_LENGTHS):
-        q, k, v = (t.new_zeros(1, t.shape[1], length, t.shape[3]) for t in (query, key, value))
-        out, lse = _document_forward(q, k, v, scale, backend)
-        _document_backward(torch.zeros_like(out), q, k, v, out, lse, scale, backend)
+    q, k, v, out = (torch.zeros_like(t[:1]) for t in (query, key, value, _row_like(query)))  # the rows' strides
+    for length in sorted(_EXPECTED_LENGTHS):  # one document at the row's start: windows as the steps' are
+        _, lse = _document_forward(q, k, v, 0, 0, length, scale, backend)
+        _document_backward(out, q, k, v, out, lse, 0, 0, length, scale, backend)
     if query.device.type == "cuda":
         torch.cuda.synchronize(query.device)
     PLAN_BUILDS.append((len(_EXPECTED_LENGTHS), time.perf_counter() - started))
@@ -263,18 +279,18 @@ def document_sdpa(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of [b, heads, s, d] query and [b, kv heads, s, d] key and value within each span of
     `spans` (a `span_table`), each span through SDPA's fused kernel (kept_attention's operators: cuDNN's on an H200,
-    flash attention's elsewhere and on the CPU) at its `padded_length` (zeros past the document: causal attention
-    keeps its tokens' outputs exact): the [b, heads, s, d] output (laid out as [b, s, heads, d]) and the documents'
-    float32 log-sum-exps, flat ([b x heads x s], `_lse_slice`), for the backward."""
+    flash attention's elsewhere and on the CPU) over a window of its `padded_length` from its start (a view of the
+    row; causal attention keeps the document's outputs exact whatever follows it): the [b, heads, s, d] output
+    (laid out as [b, s, heads, d]) and the documents' float32 log-sum-exps, flat ([b x heads x s], `_lse_slice`),
+    for the backward."""
     batch, heads, seq, dim = query.shape
-    out = query.new_empty(batch, seq, heads, dim).transpose(1, 2)
+    out = _row_like(query)
     lse = query.new_empty(batch * heads * seq, dtype=torch.float32)
     backend = _documents_backend(query, key, value)
     _build_plans(query, key, value, scale, backend)
     for row, start, end in _spans(spans):
-        part = slice(start, end)
-        doc_out, doc_lse = _document_forward(*(t[row : row + 1, :, part] for t in (query, key, value)), scale, backend)
-        out[row : row + 1, :, part] = doc_out
+        doc_out, doc_lse = _document_forward(query, key, value, row, start, end, scale, backend)
+        out[row : row + 1, :, start:end] = doc_out
         lse[_lse_slice(row, start, end, heads, seq)] = doc_lse.flatten()
     return out, lse
 
@@ -282,8 +298,7 @@ def document_sdpa(
 @document_sdpa.register_fake
 def _(query, key, value, spans, scale):
     batch, heads, seq, dim = query.shape
-    out = query.new_empty(batch, seq, heads, dim).transpose(1, 2)
-    return out, query.new_empty(batch * heads * seq, dtype=torch.float32)
+    return _row_like(query), query.new_empty(batch * heads * seq, dtype=torch.float32)
 
 
 @torch.library.custom_op("pipetune::document_sdpa_backward", mutates_args=())
@@ -299,14 +314,15 @@ def document_sdpa_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`document_sdpa`'s query, key and value gradients: each span through `_document_backward`."""
     heads, seq = query.shape[1], query.shape[2]
+    if grad.stride() != out.stride():  # the output's layout, as the plans built ahead take it
+        grad = _row_like(query).copy_(grad)
     grads = [torch.empty_like(t) for t in (query, key, value)]
     backend = _documents_backend(query, key, value)
     for row, start, end in _spans(spans):
-        part = slice(start, end)
-        pieces = [t[row : row + 1, :, part] for t in (grad, query, key, value, out)]
         doc_lse = lse[_lse_slice(row, start, end, heads, seq)].view(heads, end - start)
-        for whole, piece in zip(grads, _document_backward(*pieces, doc_lse, scale, backend), strict=True):
-            whole[row : row + 1, :, part] = piece
+        pieces = _document_backward(grad, query, key, value, out, doc_lse, row, start, end, scale, backend)
+        for whole, piece in zip(grads, pieces, strict=True):
+            whole[row : row + 1, :, start:end] = piece
     return tuple(grads)
 
 
