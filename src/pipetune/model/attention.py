@@ -169,11 +169,11 @@ def _documents_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 def padded_length(length: int) -> int:
-    """The length `document_sdpa` runs a document of `length` tokens at: rounded up to a sixteenth of its power of
-    two (at least 64), so cuDNN, which builds an execution plan for every shape it has not seen (~0.17 s a new
-    document a step at whole meetings, 2026-12-02-documents-attention-one-h200.md), sees at most 16 lengths an
-    octave, for <= 1/16 more tokens (a 7,400-token meeting runs at 7,424)."""
-    step = max(64, 1 << max(length.bit_length() - 5, 0))
+    """The length `document_sdpa` runs a document of `length` tokens at: rounded up to a sixty-fourth of its power
+    of two (at least 64), so cuDNN, which builds an execution plan (~65 ms, forward and backward) for every shape it
+    has not seen, meets at most 64 lengths an octave (whole meetings in rows of 16,384: 129 plans), for ~1% more
+    attention work (a sixteenth: 62 plans, 3.5% more; 2026-12-02-whole-epoch-documents-one-h200.md)."""
+    step = max(64, 1 << max(length.bit_length() - 7, 0))
     return -(-length // step) * step
 
 
