@@ -189,10 +189,11 @@ class TrainConfig:
     packed_attention: str = "flex"
     """With data.packing on a GPU, the kernel of each row's document attention: "flex" (flex attention over a
     block mask of 128 x 128 tiles, compiled) or "documents" (SDPA's fused kernel on each sample alone, cuDNN's on
-    an H200, at a padded length: model/attention.py). "documents" ran a whole-meeting row of 16,384 tokens 1.27x
-    faster than flex, but cuDNN builds a plan for each length it has not seen (~0.17 s each), which padding bounds
-    to 16 lengths an octave; not yet measured in a run since (docs/packing.md). It reads each row's samples on the
-    host at every call: not with train.cuda_graphs. CPU runs take each sample alone."""
+    an H200, over a window of the row of a padded length, cuDNN's plans for the run's lengths built in its first
+    step: model/attention.py). On whole meetings in rows of 16,384 (one H200, a whole epoch) "documents" made
+    1.08-1.09x flex's real tokens/s; not measured on short samples or under a GPU pipeline (docs/packing.md). It
+    reads each row's samples on the host at every call: not with train.cuda_graphs. CPU runs take each sample
+    alone."""
     mlp_chunk: int | str = field(default=0, metadata={"also": ("auto",)})
     """Tokens per chunk of each decoder layer's MLP: its [tokens, 3 x intermediate_size] gate/up/activation
     workspace is computed (and recomputed in backward) a chunk of the sequence at a time, so it stops growing

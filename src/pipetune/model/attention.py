@@ -9,9 +9,12 @@ builds its mask from them (`document_mask`), once per microbatch for all its lay
 - "documents", and every CPU run: a `DocumentTable`, each row's documents as (start, end) spans on the host, and
   `document_sdpa` runs SDPA's fused kernel on each document alone (cuDNN's on an H200, flash attention's on other
   GPUs and on the CPU; torch's flex attention has no backward on the CPU, torch 2.11-2.13). Each document is
-  attended exactly, with the kernel full rows use; the price is a call per document and, with cuDNN, a plan
-  built for each new (padded) document length, kept for the process: a training run names its lengths ahead
-  (`expect_document_lengths`) and the first call builds them all.
+  attended with the kernel full rows use, over a window of the row (`_window`); the price is a call per document
+  (~20-27 ms a step per document at whole meetings in rows of 16,384 on an H200, beyond its attention, which runs
+  ~1.4x faster than flex's: 1.08-1.09x flex's real tokens/s over an epoch,
+  2026-12-02-whole-epoch-documents-one-h200.md) and, with cuDNN, a plan built for each new (padded) document
+  length, kept for the process: a training run names its lengths ahead (`expect_document_lengths`) and the first
+  call builds them all.
 
 Tried and dropped (benchmarks/journal/): torch's flash attention variable-length kernel measured 1.45x slower
 than flex on the bench config's packed 4,096-token rows and 1.27x on a 16,384-token row of whole meetings
@@ -249,10 +252,11 @@ PLAN_BUILDS: list[tuple[int, float]] = []
 
 def expect_document_lengths(lengths) -> None:
     """Name the document lengths (tokens: the samples', a packed row's pad tail) this process's packed rows will
-    hold. cuDNN builds an execution plan (forward and backward) for every attention shape it has not seen, ~0.17 s
-    each (2026-12-02-documents-attention-one-h200.md), which a first epoch of whole meetings otherwise pays step
-    after step; with the lengths known, `document_sdpa`'s first call builds the plans of all their padded lengths
-    at once (`_build_plans`). A length not named costs its build when it comes."""
+    hold. cuDNN builds an execution plan (forward and backward) for every attention shape it has not seen, which a
+    first epoch of whole meetings otherwise pays step after step (0.79x flex's speed, 2026-12-02-documents-
+    attention-one-h200.md); with the lengths known, `document_sdpa`'s first call builds the plans of all their
+    padded lengths at once (`_build_plans`: ~65 ms a length on an H200, ~4 s for whole meetings'). A length not
+    named costs its build when it comes."""
     _EXPECTED_LENGTHS.update(padded_length(int(n)) for n in lengths if int(n) > 0)
 
 
