@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import operator
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -745,6 +746,15 @@ RUNS = [
             (6, "whole meetings in 1 row of 16,384, best fit", WHOLE16K, 1, "whole16k-bestfit-24"),
         )
     ),
+    Run(
+        "packed: 4B, whole meetings in 1 row of 16,384, 109 steps of the first epoch timed, LoRA dropout 0, the "
+        "adapters in the matmuls (12-02 we call 1)",
+        B4,
+        ["data.packing=true", *WHOLE16K, "parallel.pp=1", "parallel.n_microbatches=1", "lora.dropout=0.0"]
+        + ["train.batch_size=1", "lora.adapter_in_matmul=true", "train.cuda_graphs=false"],
+        "single",
+        "2026-12-02-we-flexE-metrics.csv:2",
+    ),
 ]
 """Every pipetune training run on 2x H200 in benchmarks/journal/results (the seed script and the baselines are not
 pipetune's; the 72B runs of part A's first call ran a planner since fixed), and the long rows on one H200."""
@@ -767,8 +777,13 @@ def measured(run: Run) -> dict:
         rows = [row for row in csv.DictReader(f) if int(row["step"]) > warmup]
     ranks = sorted(k for k in rows[0] if k.startswith("peak_gb_rank"))
     reserved = sorted(k for k in rows[0] if k.startswith("reserved_gb_rank") and rows[0][k])
+    rates = [float(r["tokens_per_sec"]) for r in rows]
+    seconds = [float(r["step_time_sec"]) for r in rows]
+    # The plan predicts a steady step (the median's), and for packed rows, whose steps' work varies with their
+    # documents, the epoch's mean: their timed steps' tokens over their time.
+    packed = bool(rows[0].get("attention_share"))
     return {
-        "tokens_per_sec": statistics.median(float(r["tokens_per_sec"]) for r in rows),
+        "tokens_per_sec": sum(map(operator.mul, rates, seconds)) / sum(seconds) if packed else statistics.median(rates),
         "peak": [max(float(r[k]) for r in rows) for k in ranks],
         "reserved": [max(float(r[k]) for r in rows) for k in reserved],
     }
