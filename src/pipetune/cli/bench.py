@@ -26,7 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="a metrics row every N steps, each waiting for the GPU; medians are over rows (default: 1)",
+        help="a metrics row every N steps, each waiting for the GPU (default: 1)",
     )
     bench.add_argument("--out", default="runs/bench", help="output directory (default: runs/bench)")
     bench.add_argument("--peak-tflops", type=float, default=790.0, help="per-GPU peak for MFU (default: 790)")
