@@ -44,7 +44,6 @@ from pipetune.data.packing import (
     epoch_rows,
     members,
     packed_batch,
-    row_documents,
     rows_attention_share,
 )
 from pipetune.data.sources import chat_lines
@@ -130,7 +129,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
 
     data = build_data(config, env, prepared, run_dir, say)
     if data.packing and t.packed_attention == "documents":  # cuDNN's plans for them, built in the first step
-        expect_document_lengths(row_documents(data.packed_rows(0), data.real_tokens, data.max_length))
+        expect_document_lengths(data.real_tokens)  # the samples' (pad tails take no attention there)
     stages = build_stages(config, env, mesh, prepared, phases, say, quiet)
     runners = build_runners(config, env, mesh, prepared, stages)
     optimizer, scheduler = build_optimizer(config, stages.params, data.total_steps)

@@ -117,13 +117,16 @@ def test_packed_row_is_its_samples_unpacked_one_after_another() -> None:
             assert torch.equal(position_ids[row, start : start + n], torch.arange(n))
             start += n
         assert (input_ids[row, start:] == 0).all() and (labels[row, start:] == IGNORE).all()
-        assert torch.equal(position_ids[row, start:], torch.arange(32 - start))  # the pads: a document of their own
+        assert torch.equal(position_ids[row, start:], -torch.arange(32 - start))  # the pads: 0, -1, -2, ...
     assert int((labels != IGNORE).sum()) == int(store.supervised.sum())
-    # The documents the attention kernels see (a new one wherever the position restarts): the samples, the pad tails.
+    # The documents flex attention computes (a new one wherever the position is 0): the samples and the pad tails;
+    # the documents kernel's spans: the samples only.
     spans = span_table(position_ids)
     seen = sorted(int(end - start) for row in spans for start, end in row.tolist() if end > start)
-    assert seen == sorted(row_documents(rows, store.lengths, 32).tolist()) == [5, 6, 7, 9, 12, 25]
-    assert rows_attention_share(rows, store.lengths, 32) == pytest.approx(sum(n * n for n in seen) / (2 * 32**2))
+    assert seen == [5, 7, 9, 12]
+    docs = sorted(row_documents(rows, store.lengths, 32).tolist())
+    assert docs == sorted([*seen, 32 - 26, 32 - 7]) == [5, 6, 7, 9, 12, 25]
+    assert rows_attention_share(rows, store.lengths, 32) == pytest.approx(sum(n * n for n in docs) / (2 * 32**2))
     with pytest.raises(ValueError, match="overruns the row of 16"):
         packed_batch(store, torch.tensor([[0, 2]]), 16, pad_id=0)
 

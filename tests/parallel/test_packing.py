@@ -105,23 +105,27 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not(monkeypatch) -> N
     runs (float32 off the CPU) it refuses, naming the fix. The plans built ahead for a run's lengths (cuDNN's only;
     here the CPU's kernel through the same calls) run each padded length once per attention shape."""
     row = 300
+    tail = torch.cat([torch.arange(120), torch.arange(80), -torch.arange(100)])  # a pad tail as packing makes it
     position_ids = torch.stack(
-        [positions_of([100, 50, 129], row), positions_of([300], row), positions_of([1, 1, 130, 20], row)]
+        [positions_of([100, 50, 129], row), positions_of([300], row), positions_of([1, 1, 130, 20], row), tail]
     )
     mask = document_mask(position_ids, "documents", per_row=6)
-    assert mask.spans.shape == (3, 6, 2) and mask.spans.dtype == torch.int64
+    assert mask.spans.shape == (4, 6, 2) and mask.spans.dtype == torch.int64
     assert mask.spans[2].tolist() == [[0, 1], [1, 2], [2, 132], [132, 152], [152, 300], [300, 300]]
+    assert mask.spans[3, :3].tolist() == [[0, 120], [120, 200], [300, 300]]  # the pad tail left out
     with pytest.raises(ValueError, match="5 documents, over the bound of 4"):
         document_mask(position_ids, "documents", per_row=4)
     docs, q = document_ids(position_ids), torch.arange(row)
     dense = (docs[:, :, None] == docs[:, None, :]) & (q[:, None] >= q[None, :])
     torch.manual_seed(0)
-    inputs = [torch.randn(3, n, row, 16, requires_grad=True) for n in (4, 2, 2)]  # grouped key-value heads
-    grad = torch.randn(3, row, 4, 16)
+    inputs = [torch.randn(4, n, row, 16, requires_grad=True) for n in (4, 2, 2)]  # grouped key-value heads
+    grad = torch.randn(4, row, 4, 16)
     query, key, value = inputs
+    kept = torch.ones(4, row, 1, 1)
+    kept[3, 200:] = 0  # the pad tail: zeros out, no gradient to or through it
     expected = torch.nn.functional.scaled_dot_product_attention(
         query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), attn_mask=dense.unsqueeze(1)
-    ).transpose(1, 2)
+    ).transpose(1, 2) * kept
     expected_grads = torch.autograd.grad(expected, inputs, grad)
 
     def attend(query, key, value, mask):

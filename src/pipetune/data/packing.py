@@ -103,8 +103,9 @@ def packed_batch(
     sample indices, -1: none): each row's samples one after another, then pad_id.
 
     Labels are shifted within each sample and IGNORE on its prompt, on its last token (whose next token is the
-    following sample's) and on the pads. Position ids count from 0 in every sample and again in the trailing pads
-    (a document of their own, which no real token attends to)."""
+    following sample's) and on the pads. Position ids count from 0 in every sample; the trailing pads' run 0, -1,
+    -2, ...: a document of their own to flex attention's mask (no real token attends to it), which the documents
+    kernel leaves out altogether (model/attention.py's `span_table`)."""
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), length), IGNORE, dtype=torch.long)
     position_ids = torch.empty((len(rows), length), dtype=torch.long)
@@ -121,7 +122,7 @@ def packed_batch(
             labels[row, start + prompt - 1 : start + n - 1] = ids[prompt:]
             position_ids[row, start : start + n] = torch.arange(n)
             start += n
-        position_ids[row, start:] = torch.arange(length - start)
+        position_ids[row, start:] = -torch.arange(length - start)
     return input_ids, labels, position_ids
 
 
@@ -141,9 +142,8 @@ def packed_attention_share(lengths: torch.Tensor, row_length: int, max_per_row: 
 
 def row_documents(rows: torch.Tensor, lengths: torch.Tensor, row_length: int) -> torch.Tensor:
     """The lengths of the documents in these packed rows ([n, max_per_row] sample indices, -1: none), flat: each
-    sample's (cut to the row) and each row's pad tail (a document of its own to the attention kernels), no empty
-    tails. What `rows_attention_share` counts, and the lengths the "documents" kernel meets
-    (model/attention.py's `expect_document_lengths`)."""
+    sample's (cut to the row) and each row's pad tail (a document of its own to flex attention, which computes it;
+    the "documents" kernel leaves it out), no empty tails: what `rows_attention_share` counts."""
     in_row = torch.where(rows >= 0, lengths[rows.clamp(min=0)].clamp(max=row_length), 0)
     tails = row_length - in_row.sum(-1)
     return torch.cat([in_row[rows >= 0], tails[tails > 0]])

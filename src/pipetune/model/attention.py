@@ -135,19 +135,32 @@ def document_mask(
 
 def span_table(position_ids: torch.Tensor, per_row: int = 0) -> torch.Tensor:
     """[b, per_row, 2] int64 (start, end) of each row's documents, on the host: a document starts where its position
-    is 0 (a row's pad tail is one too); rows with fewer end in empty spans (start = end = seq), so a compiled layer
-    sees one shape every step. `per_row` 0: the most documents of these rows."""
+    is 0; a row's pad tail (positions 0, -1, -2, ...: data/packing.py) gets no span, so the documents kernel spends
+    nothing on it; rows with fewer end in empty spans (start = end = seq), so a compiled layer sees one shape every
+    step. `per_row` 0: the most documents of these rows."""
     positions = position_ids.cpu()
     batch, seq = positions.shape
-    starts = [torch.nonzero(row == 0).flatten().tolist() or [0] for row in positions]
-    per_row = per_row or max(len(row) for row in starts)
+    rows = []
+    for row in positions:
+        negative = torch.nonzero(row < 0).flatten()
+        end = int(negative[0]) - 1 if len(negative) else seq  # the tail's 0 just before its first negative
+        starts = torch.nonzero(row[:end] == 0).flatten().tolist() or [0]
+        rows.append((starts, [*starts[1:], end]))
+    per_row = per_row or max(len(starts) for starts, _ in rows)
     table = torch.full((batch, per_row, 2), seq, dtype=torch.int64)
-    for row, row_starts in enumerate(starts):
-        if len(row_starts) > per_row:
-            raise ValueError(f"a packed row holds {len(row_starts)} documents, over the bound of {per_row}")
-        ends = [*row_starts[1:], seq]
-        table[row, : len(row_starts)] = torch.tensor([row_starts, ends]).T
+    for row, (starts, ends) in enumerate(rows):
+        if len(starts) > per_row:
+            raise ValueError(f"a packed row holds {len(starts)} documents, over the bound of {per_row}")
+        table[row, : len(starts)] = torch.tensor([starts, ends]).T
     return table
+
+
+def _uncovered(table: torch.Tensor, seq: int):
+    """(row, start) of each row whose positions from `start` on lie past its last span (a pad tail left out)."""
+    for row, spans in enumerate(table.tolist()):
+        end = max((e for s, e in spans if e > s), default=0)
+        if end < seq:
+            yield row, end
 
 
 def _spans(table: torch.Tensor):
@@ -296,6 +309,8 @@ def document_sdpa(
         doc_out, doc_lse = _document_forward(query, key, value, row, start, end, scale, backend)
         out[row : row + 1, :, start:end] = doc_out
         lse[_lse_slice(row, start, end, heads, seq)] = doc_lse.flatten()
+    for row, start in _uncovered(spans, seq):  # a pad tail: zeros, and no gradient to or through it
+        out[row : row + 1, :, start:] = 0
     return out, lse
 
 
@@ -327,6 +342,9 @@ def document_sdpa_backward(
         pieces = _document_backward(grad, query, key, value, out, doc_lse, row, start, end, scale, backend)
         for whole, piece in zip(grads, pieces, strict=True):
             whole[row : row + 1, :, start:end] = piece
+    for row, start in _uncovered(spans, seq):
+        for whole in grads:
+            whole[row : row + 1, :, start:] = 0
     return tuple(grads)
 
 
