@@ -123,9 +123,12 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not(monkeypatch) -> N
     query, key, value = inputs
     kept = torch.ones(4, row, 1, 1)
     kept[3, 200:] = 0  # the pad tail: zeros out, no gradient to or through it
-    expected = torch.nn.functional.scaled_dot_product_attention(
-        query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), attn_mask=dense.unsqueeze(1)
-    ).transpose(1, 2) * kept
+    expected = (
+        torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), attn_mask=dense.unsqueeze(1)
+        ).transpose(1, 2)
+        * kept
+    )
     expected_grads = torch.autograd.grad(expected, inputs, grad)
 
     def attend(query, key, value, mask):
