@@ -187,8 +187,9 @@ def _documents_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 def padded_length(length: int) -> int:
     """The length `document_sdpa` runs a document of `length` tokens at: rounded up to a sixty-fourth of its power
     of two (at least 64), so cuDNN, which builds an execution plan (~65 ms, forward and backward) for every shape it
-    has not seen, meets at most 64 lengths an octave (whole meetings in rows of 16,384: 129 plans), for ~1% more
-    attention work (a sixteenth: 62 plans, 3.5% more; 2026-12-02-whole-epoch-documents-one-h200.md)."""
+    has not seen, meets at most 64 lengths an octave (the 256 whole meetings of the bench's runs: 112 plans; with
+    their rows' pad tails, as the measured runs built them, 129), for ~1% more attention work (a sixteenth: 62
+    plans, 3.5% more; 2026-12-02-whole-epoch-documents-one-h200.md)."""
     step = max(64, 1 << max(length.bit_length() - 7, 0))
     return -(-length // step) * step
 
@@ -264,12 +265,12 @@ PLAN_BUILDS: list[tuple[int, float]] = []
 
 
 def expect_document_lengths(lengths) -> None:
-    """Name the document lengths (tokens: the samples', a packed row's pad tail) this process's packed rows will
-    hold. cuDNN builds an execution plan (forward and backward) for every attention shape it has not seen, which a
-    first epoch of whole meetings otherwise pays step after step (0.79x flex's speed, 2026-12-02-documents-
-    attention-one-h200.md); with the lengths known, `document_sdpa`'s first call builds the plans of all their
-    padded lengths at once (`_build_plans`: ~65 ms a length on an H200, ~4 s for whole meetings'). A length not
-    named costs its build when it comes."""
+    """Name the document lengths (tokens: the samples') this process's packed rows will hold. cuDNN builds an
+    execution plan (forward and backward) for every attention shape it has not seen, which a first epoch of whole
+    meetings otherwise pays step after step (0.79x flex's speed, 2026-12-02-documents-attention-one-h200.md); with
+    the lengths known, `document_sdpa`'s first call builds the plans of all their padded lengths at once
+    (`_build_plans`: ~65 ms a length on an H200, ~4 s for whole meetings'). A length not named costs its build when
+    it comes."""
     _EXPECTED_LENGTHS.update(padded_length(int(n)) for n in lengths if int(n) > 0)
 
 
