@@ -268,7 +268,7 @@ def main() -> None:
         "pad_share": 1 - real / (rows * seq),
         "kernels": {},
     }
-    per_row = config.data.max_samples_per_row + 1  # the trailing pads a document of their own
+    per_row = config.data.max_samples_per_row + 1  # as a run's bound (assemble.Parallelism.documents_per_row)
     for name, kernel in kernels(position_ids, names, args.autotune, per_row).items():
         began = time.perf_counter()
         try:

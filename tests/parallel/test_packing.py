@@ -99,7 +99,7 @@ def test_block_mask_is_the_document_mask() -> None:
 
 def test_documents_kernel_is_the_document_mask_compiled_or_not(monkeypatch) -> None:
     """train.packed_attention = "documents" (and every CPU run): SDPA's fused kernel on each span of a static span
-    table (rows with fewer documents end in empty spans), each document run zero-padded to its padded length,
+    table (rows with fewer documents end in empty spans), each document run over a window of its padded length,
     gives causal SDPA under the dense document mask, output and gradients, eagerly and traced whole by
     torch.compile (one graph: the table is a graph input, the kernel an operator of its own); where no fused kernel
     runs (float32 off the CPU) it refuses, naming the fix. The plans built ahead for a run's lengths (cuDNN's only;

@@ -64,7 +64,8 @@ class Parallelism:
     packed_attention: str = "flex"
     """train.packed_attention: packed rows' document attention kernel on a GPU (model/attention.py)."""
     documents_per_row: int = 0
-    """data.max_samples_per_row + 1 (a row's pad tail a document of its own): the span tables' static bound."""
+    """data.max_samples_per_row + 1: the span tables' static bound (a pad tail of one token, position 0 alone, is a
+    document to `attention.span_table`; longer tails get no span)."""
 
 
 def run_parallelism(config: Config, mesh: Mesh) -> Parallelism:
