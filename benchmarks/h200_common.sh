@@ -61,7 +61,8 @@ bench() {  # name, timeout s, config, args... (then $BENCH_ARGS): one `pipetune 
   return 0
 }
 collect() {  # tag: every bench.json under $W merged into $OUT/bench_<tag>.json and printed as a table; the runs'
-  # small files (metrics, logs, configs, timelines, charts) in $OUT/runs_<tag>.tar.gz; the compile cache
+  # small files (metrics, logs, configs, timelines, charts) and the steps' files in $OUT (under out/) in
+  # $OUT/runs_<tag>.tar.gz, so that a call returns three files (a call returns at most 8); the compile cache
   tar czf /tmp/inductor-cache.tar.gz -C $TORCHINDUCTOR_CACHE_DIR . 2>/dev/null && \
     [ "$(stat -c %s /tmp/inductor-cache.tar.gz)" -lt 15000000 ] && cp /tmp/inductor-cache.tar.gz "$OUT/" && \
     echo "compile cache: $OUT/inductor-cache.tar.gz ($(du -h /tmp/inductor-cache.tar.gz | cut -f1))"
@@ -79,11 +80,18 @@ for name, rows in merged.items():
             peaks = " / ".join(f"{g:.1f}" for g in r["peak_gb_per_rank"])
             waited = f"{r['host_wait_frac']:>6.1%}" if "host_wait_frac" in r else " " * 6
             print(f"{name:<18} {r['tokens_per_sec']:>9,.0f} {r['mfu']:>6.1%} {waited}  {peaks}")
+kept = {f"bench_{tag}.json", f"runs_{tag}.tar.gz", "inductor-cache.tar.gz"}
+folded = [f for f in sorted(out.iterdir()) if f.is_file() and f.name not in kept and f.stat().st_size < 5e6]
 with tarfile.open(out / f"runs_{tag}.tar.gz", "w:gz") as tar:
     for f in sorted(w.rglob("*")):
         if f.is_file() and f.stat().st_size < 5e6 and (
             f.suffix in (".png", ".csv", ".log", ".toml", ".out", ".jsonl", ".txt") or f.name == "timeline.json"
         ):
             tar.add(f, arcname=str(f.relative_to(w)))
+    for f in folded:  # the steps' own files in $OUT: a call returns at most 8 files
+        tar.add(f, arcname=f"out/{f.name}")
+for f in folded:
+    f.unlink()
+print(f"{len(folded)} files of {out} folded into runs_{tag}.tar.gz (out/): {' '.join(f.name for f in folded)}")
 PY
 }

@@ -16,7 +16,12 @@ model's heads go through forward and backward:
   cost ~1.4x Unsloth's per token pair (~407 against ~575 TFLOP/s: journal/2026-12-02-flex-and-best-fit-one-h200.md).
   cuDNN builds a plan for each new shape, so `--new-lengths N` also times N calls on rows whose first two documents
   run at (padded) lengths it has not seen (`moved`, by multiples of NEW_LENGTH_SHIFT): what a run pays the first
-  time it meets a length.
+  time it meets a length. "documents, one stream": the same with its documents on the current stream alone
+  (attention.DOCUMENT_STREAMS = 1),
+- "kernels alone" (timed, not checked): the fused kernel's forward and backward operators on each document at its
+  exact length, on contiguous tensors made beforehand: what the documents kernel's calls would cost with nothing
+  around them, and `--sweep L1,L2,...` the same on one document of each length, with the fit ms = a L^2 + b L + c
+  (c: a document's cost whatever its length).
 
 Each is checked against causal SDPA on each sample alone in float32 (output and the query / key / value gradients:
 the error's norm over the reference's) and timed (CUDA events around `--repeats` calls after `--warmup`;
@@ -48,7 +53,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from pipetune.config import load_config  # noqa: E402
 from pipetune.data.cache import tokenized_data  # noqa: E402
 from pipetune.data.packing import epoch_rows  # noqa: E402
+from pipetune.model import attention  # noqa: E402
 from pipetune.model.attention import document_block_mask, document_sdpa, span_table  # noqa: E402
+from pipetune.model.kept_attention import sdpa_backend, sdpa_backward, sdpa_forward  # noqa: E402
 from pipetune.preflight import prepare  # noqa: E402
 
 VARIANTS: dict[str, dict] = {
@@ -144,6 +151,50 @@ def documents(position_ids: torch.Tensor, per_row: int):
     return lambda q, k, v: document_sdpa(q, k, v, table, q.shape[-1] ** -0.5)[0].transpose(1, 2)
 
 
+STREAMS = {"documents, one stream": 1}
+"""The kernels run with other than attention.DOCUMENT_STREAMS streams (set around their forward and backward)."""
+
+
+def kernels_alone(position_ids: torch.Tensor, heads: tuple[int, int, int], dtype, grad_scale: float = 1.0):
+    """A call that runs the fused kernel's forward and backward operators (kept_attention's) on each document of
+    the rows at its exact length, on contiguous tensors made beforehand: the kernels' own time, with nothing of
+    `document_sdpa` around them (no windows, padding, copies into the row or streams)."""
+    device = position_ids.device
+    docs = []
+    for spans in span_table(position_ids).tolist():
+        for start, end in spans:
+            if end > start:
+                q, k, v, g = (
+                    torch.randn(1, n, end - start, heads[2], device=device, dtype=dtype)
+                    for n in (heads[0], heads[1], heads[1], heads[0])
+                )
+                docs.append((q, k, v, g * grad_scale))
+    backend = sdpa_backend(*docs[0][:3])
+    scale = heads[2] ** -0.5
+
+    def call():
+        for q, k, v, g in docs:
+            kept = sdpa_forward(q, k, v, scale, backend)
+            sdpa_backward(g, q, k, v, kept.out, kept.logsumexp, kept, scale)
+
+    return call
+
+
+def sweep(lengths: list[int], heads: tuple[int, int, int], device, dtype, warmup: int, repeats: int) -> dict:
+    """Milliseconds of the fused kernel's forward + backward on one document of each length (`kernels_alone`), and
+    the least-squares fit ms = a (L / 1000)^2 + b (L / 1000) + c over them: c is what a document costs whatever
+    its length (a launch, a last part-empty wave)."""
+    found = {}
+    for length in lengths:
+        position_ids = torch.arange(length, device=device)[None]
+        found[length] = timed(kernels_alone(position_ids, heads, dtype), warmup, repeats, device.type == "cuda")
+        print(f"one document of {length:6d} tokens {found[length]:8.3f} ms forward + backward")
+    x = torch.tensor([[(n / 1e3) ** 2, n / 1e3, 1.0] for n in found], dtype=torch.float64)
+    fit = torch.linalg.lstsq(x, torch.tensor(list(found.values()), dtype=torch.float64)[:, None]).solution.flatten()
+    print(f"fit: {fit[0]:.4f} ms (L/1000)^2 + {fit[1]:.4f} ms (L/1000) + {fit[2]:.4f} ms")
+    return {"ms": {str(n): ms for n, ms in found.items()}, "fit_a_b_c": fit.tolist()}
+
+
 NEW_LENGTH_SHIFT = 1031
 """Tokens `--new-lengths` moves a row's first document boundary by, per call: more than the padding's step
 (`attention.padded_length`: up to 1,024 below 32,768 tokens), so each call's documents run at lengths not seen."""
@@ -167,6 +218,7 @@ def kernels(position_ids: torch.Tensor, names: list[str], autotune: bool, per_ro
     chosen = {"documents": documents(position_ids, per_row)}
     if position_ids.device.type != "cuda":  # what a CPU run takes
         return {"as run": chosen["documents"]}
+    chosen["documents, one stream"] = chosen["documents"]
     mask = document_block_mask(position_ids)
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
 
@@ -232,6 +284,7 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated names of VARIANTS")
     parser.add_argument("--autotune", action="store_true", help="also inductor's max-autotune search")
     parser.add_argument("--new-lengths", type=int, default=0, help="time the documents kernel on N unseen lengths")
+    parser.add_argument("--sweep", default="", help="comma-separated lengths: `sweep` one document of each")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
     names = [name for name in args.variants.split(",") if name]
@@ -269,7 +322,9 @@ def main() -> None:
         "kernels": {},
     }
     per_row = config.data.max_samples_per_row + 1  # as a run's bound (assemble.Parallelism.documents_per_row)
+    streams = attention.DOCUMENT_STREAMS
     for name, kernel in kernels(position_ids, names, args.autotune, per_row).items():
+        attention.DOCUMENT_STREAMS = STREAMS.get(name, streams)
         began = time.perf_counter()
         try:
             got = run(kernel, inputs, grad)
@@ -285,6 +340,13 @@ def main() -> None:
         results["kernels"][name] = {"ms_a_row": ms / rows, "compile_s": compile_s, "relative_errors": found}
         worst = max(found.values())
         print(f"{name:20s} {ms / rows:8.3f} ms a row  worst relative error {worst:.2e}  first call {compile_s:.0f} s")
+    attention.DOCUMENT_STREAMS = streams
+    alone = timed(kernels_alone(position_ids, (heads, kv_heads, dim), dtype), args.warmup, args.repeats, cuda)
+    results["kernels_alone_ms_a_row"] = alone / rows
+    print(f"{'kernels alone':20s} {alone / rows:8.3f} ms a row  (each document's operators, exact lengths)")
+    if args.sweep:
+        lengths = [int(n) for n in args.sweep.split(",")]
+        results["sweep"] = sweep(lengths, (heads, kv_heads, dim), device, dtype, args.warmup, args.repeats)
     if args.new_lengths:  # each call its own new lengths: wall time, plan building included
         calls = []
         for shift in range(1, args.new_lengths + 1):

@@ -96,12 +96,14 @@ def test_trace_gaps_finds_the_gpu_idle_gap(tmp_path, monkeypatch, capsys):
 def test_packed_attention_packs_and_checks_the_cpu_kernel(tmp_path, monkeypatch, capsys):
     """On a CPU the tool packs the demo's samples as a run does and runs the CPU's document attention (the
     documents kernel: the CPU's flash attention on each sample, over a static span table; no flex backward there)
-    forward and backward against the float32 reference, and the unseen-lengths calls run (the demo's short samples
+    forward and backward against the float32 reference, each document's operators alone and the one-document
+    sweep run, and the unseen-lengths calls run (the demo's short samples
     are not moved: `moved` is timed on the GPU); the GPU's variants are named and checked before anything runs."""
     out = tmp_path / "packed.json"
     args = ["--config", "configs/demo.toml", "--set", "data.packing=true", "--rows", "2", "--warmup", "0"]
     run_tool(
-        "packed_attention", *args, "--repeats", "1", "--new-lengths", "2", "--out", str(out), monkeypatch=monkeypatch
+        "packed_attention", *args, "--repeats", "1", "--new-lengths", "2", "--sweep", "64,128,192", "--out", str(out),
+        monkeypatch=monkeypatch,
     )
     results = json.loads(out.read_text())
     assert results["rows"] == 2 and results["seq"] == 384
@@ -109,6 +111,8 @@ def test_packed_attention_packs_and_checks_the_cpu_kernel(tmp_path, monkeypatch,
     assert 0 <= results["pad_share"] < 0.5
     assert set(results["kernels"]) == {"as run"}
     assert len(results["new_lengths_ms_a_row"]) == 2
+    assert results["kernels_alone_ms_a_row"] > 0  # each document's operators alone
+    assert set(results["sweep"]["ms"]) == {"64", "128", "192"} and len(results["sweep"]["fit_a_b_c"]) == 3
     for kernel in results["kernels"].values():
         assert max(kernel["relative_errors"].values()) < 1e-5
     assert "as run" in capsys.readouterr().out

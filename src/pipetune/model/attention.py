@@ -40,7 +40,9 @@ reference implementation).
 from __future__ import annotations
 
 import functools
+import os
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -255,6 +257,39 @@ def _row_like(query: torch.Tensor) -> torch.Tensor:
     return query.new_empty(batch, seq, heads, dim).transpose(1, 2)
 
 
+DOCUMENT_STREAMS = int(os.environ.get("PIPETUNE_DOCUMENT_STREAMS", "2"))
+"""CUDA streams a row's documents alternate over in `document_sdpa` (1: the current stream alone);
+PIPETUNE_DOCUMENT_STREAMS sets it (for diagnosis)."""
+
+
+@functools.cache
+def _side_streams(device: torch.device, count: int) -> tuple[torch.cuda.Stream, ...]:
+    return tuple(torch.cuda.Stream(device) for _ in range(count))
+
+
+def _on_streams(device: torch.device, items: Iterable) -> Iterator:
+    """Yield the items (documents), each with the CUDA stream it is to run on made current: on a GPU they alternate
+    over DOCUMENT_STREAMS side streams, which start after the current stream's work and which the current stream
+    waits for when the items end, so one document's kernels can overlap the last, part-empty waves of another's;
+    in order on the current stream elsewhere. What a document allocates on a side stream it also frees there (the
+    caching allocator keeps each stream's blocks apart); what it writes (the output, the gradients, allocated on
+    the current stream) the current stream reads only after its wait."""
+    if device.type != "cuda" or DOCUMENT_STREAMS < 2:
+        yield from items
+        return
+    current = torch.cuda.current_stream(device)
+    streams = _side_streams(device, DOCUMENT_STREAMS)
+    for stream in streams:
+        stream.wait_stream(current)
+    try:
+        for index, item in enumerate(items):
+            with torch.cuda.stream(streams[index % len(streams)]):
+                yield item
+    finally:
+        for stream in streams:
+            current.wait_stream(stream)
+
+
 _EXPECTED_LENGTHS: set[int] = set()
 """The padded document lengths this process's packed rows hold (`expect_document_lengths`)."""
 _BUILT: set[tuple] = set()
@@ -306,7 +341,7 @@ def document_sdpa(
     lse = query.new_empty(batch * heads * seq, dtype=torch.float32)
     backend = _documents_backend(query, key, value)
     _build_plans(query, key, value, scale, backend)
-    for row, start, end in _spans(spans):
+    for row, start, end in _on_streams(query.device, _spans(spans)):
         doc_out, doc_lse = _document_forward(query, key, value, row, start, end, scale, backend)
         out[row : row + 1, :, start:end] = doc_out
         lse[_lse_slice(row, start, end, heads, seq)] = doc_lse.flatten()
@@ -338,7 +373,7 @@ def document_sdpa_backward(
         grad = _row_like(query).copy_(grad)
     grads = [torch.empty_like(t) for t in (query, key, value)]
     backend = _documents_backend(query, key, value)
-    for row, start, end in _spans(spans):
+    for row, start, end in _on_streams(query.device, _spans(spans)):
         doc_lse = lse[_lse_slice(row, start, end, heads, seq)].view(heads, end - start)
         pieces = _document_backward(grad, query, key, value, out, doc_lse, row, start, end, scale, backend)
         for whole, piece in zip(grads, pieces, strict=True):
