@@ -160,8 +160,8 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         with profiled(loop.step + 1, env.rank, device):  # PIPETUNE_PROFILE_STEP, for diagnosis
             lr = run_step(loop, batches, lengths)
         while PLAN_BUILDS:
-            count, seconds = PLAN_BUILDS.pop(0)
-            say(f"packed attention: cuDNN's plans for {count} document lengths built in {seconds:.1f} s")
+            count, seconds, passes = PLAN_BUILDS.pop(0)
+            say(f"packed attention: cuDNN's {passes} plans for {count} document lengths built in {seconds:.1f} s")
         loop.hooks.after_step(loop.step, saved=False)
         epoch_end = index == data.epoch_steps[epoch] - 1
         log, evaluate, save = cadence(config, loop.step, data.total_steps, epoch_end, data.validation is not None)

@@ -8,6 +8,7 @@ import csv
 import json
 import random
 import statistics
+import threading
 from pathlib import Path
 
 import pytest
@@ -144,9 +145,20 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not(monkeypatch) -> N
         monkeypatch.setattr(attention, name, value_)
     attention.expect_document_lengths(torch.tensor([0, 30, 100, 128, 129, 300]))
     assert attention._EXPECTED_LENGTHS == {64, 128, 192, 320}  # 320: past the row of 300, a copy
-    for _ in range(2):
-        attention._build_plans(query.detach(), key.detach(), value.detach(), 0.25, attention.CUDNN)
-    assert [count for count, _ in attention.PLAN_BUILDS] == [4]
+
+    def build(backward: bool) -> None:
+        attention._build_plans(query.detach(), key.detach(), value.detach(), 0.25, attention.CUDNN, backward)
+
+    for backward in (False, False, True, True):  # once per pass and thread: torch keeps cuDNN's plans per thread
+        build(backward)
+    thread = threading.Thread(target=build, args=(True,))  # autograd's backward thread, for one
+    thread.start()
+    thread.join()
+    assert [(count, passes) for count, _, passes in attention.PLAN_BUILDS] == [
+        (4, "forward"),
+        (4, "forward and backward"),
+        (4, "forward and backward"),
+    ]
     for call in (attend, torch.compile(attend, backend="aot_eager", fullgraph=True)):
         out = call(query, key, value, mask)
         torch.testing.assert_close(out, expected)

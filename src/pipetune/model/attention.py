@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -293,37 +294,47 @@ def _on_streams(device: torch.device, items: Iterable) -> Iterator:
 _EXPECTED_LENGTHS: set[int] = set()
 """The padded document lengths this process's packed rows hold (`expect_document_lengths`)."""
 _BUILT: set[tuple] = set()
-"""The attention shapes (kernel, device, dtype, heads, key-value heads, head size, scale) whose plans were built
-for every expected length."""
-PLAN_BUILDS: list[tuple[int, float]] = []
-"""(lengths, seconds) of each build of cuDNN's plans ahead (`_build_plans`), for the run's log."""
+"""(thread, backward, attention shape: kernel, device, dtype, heads, key-value heads, head size, scale) of each
+build of the plans for every expected length."""
+PLAN_BUILDS: list[tuple[int, float, str]] = []
+"""(lengths, seconds, passes) of each build of cuDNN's plans ahead (`_build_plans`), for the run's log."""
 
 
 def expect_document_lengths(lengths) -> None:
     """Name the document lengths (tokens: the samples') this process's packed rows will hold. cuDNN builds an
     execution plan (forward and backward) for every attention shape it has not seen, which a first epoch of whole
     meetings otherwise pays step after step (0.79x flex's speed, 2026-12-02-documents-attention-one-h200.md); with
-    the lengths known, `document_sdpa`'s first call builds the plans of all their padded lengths at once
-    (`_build_plans`: ~65 ms a length on an H200, ~4 s for whole meetings'). A length not named costs its build when
-    it comes."""
+    the lengths known, `document_sdpa`'s first call builds the plans of all their padded lengths at once, and its
+    backward's first call those of the backward (`_build_plans`: ~65 ms a length on an H200, ~4 s for whole
+    meetings'). A length not named costs its build when it comes."""
     _EXPECTED_LENGTHS.update(padded_length(int(n)) for n in lengths if int(n) > 0)
 
 
-def _build_plans(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, backend: int) -> None:
-    """Run one zero document of every expected padded length, forward and backward, through cuDNN at this call's
-    shape (once per shape and process): the plans the steps will use, built before the first step's documents."""
+def _build_plans(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, backend: int, backward: bool
+) -> None:
+    """Run one zero document of every expected padded length through cuDNN at this call's shape, forward (and
+    backward if `backward`), once per shape and thread: the plans the steps will use, built before the first
+    step's documents. Torch keeps cuDNN's attention plans per thread (aten/src/ATen/native/cudnn/MHA.cpp), and
+    autograd runs a GPU's backward, a checkpointed layer's recomputed forward with it, in a thread of its own:
+    `document_sdpa` builds the forward's plans in its thread, its backward both in autograd's (built in the
+    forward's thread alone, every backward plan was built again in the steps, ~55 ms each: the whole-meeting
+    epoch's missing 5%, 2026-12-02-documents-streams-and-plans-one-h200.md)."""
     shape = (backend, query.device, query.dtype, query.shape[1], key.shape[1], query.shape[3], scale)
-    if backend != CUDNN or shape in _BUILT or not _EXPECTED_LENGTHS:
+    built = (threading.get_ident(), backward, *shape)
+    if backend != CUDNN or built in _BUILT or not _EXPECTED_LENGTHS:
         return
-    _BUILT.add(shape)
+    _BUILT.add(built)
     started = time.perf_counter()
     q, k, v, out = (torch.zeros_like(t[:1]) for t in (query, key, value, _row_like(query)))  # the rows' strides
     for length in sorted(_EXPECTED_LENGTHS):  # one document at the row's start: windows as the steps' are
         _, lse = _document_forward(q, k, v, 0, 0, length, scale, backend)
-        _document_backward(out, q, k, v, out, lse, 0, 0, length, scale, backend)
+        if backward:
+            _document_backward(out, q, k, v, out, lse, 0, 0, length, scale, backend)
     if query.device.type == "cuda":
         torch.cuda.synchronize(query.device)
-    PLAN_BUILDS.append((len(_EXPECTED_LENGTHS), time.perf_counter() - started))
+    passes = "forward and backward" if backward else "forward"
+    PLAN_BUILDS.append((len(_EXPECTED_LENGTHS), time.perf_counter() - started, passes))
 
 
 @torch.library.custom_op("pipetune::document_sdpa", mutates_args=())
@@ -340,7 +351,7 @@ def document_sdpa(
     out = _row_like(query)
     lse = query.new_empty(batch * heads * seq, dtype=torch.float32)
     backend = _documents_backend(query, key, value)
-    _build_plans(query, key, value, scale, backend)
+    _build_plans(query, key, value, scale, backend, backward=False)
     for row, start, end in _on_streams(query.device, _spans(spans)):
         doc_out, doc_lse = _document_forward(query, key, value, row, start, end, scale, backend)
         out[row : row + 1, :, start:end] = doc_out
@@ -373,6 +384,7 @@ def document_sdpa_backward(
         grad = _row_like(query).copy_(grad)
     grads = [torch.empty_like(t) for t in (query, key, value)]
     backend = _documents_backend(query, key, value)
+    _build_plans(query, key, value, scale, backend, backward=True)
     for row, start, end in _on_streams(query.device, _spans(spans)):
         doc_lse = lse[_lse_slice(row, start, end, heads, seq)].view(heads, end - start)
         pieces = _document_backward(grad, query, key, value, out, doc_lse, row, start, end, scale, backend)
