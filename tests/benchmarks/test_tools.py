@@ -101,10 +101,8 @@ def test_packed_attention_packs_and_checks_the_cpu_kernel(tmp_path, monkeypatch,
     are not moved: `moved` is timed on the GPU); the GPU's variants are named and checked before anything runs."""
     out = tmp_path / "packed.json"
     args = ["--config", "configs/demo.toml", "--set", "data.packing=true", "--rows", "2", "--warmup", "0"]
-    run_tool(
-        "packed_attention", *args, "--repeats", "1", "--new-lengths", "2", "--sweep", "64,128,192", "--out", str(out),
-        monkeypatch=monkeypatch,
-    )
+    timing = ["--repeats", "1", "--new-lengths", "2", "--sweep", "64,128,192"]
+    run_tool("packed_attention", *args, *timing, "--out", str(out), monkeypatch=monkeypatch)
     results = json.loads(out.read_text())
     assert results["rows"] == 2 and results["seq"] == 384
     assert all(n >= 2 for n in results["documents_a_row"])  # packed: several samples a row (and the pads)

@@ -9,12 +9,13 @@ builds its mask from them (`document_mask`), once per microbatch for all its lay
 - "documents", and every CPU run: a `DocumentTable`, each row's documents as (start, end) spans on the host, and
   `document_sdpa` runs SDPA's fused kernel on each document alone (cuDNN's on an H200, flash attention's on other
   GPUs and on the CPU; torch's flex attention has no backward on the CPU, torch 2.11-2.13). Each document is
-  attended with the kernel full rows use, over a window of the row (`_window`); the price is a call per document
-  (~20-27 ms a step per document at whole meetings in rows of 16,384 on an H200, beyond its attention, which runs
-  ~1.4x faster than flex's: 1.08-1.09x flex's real tokens/s over an epoch,
-  2026-12-02-whole-epoch-documents-one-h200.md) and, with cuDNN, a plan built for each new (padded) document
-  length, kept for the process: a training run names its lengths ahead (`expect_document_lengths`) and the first
-  call builds them all.
+  attended with the kernel full rows use, over a window of the row (`_window`), a row's documents alternating over
+  two CUDA streams (`_on_streams`). The price is a call per document, ~0.13 ms a layer (forward and backward) on an
+  H200 and nothing measurable beyond it in a run; its attention runs ~1.4x faster than flex's: 1.34x Unsloth's
+  real tokens/s over a whole-meeting epoch in rows of 16,384 (flex 1.18-1.19x,
+  2026-12-02-documents-streams-and-plans-one-h200.md). With cuDNN, a plan is built for each new (padded) document
+  length and kept for the process, per thread: a training run names its lengths ahead (`expect_document_lengths`)
+  and the forward's and backward's first calls build them all, each in its own thread (`_build_plans`).
 
 Tried and dropped (benchmarks/journal/): torch's flash attention variable-length kernel measured 1.45x slower
 than flex on the bench config's packed 4,096-token rows and 1.27x on a 16,384-token row of whole meetings
