@@ -155,7 +155,7 @@ STREAMS = {"documents, one stream": 1}
 """The kernels run with other than attention.DOCUMENT_STREAMS streams (set around their forward and backward)."""
 
 
-def kernels_alone(position_ids: torch.Tensor, heads: tuple[int, int, int], dtype, grad_scale: float = 1.0):
+def kernels_alone(position_ids: torch.Tensor, heads: tuple[int, int, int], dtype):
     """A call that runs the fused kernel's forward and backward operators (kept_attention's) on each document of
     the rows at its exact length, on contiguous tensors made beforehand: the kernels' own time, with nothing of
     `document_sdpa` around them (no windows, padding, copies into the row or streams)."""
@@ -168,7 +168,7 @@ def kernels_alone(position_ids: torch.Tensor, heads: tuple[int, int, int], dtype
                     torch.randn(1, n, end - start, heads[2], device=device, dtype=dtype)
                     for n in (heads[0], heads[1], heads[1], heads[0])
                 )
-                docs.append((q, k, v, g * grad_scale))
+                docs.append((q, k, v, g))
     backend = sdpa_backend(*docs[0][:3])
     scale = heads[2] ** -0.5
 
