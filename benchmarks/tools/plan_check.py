@@ -755,6 +755,16 @@ RUNS = [
         "single",
         "2026-12-02-we-flexE-metrics.csv:2",
     ),
+    Run(
+        "packed: 4B, the same epoch (118 steps timed) with train.packed_attention = \"documents\", cuDNN's plans built "
+        "per thread (12-02 sp call 2)",
+        B4,
+        ["data.packing=true", *WHOLE16K, "parallel.pp=1", "parallel.n_microbatches=1", "lora.dropout=0.0"]
+        + ["train.batch_size=1", "lora.adapter_in_matmul=true", "train.cuda_graphs=false"]
+        + ["data.synthetic_validation=0", 'train.packed_attention="documents"'],
+        "single",
+        "2026-12-02-sp-docsB-metrics.csv:2",
+    ),
 ]
 """Every pipetune training run on 2x H200 in benchmarks/journal/results (the seed script and the baselines are not
 pipetune's; the 72B runs of part A's first call ran a planner since fixed), and the long rows on one H200."""
