@@ -157,13 +157,13 @@ STREAMS = {"documents, one stream": 1}
 
 def kernels_alone(position_ids: torch.Tensor, heads: tuple[int, int, int], dtype):
     """A call that runs the fused kernel's forward and backward operators (kept_attention's) on each document of
-    the rows at its exact length, on contiguous tensors made beforehand: the kernels' own time, with nothing of
-    `document_sdpa` around them (no windows, padding, copies into the row or streams)."""
+    the rows at its exact length (but those of one token), on contiguous tensors made beforehand: the kernels' own
+    time, with nothing of `document_sdpa` around them (no windows, padding, copies into the row or streams)."""
     device = position_ids.device
     docs = []
     for spans in span_table(position_ids).tolist():
         for start, end in spans:
-            if end > start:
+            if end - start > 1:  # cuDNN refuses a one-token document alone (document_sdpa pads it to 64)
                 q, k, v, g = (
                     torch.randn(1, n, end - start, heads[2], device=device, dtype=dtype)
                     for n in (heads[0], heads[1], heads[1], heads[0])

@@ -191,9 +191,9 @@ class TrainConfig:
     block mask of 128 x 128 tiles, compiled) or "documents" (SDPA's fused kernel on each sample alone, cuDNN's on
     an H200, over a window of the row of a padded length, cuDNN's plans for the run's lengths built in its first
     step: model/attention.py). On whole meetings in rows of 16,384 (one H200, a whole epoch) "documents" made
-    1.34x Unsloth's tokens/s (flex 1.18-1.19x); not measured on short samples or under a GPU pipeline
-    (docs/packing.md). It reads each row's samples on the host at every call: not with train.cuda_graphs. CPU runs
-    take each sample alone."""
+    1.34x Unsloth's tokens/s (flex 1.18-1.19x); on ~550-token samples its attention ran 6-7x slower than flex's;
+    not measured under a GPU pipeline (docs/packing.md). It reads each row's samples on the host at every call:
+    not with train.cuda_graphs. CPU runs take each sample alone."""
     mlp_chunk: int | str = field(default=0, metadata={"also": ("auto",)})
     """Tokens per chunk of each decoder layer's MLP: its [tokens, 3 x intermediate_size] gate/up/activation
     workspace is computed (and recomputed in backward) a chunk of the sequence at a time, so it stops growing

@@ -49,7 +49,7 @@ from pipetune.data.packing import (
 from pipetune.data.sources import chat_lines
 from pipetune.export import PROMPT_FILE, write_prompt_settings
 from pipetune.metrics import MetricsLog, PhaseLog, host_peak_gb, peak_memory_gb, reset_peak_memory
-from pipetune.model.attention import PLAN_BUILDS, expect_document_lengths
+from pipetune.model.attention import PLAN_BUILDS, documents_advice, expect_document_lengths
 from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory, graphs_untried
 from pipetune.model.load import DTYPES
 from pipetune.model.lora import adapter_state, save_adapter
@@ -130,6 +130,8 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     data = build_data(config, env, prepared, run_dir, say)
     if data.packing and t.packed_attention == "documents":  # cuDNN's plans for them, built in the first step
         expect_document_lengths(data.real_tokens)  # the samples' (pad tails take no attention there)
+        if advice := documents_advice(data.real_tokens):
+            say(advice)
     stages = build_stages(config, env, mesh, prepared, phases, say, quiet)
     runners = build_runners(config, env, mesh, prepared, stages)
     optimizer, scheduler = build_optimizer(config, stages.params, data.total_steps)

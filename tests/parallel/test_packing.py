@@ -324,3 +324,10 @@ def test_packed_rows_with_an_nf4_base_fused_loss_and_checkpointing(
     _on_the_packed_steps(monkeypatch)
     reference = _run(tmp_path, "unpacked-switches", data, *switches, "train.batch_size=8")
     assert_same_training(packed, reference, steps=2)
+
+
+def test_documents_kernel_speaks_up_on_short_samples() -> None:
+    """ "documents" loses to flex on short samples (6-7x a layer at ~550 tokens on an H200): a run says so."""
+    advice = attention.documents_advice(torch.tensor([500, 600, 550]))
+    assert advice is not None and "550 tokens on average" in advice and '"flex"' in advice
+    assert attention.documents_advice(torch.tensor([7000, 8000])) is None

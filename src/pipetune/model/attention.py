@@ -9,13 +9,15 @@ builds its mask from them (`document_mask`), once per microbatch for all its lay
 - "documents", and every CPU run: a `DocumentTable`, each row's documents as (start, end) spans on the host, and
   `document_sdpa` runs SDPA's fused kernel on each document alone (cuDNN's on an H200, flash attention's on other
   GPUs and on the CPU; torch's flex attention has no backward on the CPU, torch 2.11-2.13). Each document is
-  attended with the kernel full rows use, over a window of the row (`_window`), a row's documents alternating over
-  two CUDA streams (`_on_streams`). The price is a call per document, ~0.13 ms a layer (forward and backward) on an
-  H200 and nothing measurable beyond it in a run; its attention runs ~1.4x faster than flex's: 1.34x Unsloth's
-  real tokens/s over a whole-meeting epoch in rows of 16,384 (flex 1.18-1.19x,
-  2026-12-02-documents-streams-and-plans-one-h200.md). With cuDNN, a plan is built for each new (padded) document
-  length and kept for the process, per thread: a training run names its lengths ahead (`expect_document_lengths`)
-  and the forward's and backward's first calls build them all, each in its own thread (`_build_plans`).
+  attended with the kernel full rows use, over a window of the row (`_window`), a row's long documents
+  alternating over two CUDA streams (`_on_streams`). The price is a call per document: ~0.13 ms of the GPU's a
+  layer (forward and backward) on an H200 and ~0.29 ms of the host's, hidden behind long documents' kernels, not
+  behind short ones'. On whole meetings (~7,400 tokens) its attention runs ~1.4x faster than flex's: 1.34x
+  Unsloth's real tokens/s over an epoch in rows of 16,384 (flex 1.18-1.19x); on the bench config's ~550-token
+  meetings 6-7x slower than flex's a layer (2026-12-02-documents-streams-and-plans-one-h200.md): a run with short
+  samples says so (`documents_advice`). With cuDNN, a plan is built for each new (padded) document length and
+  kept for the process, per thread: a training run names its lengths ahead (`expect_document_lengths`) and the
+  forward's and backward's first calls build them all, each in its own thread (`_build_plans`).
 
 Tried and dropped (benchmarks/journal/): torch's flash attention variable-length kernel measured 1.45x slower
 than flex on the bench config's packed 4,096-token rows and 1.27x on a 16,384-token row of whole meetings
@@ -260,8 +262,29 @@ def _row_like(query: torch.Tensor) -> torch.Tensor:
 
 
 DOCUMENT_STREAMS = int(os.environ.get("PIPETUNE_DOCUMENT_STREAMS", "2"))
-"""CUDA streams a row's documents alternate over in `document_sdpa` (1: the current stream alone);
+"""CUDA streams a row's long documents alternate over in `document_sdpa` (1: the current stream alone);
 PIPETUNE_DOCUMENT_STREAMS sets it (for diagnosis)."""
+STREAM_MIN_TOKENS = 4096
+"""Documents shorter than this run on the current stream: on an H200 two streams made a layer's attention 4.5%
+faster on whole meetings (~7,400 tokens a document, the GPU the bound) and 20-30% slower on ~550-token ones (the
+host the bound: ~0.29 ms of host calls a document against ~0.1 of kernels;
+2026-12-02-documents-streams-and-plans-one-h200.md). A 4,096-token document's kernels take ~1 ms, forward and
+backward."""
+SHORT_DOCUMENTS = 4096
+"""Mean sample tokens under which `documents_advice` speaks."""
+
+
+def documents_advice(lengths: torch.Tensor) -> str | None:
+    """A line for the run's log when train.packed_attention = "documents" meets short samples (`lengths`: the
+    training samples' tokens), where flex attention is the faster kernel; None otherwise."""
+    mean = float(lengths.double().mean()) if len(lengths) else 0.0
+    if mean >= SHORT_DOCUMENTS:
+        return None
+    return (
+        f'train.packed_attention = "documents" with samples of {mean:,.0f} tokens on average: on an H200 it ran '
+        f'6-7x slower than "flex" a layer at ~550-token samples and 1.4x faster at ~7,400 (docs/packing.md); '
+        f'"flex" is likely the faster kernel here'
+    )
 
 
 @functools.cache
@@ -269,26 +292,33 @@ def _side_streams(device: torch.device, count: int) -> tuple[torch.cuda.Stream, 
     return tuple(torch.cuda.Stream(device) for _ in range(count))
 
 
-def _on_streams(device: torch.device, items: Iterable) -> Iterator:
-    """Yield the items (documents), each with the CUDA stream it is to run on made current: on a GPU they alternate
-    over DOCUMENT_STREAMS side streams, which start after the current stream's work and which the current stream
-    waits for when the items end, so one document's kernels can overlap the last, part-empty waves of another's;
-    in order on the current stream elsewhere. What a document allocates on a side stream it also frees there (the
-    caching allocator keeps each stream's blocks apart); what it writes (the output, the gradients, allocated on
-    the current stream) the current stream reads only after its wait."""
+def _on_streams(device: torch.device, spans: Iterable[tuple[int, int, int]]) -> Iterator[tuple[int, int, int]]:
+    """Yield the (row, start, end) spans of documents, each with the CUDA stream it is to run on made current: on
+    a GPU, documents of STREAM_MIN_TOKENS or more alternate over DOCUMENT_STREAMS side streams, so one document's
+    kernels can overlap the last, part-empty waves of another's; shorter ones, and every document elsewhere, run in
+    order on the current stream. A side stream waits for the current stream's work before its first document, and
+    the current stream waits for every side stream used when the spans end. What a document allocates on a side
+    stream it also frees there (the caching allocator keeps each stream's blocks apart); what it writes (the
+    output, the gradients, allocated on the current stream) the current stream reads only after its wait."""
     if device.type != "cuda" or DOCUMENT_STREAMS < 2:
-        yield from items
+        yield from spans
         return
     current = torch.cuda.current_stream(device)
     streams = _side_streams(device, DOCUMENT_STREAMS)
-    for stream in streams:
-        stream.wait_stream(current)
+    used = 0
     try:
-        for index, item in enumerate(items):
-            with torch.cuda.stream(streams[index % len(streams)]):
-                yield item
+        for span in spans:
+            if span[2] - span[1] < STREAM_MIN_TOKENS:
+                yield span
+                continue
+            stream = streams[used % len(streams)]
+            if used < len(streams):
+                stream.wait_stream(current)
+            used += 1
+            with torch.cuda.stream(stream):
+                yield span
     finally:
-        for stream in streams:
+        for stream in streams[:used]:
             current.wait_stream(stream)
 
 
