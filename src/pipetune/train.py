@@ -39,13 +39,7 @@ from pipetune.checkpoint import (
 from pipetune.config import Config, save_config
 from pipetune.data.batching import SampleStore, bucket_lengths, bucketed_epoch_batches, epoch_batches, pad_fraction
 from pipetune.data.cache import tokenized_data
-from pipetune.data.packing import (
-    batches_of_rows,
-    epoch_rows,
-    members,
-    packed_batch,
-    rows_attention_share,
-)
+from pipetune.data.packing import batches_of_rows, epoch_rows, members, packed_batch, rows_attention_share
 from pipetune.data.sources import chat_lines
 from pipetune.export import PROMPT_FILE, write_prompt_settings
 from pipetune.metrics import MetricsLog, PhaseLog, host_peak_gb, peak_memory_gb, reset_peak_memory

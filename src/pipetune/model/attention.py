@@ -161,20 +161,17 @@ def span_table(position_ids: torch.Tensor, per_row: int = 0) -> torch.Tensor:
     return table
 
 
-def _uncovered(table: torch.Tensor, seq: int):
-    """(row, start) of each row whose positions from `start` on lie past its last span (a pad tail left out)."""
-    for row, spans in enumerate(table.tolist()):
-        end = max((e for s, e in spans if e > s), default=0)
+def _documents(table: torch.Tensor, seq: int) -> tuple[list[tuple[int, int, int]], list[tuple[int, int]]]:
+    """A `span_table` read once: the (row, start, end) of each non-empty span, and the (row, start) of each row
+    whose positions from `start` on lie past its last span (a pad tail left out)."""
+    spans, tails = [], []
+    for row, pairs in enumerate(table.tolist()):
+        kept = [(start, end) for start, end in pairs if end > start]
+        spans += [(row, start, end) for start, end in kept]
+        end = max((e for _, e in kept), default=0)
         if end < seq:
-            yield row, end
-
-
-def _spans(table: torch.Tensor):
-    """(row, start, end) of each non-empty span of a `span_table`."""
-    for row, spans in enumerate(table.tolist()):
-        for start, end in spans:
-            if end > start:
-                yield row, start, end
+            tails.append((row, end))
+    return spans, tails
 
 
 def _documents_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int:
@@ -264,21 +261,21 @@ def _row_like(query: torch.Tensor) -> torch.Tensor:
 DOCUMENT_STREAMS = int(os.environ.get("PIPETUNE_DOCUMENT_STREAMS", "2"))
 """CUDA streams a row's long documents alternate over in `document_sdpa` (1: the current stream alone);
 PIPETUNE_DOCUMENT_STREAMS sets it (for diagnosis)."""
-STREAM_MIN_TOKENS = 4096
-"""Documents shorter than this run on the current stream: on an H200 two streams made a layer's attention 4.5%
-faster on whole meetings (~7,400 tokens a document, the GPU the bound) and 20-30% slower on ~550-token ones (the
-host the bound: ~0.29 ms of host calls a document against ~0.1 of kernels;
-2026-12-02-documents-streams-and-plans-one-h200.md). A 4,096-token document's kernels take ~1 ms, forward and
-backward."""
-SHORT_DOCUMENTS = 4096
-"""Mean sample tokens under which `documents_advice` speaks."""
+LONG_DOCUMENT = 4096
+"""Tokens from which a document's kernels outrun its host calls: on an H200 a 4,096-token document's take ~1 ms,
+forward and backward, against ~0.29 ms of host calls a document (windows, copies, the two operators); a
+~550-token one's ~0.1 ms, so there the GPU waits: the documents kernel ran 6-7x slower than flex's a layer, and
+two streams made it 20-30% slower still, where on whole meetings (~7,400 tokens) they made it 4.5% faster
+(2026-12-02-documents-streams-and-plans-one-h200.md). Shorter documents run on the current stream
+(`_on_streams`), and a run whose samples are shorter on average hears that flex is likely faster
+(`documents_advice`)."""
 
 
 def documents_advice(lengths: torch.Tensor) -> str | None:
     """A line for the run's log when train.packed_attention = "documents" meets short samples (`lengths`: the
     training samples' tokens), where flex attention is the faster kernel; None otherwise."""
     mean = float(lengths.double().mean()) if len(lengths) else 0.0
-    if mean >= SHORT_DOCUMENTS:
+    if mean >= LONG_DOCUMENT:
         return None
     return (
         f'train.packed_attention = "documents" with samples of {mean:,.0f} tokens on average: on an H200 it ran '
@@ -294,7 +291,7 @@ def _side_streams(device: torch.device, count: int) -> tuple[torch.cuda.Stream, 
 
 def _on_streams(device: torch.device, spans: Iterable[tuple[int, int, int]]) -> Iterator[tuple[int, int, int]]:
     """Yield the (row, start, end) spans of documents, each with the CUDA stream it is to run on made current: on
-    a GPU, documents of STREAM_MIN_TOKENS or more alternate over DOCUMENT_STREAMS side streams, so one document's
+    a GPU, documents of LONG_DOCUMENT tokens or more alternate over DOCUMENT_STREAMS side streams, so one document's
     kernels can overlap the last, part-empty waves of another's; shorter ones, and every document elsewhere, run in
     order on the current stream. A side stream waits for the current stream's work before its first document, and
     the current stream waits for every side stream used when the spans end. What a document allocates on a side
@@ -308,7 +305,7 @@ def _on_streams(device: torch.device, spans: Iterable[tuple[int, int, int]]) -> 
     used = 0
     try:
         for span in spans:
-            if span[2] - span[1] < STREAM_MIN_TOKENS:
+            if span[2] - span[1] < LONG_DOCUMENT:
                 yield span
                 continue
             stream = streams[used % len(streams)]
@@ -383,11 +380,12 @@ def document_sdpa(
     lse = query.new_empty(batch * heads * seq, dtype=torch.float32)
     backend = _documents_backend(query, key, value)
     _build_plans(query, key, value, scale, backend, backward=False)
-    for row, start, end in _on_streams(query.device, _spans(spans)):
+    documents, tails = _documents(spans, seq)
+    for row, start, end in _on_streams(query.device, documents):
         doc_out, doc_lse = _document_forward(query, key, value, row, start, end, scale, backend)
         out[row : row + 1, :, start:end] = doc_out
         lse[_lse_slice(row, start, end, heads, seq)] = doc_lse.flatten()
-    for row, start in _uncovered(spans, seq):  # a pad tail: zeros, and no gradient to or through it
+    for row, start in tails:  # a pad tail: zeros, and no gradient to or through it
         out[row : row + 1, :, start:] = 0
     return out, lse
 
@@ -416,12 +414,13 @@ def document_sdpa_backward(
     grads = [torch.empty_like(t) for t in (query, key, value)]
     backend = _documents_backend(query, key, value)
     _build_plans(query, key, value, scale, backend, backward=True)
-    for row, start, end in _on_streams(query.device, _spans(spans)):
+    documents, tails = _documents(spans, seq)
+    for row, start, end in _on_streams(query.device, documents):
         doc_lse = lse[_lse_slice(row, start, end, heads, seq)].view(heads, end - start)
         pieces = _document_backward(grad, query, key, value, out, doc_lse, row, start, end, scale, backend)
         for whole, piece in zip(grads, pieces, strict=True):
             whole[row : row + 1, :, start:end] = piece
-    for row, start in _uncovered(spans, seq):
+    for row, start in tails:
         for whole in grads:
             whole[row : row + 1, :, start:] = 0
     return tuple(grads)
