@@ -64,7 +64,9 @@ def test_every_default_has_its_annotated_type() -> None:
         for key in dataclasses.fields(values):
             hint = typing.get_args(hints[key.name])[0] if key.metadata.get("also") else hints[key.name]
             expected = typing.get_origin(hint) or hint
-            assert type(getattr(values, key.name)) is expected, f"{section.name}.{key.name}"
+            value = getattr(values, key.name)
+            named = value in key.metadata.get("also", ())  # "auto": a speed switch's default
+            assert type(value) is expected or named, f"{section.name}.{key.name}"
 
 
 @pytest.mark.parametrize(
@@ -284,7 +286,11 @@ def test_seed_job_config_matches_the_seed_script() -> None:
             2,
             r"does not combine with train.activation_checkpointing = true",
         ),
-        (['train.packed_attention="tiles"'], 2, r"train.packed_attention = 'tiles' is unknown; use \"flex\" or"),
+        (
+            ['train.packed_attention="tiles"'],
+            2,
+            r"train.packed_attention = 'tiles' is unknown; use \"flex\", \"documents\" or \"auto\"",
+        ),
         (
             ['train.packed_attention="documents"', "train.compile=true", "train.cuda_graphs=true"],
             2,
@@ -294,13 +300,21 @@ def test_seed_job_config_matches_the_seed_script() -> None:
         (["train.memory_gb=-1"], 2, r"train.memory_gb = -1.0 must be >= 0 \(0: the GPU's total memory\)"),
         (["train.loss_chunk=0"], 2, r"train.loss_chunk = 0 must be at least 1"),
         (["parallel.p2p_channels=-1"], 2, r"parallel.p2p_channels = -1 must be >= 0 \(0: NCCL's choice; e.g. 1\)"),
-        (["lora.shared_dropout=true"], 2, r"but lora.fast_path = false: set lora.fast_path = true, or lora.shared"),
+        (
+            ["lora.shared_dropout=true", "lora.fast_path=false"],
+            2,
+            r"but lora.fast_path = false: set lora.fast_path = true, or lora.shared",
+        ),
         (
             ["lora.shared_dropout=true", "lora.fast_path=true", "parallel.pp=1", "parallel.tp=2"],
             2,
             r"lora.shared_dropout = true with parallel.tp = 2: .* set lora.shared_dropout = false, or parallel.tp = 1",
         ),
-        (["lora.adapter_in_matmul=true"], 2, r"set lora.fast_path = true, or set lora.adapter_in_matmul = false"),
+        (
+            ["lora.adapter_in_matmul=true", "lora.fast_path=false"],
+            2,
+            r"set lora.fast_path = true, or set lora.adapter_in_matmul = false",
+        ),
         *(
             (["lora.adapter_in_matmul=true", "lora.fast_path=true", *more], 2, message)
             for more, message in (
@@ -325,7 +339,7 @@ def test_activation_checkpointing_takes_true_false_or_auto(tmp_path: Path) -> No
     validate(auto, 2)  # "auto" with graphs: ranks that checkpoint run without them
     apply_override(auto, "train.activation_checkpointing=false")  # back to a bool after a string
     assert auto.train.activation_checkpointing is False
-    with pytest.raises(ConfigError, match=r"= 'some' has type str; expected bool like False or 'auto'"):
+    with pytest.raises(ConfigError, match=r"= 'some' has type str; expected bool or 'auto' or 'offload'"):
         apply_override(auto, 'train.activation_checkpointing="some"')
 
 

@@ -12,11 +12,15 @@ MFU = tokens/s x FLOPs per token / (GPUs x peak FLOP/s), FLOPs per token from th
 model of model/split.py (4 x weights of every matmul: frozen-base LoRA training is forward plus
 input-gradient backward; plus causal attention; the lm_head on every token, or with train.fused_loss on the
 supervised share of them, data.max_summary_tokens + 1 of data.max_length, which is all it runs on) and
-peak = --peak-tflops (790: bf16 dense matmul measured on an H200). Until 2026-12-02 the bench counted the head
-on every token with the fused loss too: its MFU figures before then are ~7% higher than this count at Qwen3-8B's
-4,096-token rows (256 summary tokens; 69.4% is 64.6%) and ~5% at Qwen3-4B's 512-token rows. Packed rows' causal
-attention is their documents' own: the epoch's share of a whole row's (`data inspect`), and since 2026-12-02 each
-timed step's own rows' share (metrics' attention_share), which at whole meetings varies by step (a step's time
+peak = --peak-tflops, else the GPU's dense bf16 peak by its datasheet, read from its name (`spec_peak_tflops`: 989
+for an H100 or H200 SXM), as the field counts MFU (PaLM's definition; torchtitan's and Megatron's figures). Until
+2026-12-06 the peak was 790, a bf16 matmul measured on an H200: MFU figures before then are 790 / 989 = 0.80 of
+theirs by this count (75% is 60%); bench.json keeps that share beside it as "mfu_of_measured_peak".
+Until 2026-12-02 the bench counted the head on every token with the fused loss too: its MFU figures before then are
+~7% higher than this count at Qwen3-8B's 4,096-token rows (256 summary tokens; 69.4% is 64.6%) and ~5% at
+Qwen3-4B's 512-token rows. Packed rows' causal attention is their documents' own: the epoch's share of a whole
+row's (`data inspect`), and since 2026-12-02 each timed step's own rows' share (metrics' attention_share), which
+at whole meetings varies by step (a step's time
 with it: 0.66-1.19 s at 16,384 tokens) and had MFU follow the draw of rows before.
 """
 
@@ -44,13 +48,17 @@ from pipetune.planner.layouts import Layout
 from pipetune.preflight import prepare
 from pipetune.report import plot_bench
 from pipetune.strategies import STRATEGY_SPECS
+from pipetune.switches import AUTO, SWITCHES, Hardware, resolve
 
 
 def strategy_config(config: Config, strategy: str, steps: int, warmup: int, out_dir: Path, rows: int = 1) -> Config:
     """The config's run as `strategy`, on as many ranks and at the same effective batch (`Layout.for_strategy`).
     A metrics row every `rows` steps (each waits for the GPU; between them the host runs ahead)."""
-    variant = Layout.for_strategy(config, strategy).apply(config)
+    resolved = resolve(config, Hardware.here()).config  # the microbatches of the config's own layout
+    variant = Layout.for_strategy(resolved, strategy).apply(config)
     p = variant.parallel
+    if config.parallel.n_microbatches == AUTO:  # each strategy's run chooses its own, as `pipetune train` would
+        p.n_microbatches = AUTO
     if not STRATEGY_SPECS[strategy].pipeline:
         p.layers_per_stage, p.sequence_parallel = [], p.sequence_parallel and p.tensor_parallel
     variant.train.max_steps = warmup + steps
@@ -68,7 +76,7 @@ def run_bench(
     steps: int,
     warmup: int,
     out_dir: Path,
-    peak_tflops: float = 790.0,
+    peak_tflops: float | None = None,
     timeout_s: float = 0.0,
     rows: int = 1,
 ) -> list[dict]:
@@ -78,15 +86,16 @@ def run_bench(
     unknown = [s for s in strategies if s not in RUN_STRATEGIES]
     if unknown:
         raise ConfigError(f"--strategies {unknown} unknown; available: {', '.join(RUN_STRATEGIES)}")
-    prepared = prepare(config)
-    share = training_attention_share(config, prepared.prompts)  # packed rows attend within their samples
-    costs, _ = run_split(config, prepared.model.config, share)  # with the fused loss: the head on supervised rows
+    counted = resolve(config, Hardware.here()).config  # the switches the FLOP count depends on (the fused loss)
+    prepared = prepare(counted)
+    share = training_attention_share(counted, prepared.prompts)  # packed rows attend within their samples
+    costs, _ = run_split(counted, prepared.model.config, share)  # with the fused loss: the head on supervised rows
     flops_per_token = prepared.n_layers * costs.layer + costs.head
     # A packed step attends its own rows, not the epoch's: MFU counts each metrics row's attention share
     # (metrics' attention_share) with this many FLOPs a token per unit of share.
-    whole = run_split(config, prepared.model.config, 1.0)[0] if config.data.packing else costs
+    whole = run_split(counted, prepared.model.config, 1.0)[0] if counted.data.packing else costs
     attention_flops = prepared.n_layers * (whole.layer - costs.layer) / (1 - share) if share < 1 else 0.0
-    count = FlopCount(flops_per_token, peak_tflops, attention_flops, share)
+    count = FlopCount(flops_per_token, peak_tflops or spec_peak_tflops(), attention_flops, share)
     out_dir.mkdir(parents=True, exist_ok=True)
     setup = bench_setup(config) | {"attention_share": round(share, 4)}  # MFU counts this share of attention
     results = []
@@ -100,6 +109,8 @@ def run_bench(
         run_dir = Path(variant.output.dir)
         run = run_strategy(path, run_dir, out_dir / f"{strategy}.log", strategy, warmup, timeout_s)
         result = strategy_result(run, run_dir, strategy, warmup, n_gpus, count)
+        if (run_dir / "speed.json").is_file():  # the switches as the run resolved them, and why
+            result["resolved_switches"] = json.loads((run_dir / "speed.json").read_text())
         results.append({**result, "setup": {**setup, "layout": layout_of(variant)}})
         (out_dir / "bench.json").write_text(json.dumps(results, indent=1))  # after each: a later one may fail
     print_table(results, describe_setup(setup))
@@ -107,12 +118,27 @@ def run_bench(
     return results
 
 
-SWITCHES = {
-    "lora": ("fast_path", "shared_dropout", "adapter_in_matmul"),
-    "train": ("compile", "cuda_graphs", "layers_per_graph", "fused_loss", "activation_checkpointing", "mlp_chunk"),
-    "data": ("buckets", "packing", "max_samples_per_row"),
-}
-"""The config keys that change speed or memory but not the math: each bench row records them."""
+SPEC_PEAK_TFLOPS = (("GH200", 989.4), ("H200", 989.4), ("H100 PCIe", 756.5), ("H100", 989.4), ("A100", 312.0))
+"""Dense bf16 TFLOP/s by the vendor's datasheet, by a part of the GPU's name (first match): MFU's denominator."""
+DEFAULT_PEAK_TFLOPS = 989.4
+"""Where the GPU is not in SPEC_PEAK_TFLOPS, or there is none: an H100 / H200 SXM's (--peak-tflops to set it)."""
+MEASURED_PEAK_TFLOPS = 790.0
+"""An 8192^3 bf16 matmul measured on an H200 (and 798 on an H100): the older MFU's denominator."""
+
+
+def spec_peak_tflops(name: str | None = None) -> float:
+    """The datasheet's dense bf16 peak of the GPU named `name` (this machine's first GPU by default)."""
+    import torch
+
+    if name is None:
+        name = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    return next((peak for part, peak in SPEC_PEAK_TFLOPS if part in name), DEFAULT_PEAK_TFLOPS)
+
+
+RECORDED = (*SWITCHES, ("lora", "shared_dropout"), ("data", "buckets"), ("data", "packing"))
+RECORDED += (("data", "max_samples_per_row"),)
+"""The config keys that change speed or memory but not the math (the speed switches, as the config asks for them,
+and the data's layout): each bench row records them; its "resolved_switches", what its run made of them."""
 
 
 def bench_setup(config: Config) -> dict:
@@ -123,12 +149,7 @@ def bench_setup(config: Config) -> dict:
     import transformers
 
     m, t, p = config.model, config.train, config.parallel
-    switches = {
-        f"{section}.{key}": getattr(getattr(config, section), key)
-        for section, keys in SWITCHES.items()
-        for key in keys
-        if hasattr(getattr(config, section), key)
-    }
+    switches = {f"{section}.{key}": getattr(getattr(config, section), key) for section, key in RECORDED}
     gpu = f"{torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}" if torch.cuda.is_available() else ""
     return {
         "model": m.name,
@@ -331,6 +352,8 @@ def summarize_run(run_dir: Path, strategy: str, warmup: int, n_gpus: int, count:
         "pad_share": 1 - real_tokens / all_tokens if all_tokens > 0 else 0.0,
         "step_time_sec": timed / steps,
         "mfu": count.mfu(rows, seconds, n_gpus),
+        "mfu_peak_tflops": count.peak_tflops,
+        "mfu_of_measured_peak": count.mfu(rows, seconds, n_gpus) * count.peak_tflops / MEASURED_PEAK_TFLOPS,
         "peak_gb_per_rank": [max(float(r[k]) for r in rows) for k in peaks],
         "reserved_gb_per_rank": [max(float(r[k] or 0) for r in rows) for k in reserved],
         "final_loss": loss if math.isfinite(loss) else None,  # every step of the last row skipped: no loss

@@ -111,25 +111,25 @@ class LoraConfig:
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     )
     """Names of the linear layers that get adapters."""
-    fast_path: bool = False
-    """Run adapters in the base dtype, the scaling applied to the rank-r intermediate (fewer, cheaper kernels than
-    PEFT's float32 path; same math). The adapters' master weights and optimizer state stay float32. Without LoRA
-    dropout, the adapters that read one input (q/k/v; gate/up) also compute their down-projections as one matmul
-    (PEFT's math; not under parallel.tp > 1)."""
+    fast_path: bool | str = field(default="auto", metadata={"also": ("auto",)})
+    """"auto" (pipetune/switches.py: on a GPU, off on the CPU), or true / false. Run adapters in the base dtype, the
+    scaling applied to the rank-r intermediate (fewer, cheaper kernels than PEFT's float32 path; same math). The
+    adapters' master weights and optimizer state stay float32. Without LoRA dropout, the adapters that read one input
+    (q/k/v; gate/up) also compute their down-projections as one matmul (PEFT's math; not under parallel.tp > 1)."""
     shared_dropout: bool = False
     """With lora.fast_path: one LoRA dropout mask per input that several adapters read (q/k/v share one, gate/up
     another; o and down keep their own), and those adapters' down-projections as one matmul. Not PEFT's draws:
     each element is dropped with probability lora.dropout and scaled by 1 / (1 - lora.dropout) as before, but
     q, k and v drop the same ones. Fewer random numbers and kernels, one dropped input kept for backward per
     shared input instead of one per adapter; not with parallel.tp > 1."""
-    adapter_in_matmul: bool = False
-    """With lora.fast_path: each adapted linear computes its LoRA term inside its base matmul. The frozen weight is
-    stored as [W | lora_B] (lora_B's bf16 copy refreshed before each forward) and the input as [x | the scaled
-    down-projections], so the up-projection's output is never written and read on its own, and backward's one
-    matmul gives the input's gradient and the down-projections'. Same math, summed in another order. Plain
-    (unquantized) base weights only, not with parallel.tp > 1 or FSDP. Measured on one H200: Qwen3-8B at
-    4,096-token rows 3.1-3.4% faster (75.0-75.1% MFU against 72.6-72.8%), packed Qwen3-4B rows 2.2% faster
-    (benchmarks/journal/2026-12-02-in-matmul-one-h200.md)."""
+    adapter_in_matmul: bool | str = field(default="auto", metadata={"also": ("auto",)})
+    """"auto" (on a GPU with a plain base, no tp / FSDP), or true / false. With lora.fast_path: each adapted linear
+    computes its LoRA term inside its base matmul. The frozen weight is stored as [W | lora_B] (lora_B's bf16 copy
+    refreshed before each forward) and the input as [x | the scaled down-projections], so the up-projection's output is
+    never written and read on its own, and backward's one matmul gives the input's gradient and the down-projections'.
+    Same math, summed in another order. Plain (unquantized) base weights only, not with parallel.tp > 1 or FSDP.
+    Measured on one H200: Qwen3-8B at 4,096-token rows 3.1-3.4% faster (75.0-75.1% MFU against 72.6-72.8%), packed
+    Qwen3-4B rows 2.2% faster (benchmarks/journal/2026-12-02-in-matmul-one-h200.md)."""
 
 
 @dataclass
@@ -154,27 +154,31 @@ class TrainConfig:
     """Clip the global gradient norm (all stages together) to this; 0 disables clipping."""
     seed: int = 42
     """Seeds data order, random initialisation and adapter initialisation."""
-    compile: bool = False
-    """torch.compile each decoder layer (one graph shared by all layers; the first steps compile)."""
-    layers_per_graph: int = 1
-    """With train.compile (without it there is nothing to group), trace this many consecutive decoder layers as
-    one compiled graph (0: all of a stage's layers): one call, and one CUDA graph replay with train.cuda_graphs,
-    per group instead of per layer; fewer graph boundaries for the GPU (6 ran 1% faster than 1 on an H200). The
-    first steps compile one graph per group size, longer than one layer's. Checkpointed layers stay one per graph,
-    and so do all under FSDP or parallel.tp > 1 (not run there yet: the run says so and goes on)."""
-    cuda_graphs: bool = False
-    """With train.compile, replay each compiled layer's forward and backward as CUDA graphs (torch.compile's
-    "reduce-overhead" mode): one launch per layer call instead of ~60 kernels and ~20 GEMM calls, for when the
-    host, not the GPU, is the limit (small microbatches). CUDA only; the first steps record the graphs."""
-    fused_loss: bool = False
-    """Compute lm_head and the cross-entropy together, on the supervised tokens only (the summary, not the
-    transcript), a chunk of train.loss_chunk rows at a time, writing the hidden states' gradient in the
-    forward: the [tokens, vocab] float32 logits and their gradient are never whole in memory (Qwen3: 151,936
-    columns). Same math as the plain loss; the supervised rows are found on the host, where a training batch's
-    labels are made, so the loss never waits for the GPU (validation's, on the device, sync once a batch)."""
+    compile: bool | str = field(default="auto", metadata={"also": ("auto",)})
+    """"auto" (on a GPU, where the schedule allows), or true / false. torch.compile each decoder layer (one graph shared
+    by all layers; the first steps compile)."""
+    layers_per_graph: int | str = field(default="auto", metadata={"also": ("auto",)})
+    """"auto" (6 compiled, 1 under FSDP / tp) or a count. With train.compile (without it there is nothing to group),
+    trace this many consecutive decoder layers as one compiled graph (0: all of a stage's layers): one call, and one
+    CUDA graph replay with train.cuda_graphs, per group instead of per layer; fewer graph boundaries for the GPU (6 ran
+    1% faster than 1 on an H200). The first steps compile one graph per group size, longer than one layer's.
+    Checkpointed layers stay one per graph, and so do all under FSDP or parallel.tp > 1 (not run there yet: the run says
+    so and goes on)."""
+    cuda_graphs: bool | str = field(default="auto", metadata={"also": ("auto",)})
+    """"auto" (compiled on a GPU, not with the documents kernel or every layer checkpointed; each rank keeps them only
+    where they pay off), or true / false. With train.compile, replay each compiled layer's forward and backward as CUDA
+    graphs (torch.compile's "reduce-overhead" mode): one launch per layer call instead of ~60 kernels and ~20 GEMM
+    calls, for when the host, not the GPU, is the limit (small microbatches). CUDA only; the first steps record the
+    graphs."""
+    fused_loss: bool | str = field(default="auto", metadata={"also": ("auto",)})
+    """"auto" (on a GPU), or true / false. Compute lm_head and the cross-entropy together, on the supervised tokens only
+    (the summary, not the transcript), a chunk of train.loss_chunk rows at a time, writing the hidden states' gradient
+    in the forward: the [tokens, vocab] float32 logits and their gradient are never whole in memory (Qwen3: 151,936
+    columns). Same math as the plain loss; the supervised rows are found on the host, where a training batch's labels
+    are made, so the loss never waits for the GPU (validation's, on the device, sync once a batch)."""
     loss_chunk: int = 2048
     """Rows (tokens) per chunk of train.fused_loss: peak extra memory ~ loss_chunk x vocab x 12 bytes."""
-    activation_checkpointing: bool | str = field(default=False, metadata={"also": ("auto", "offload")})
+    activation_checkpointing: bool | str = field(default="auto", metadata={"also": ("auto", "offload")})
     """Keep only a decoder layer's input during forward and recompute the layer in backward: less activation
     memory (long contexts) for about one more forward of the layer. true: every layer; "offload": every layer, its
     input kept in pinned host memory (copied on a side stream, back one layer ahead of backward: no layer input
@@ -186,15 +190,16 @@ class TrainConfig:
     token and head), so its recomputation skips attention, most of a layer's forward at long rows (Qwen3-8B at
     131,072 tokens: 1.07 of 1.46 GFLOP a token); offloaded layers keep them in host memory too. Causal,
     unmasked attention in eager layers: not with train.compile or data.packing (model/kept_attention.py)."""
-    packed_attention: str = "flex"
-    """With data.packing on a GPU, the kernel of each row's document attention: "flex" (flex attention over a
+    packed_attention: str = "auto"
+    """With data.packing on a GPU, the kernel of each row's document attention: "auto" ("documents" for samples of
+    4,096 tokens or more on average on one GPU or data-parallel ranks, else "flex"), "flex" (flex attention over a
     block mask of 128 x 128 tiles, compiled) or "documents" (SDPA's fused kernel on each sample alone, cuDNN's on
     an H200, over a window of the row of a padded length, cuDNN's plans for the run's lengths built in its first
     step: model/attention.py). On whole meetings in rows of 16,384 (one H200, a whole epoch) "documents" made
     1.34x Unsloth's tokens/s (flex 1.18-1.19x); on ~550-token samples its attention ran 6-7x slower than flex's;
     not measured under a GPU pipeline (docs/packing.md). It reads each row's samples on the host at every call:
     not with train.cuda_graphs. CPU runs take each sample alone."""
-    mlp_chunk: int | str = field(default=0, metadata={"also": ("auto",)})
+    mlp_chunk: int | str = field(default="auto", metadata={"also": ("auto",)})
     """Tokens per chunk of each decoder layer's MLP: its [tokens, 3 x intermediate_size] gate/up/activation
     workspace is computed (and recomputed in backward) a chunk of the sequence at a time, so it stops growing
     with the row. 0: off; "auto": 8192 when data.max_length >= 32768 (one more MLP forward per layer: under 10%
@@ -247,8 +252,10 @@ class ParallelConfig:
     schedule: str = "1f1b"
     """Pipeline schedule: gpipe, 1f1b (one stage per rank); interleaved_1f1b, looped_bfs, interleaved_zero_bubble
     (stages_per_rank >= 2, looped); zbv, dualpipev (2 stages per rank, V order)."""
-    n_microbatches: int = 8
-    """Microbatches per schedule step; batch_size must be a multiple of it."""
+    n_microbatches: int | str = field(default="auto", metadata={"also": ("auto",)})
+    """Microbatches per schedule step; batch_size must be a multiple of it. "auto": without a pipeline the fewest
+    whose rows hold 8,192 tokens, in a pipeline rows of 2,048 tokens and at least one microbatch per stage
+    (pipetune/switches.py)."""
     stages_per_rank: int = 1
     """Virtual stages per rank (interleaved schedules)."""
     layers_per_stage: list[int] = field(default_factory=list)
@@ -530,7 +537,8 @@ def _set_field(section: Any, section_name: str, key: str, value: Any) -> None:
             quote = f' (a string: write it in quotes, {key} = "{written}")'
         raise ConfigError(
             f"{section_name}.{key} = {value!r} has type {type(value).__name__}; "
-            f"expected {expected.__name__} like {default!r}"
+            f"expected {expected.__name__}"
+            + (f" like {default!r}" if isinstance(default, expected) else "")
             + "".join(f" or {alt!r}" for alt in declared.metadata.get("also", ()))
             + quote
         )
@@ -696,7 +704,7 @@ def _check_lora(lora: LoraConfig, p: ParallelConfig, quantize: str = "none") -> 
         f"lora.shared_dropout = true with parallel.tp = {p.tp}: tensor parallelism splits each adapter on its own "
         "and draws its masks per adapter; set lora.shared_dropout = false, or parallel.tp = 1",
     )
-    if lora.adapter_in_matmul:
+    if lora.adapter_in_matmul is True:
         where = "set lora.adapter_in_matmul = false"
         _check(
             lora.fast_path,
@@ -732,11 +740,12 @@ def _check_train(t: TrainConfig, d: DataConfig) -> None:
     _non_negative(
         ("train.warmup_steps", t.warmup_steps),
         ("train.timeline_step", t.timeline_step),
-        ("train.layers_per_graph", t.layers_per_graph),
     )
+    if t.layers_per_graph != "auto":  # "auto": pipetune/switches.py
+        _non_negative(("train.layers_per_graph", t.layers_per_graph))
     _check(0 <= t.seed < 2**32, f"train.seed = {t.seed} must be within [0, 2**32) (e.g. 42)")
-    if t.cuda_graphs:
-        _check(t.compile, "train.cuda_graphs = true replays compiled layers: set train.compile = true as well")
+    if t.cuda_graphs is True:
+        _check(t.compile is True, "train.cuda_graphs = true replays compiled layers: set train.compile = true as well")
         _check(
             t.activation_checkpointing not in (True, "offload"),
             "train.cuda_graphs = true does not combine with train.activation_checkpointing = "
@@ -756,7 +765,7 @@ def _check_train(t: TrainConfig, d: DataConfig) -> None:
             'set train.activation_checkpointing to true, "offload" or "auto" as well',
         )
         _check(
-            not t.compile,
+            t.compile is not True,
             "train.keep_attention = true runs the attention kernels' own operators in eager layers: set "
             "train.compile = false (or train.keep_attention = false)",
         )
@@ -766,11 +775,11 @@ def _check_train(t: TrainConfig, d: DataConfig) -> None:
             "row's samples (flex attention): set one of them to false",
         )
     _check(
-        t.packed_attention in ("flex", "documents"),
-        f'train.packed_attention = {t.packed_attention!r} is unknown; use "flex" or "documents"',
+        t.packed_attention in ("flex", "documents", "auto"),
+        f'train.packed_attention = {t.packed_attention!r} is unknown; use "flex", "documents" or "auto"',
     )
     _check(
-        not (t.packed_attention == "documents" and t.cuda_graphs),
+        not (t.packed_attention == "documents" and t.cuda_graphs is True),
         'train.packed_attention = "documents" reads each row\'s samples on the host at every call, which a CUDA '
         'graph cannot replay: set train.cuda_graphs = false (or train.packed_attention = "flex")',
     )
@@ -819,10 +828,11 @@ def _check_parallel(p: ParallelConfig, t: TrainConfig, d: DataConfig, world_size
         ("parallel.pp", p.pp),
         ("parallel.dp", p.dp),
         ("parallel.tp", p.tp),
-        ("parallel.n_microbatches", p.n_microbatches),
         ("parallel.stages_per_rank", p.stages_per_rank),
     )
-    _check_schedule(p, t.compile, t.activation_checkpointing)
+    if p.n_microbatches != "auto":  # "auto": the switches' rule picks a count the schedule accepts
+        _at_least_one(("parallel.n_microbatches", p.n_microbatches))
+    _check_schedule(p, t.compile is True, t.activation_checkpointing not in (False, "auto"))
     _check_strategy(p)
     _check_tensor_parallel(p, d)
     _check(
@@ -831,7 +841,7 @@ def _check_parallel(p: ParallelConfig, t: TrainConfig, d: DataConfig, world_size
     )
     _check(p.p2p_channels >= 0, f"parallel.p2p_channels = {p.p2p_channels} must be >= 0 (0: NCCL's choice; e.g. 1)")
     _check(
-        t.batch_size % p.n_microbatches == 0,
+        p.n_microbatches == "auto" or t.batch_size % p.n_microbatches == 0,
         f"train.batch_size = {t.batch_size} is not divisible by parallel.n_microbatches = {p.n_microbatches}; "
         f"use a batch_size that is a multiple of {p.n_microbatches}",
     )
@@ -925,14 +935,16 @@ def _check_schedule(p: ParallelConfig, compiled: bool, checkpointed: bool) -> No
                 f"parallel.schedule = {s!r} runs exactly {spec.max_stages_per_rank} stages per rank; set "
                 f"parallel.stages_per_rank = {spec.max_stages_per_rank}",
             )
-    if spec.one_microbatch_per_stage:
+    if m == "auto":  # the switches' rule picks a count these rules accept
+        pass
+    elif spec.one_microbatch_per_stage:
         n_stages = p.pp * v
         _check(
             m >= n_stages,
             f"parallel.n_microbatches = {m} < {f'parallel.pp = {p.pp}' if v == 1 else f'{n_stages} stages'}: {s} "
             f"needs at least one microbatch per stage; raise n_microbatches to {n_stages} or more",
         )
-    if spec.microbatch_rounds:
+    if spec.microbatch_rounds and m != "auto":
         rounds = max(1, m // p.pp)
         _check(
             m % rounds == 0,

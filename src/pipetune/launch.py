@@ -52,8 +52,11 @@ if TYPE_CHECKING:  # pipetune.train (peft: 2 s to import) only in a process that
     from pipetune.train import LoopStatus, RunResult
 
 
-def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max_restarts: int = 0) -> int:
-    """Validate, then train here (under torchrun, or one process) or start nproc local workers."""
+def run_train(
+    config: Config, nproc: int | None = None, quiet: bool = False, max_restarts: int = 0, explicit: bool = False
+) -> int:
+    """Validate, then train here (under torchrun, or one process) or start nproc local workers. `explicit`: the
+    layout was asked for on the command line (planner/plan.fit_to_gpus keeps it on fewer GPUs)."""
     started = time.time()
     if max_restarts < 0:
         raise ConfigError(f"--max-restarts {max_restarts} must be >= 0")
@@ -62,6 +65,10 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
 
         config = resolve_auto(config, available_gpus(config, nproc))
         nproc = None  # the pick's own process count
+    elif not nproc and not under_launcher() and torch.cuda.is_available():
+        from pipetune.planner.plan import fit_to_gpus
+
+        config = fit_to_gpus(config, torch.cuda.device_count(), explicit)
     if under_launcher():
         if max_restarts:
             print("pipetune: note: --max-restarts is the launcher's job under torchrun; use torchrun --max-restarts")

@@ -27,6 +27,7 @@ from pipetune.loggers import check_loggers
 from pipetune.model.gguf import gguf_source
 from pipetune.model.quantize import check_quantize
 from pipetune.model.shapes import BUILTIN_SHAPES, ResolvedModel, one_layer_model, resolve_model
+from pipetune.switches import Hardware, Resolution, resolve
 
 
 @dataclass
@@ -34,6 +35,8 @@ class Prepared:
     model: ResolvedModel
     tokenizer: PreTrainedTokenizerBase
     prompts: PromptBuilder
+    speed: Resolution | None = None
+    """The config with its speed switches resolved for this machine (preflight's; pipetune/switches.py)."""
 
     @property
     def n_layers(self) -> int:
@@ -45,9 +48,12 @@ class Prepared:
         return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
 
-def preflight(config: Config, world_size: int, speak: bool = True) -> Prepared:
-    """All checks for a training run of world_size processes, then the resolved model and tokenizer. `speak`: say
-    the checks' warnings and notes (a launcher does, for all its workers; they check again in silence)."""
+def preflight(config: Config, world_size: int, speak: bool = True, hardware: Hardware | None = None) -> Prepared:
+    """All checks for a training run of world_size processes, of its speed switches resolved for `hardware` (this
+    machine's by default), then the resolved model and tokenizer. `speak`: say the checks' warnings and notes (a
+    launcher does, for all its workers; they check again in silence)."""
+    speed = resolve(config, hardware or Hardware.here())
+    config = speed.config
     check_data_source(config.data)
     check_layout(config, world_size)
     check_loggers(config.output.loggers)
@@ -66,6 +72,7 @@ def preflight(config: Config, world_size: int, speak: bool = True) -> Prepared:
     ranges = run_split(config, prepared.model.config)[1]
     check_weights_fit(config, prepared.model.config, ranges)
     check_row_fits(config, prepared.model, ranges)  # after the weights: a row needs them to fit first
+    prepared.speed = speed
     return prepared
 
 

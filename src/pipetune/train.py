@@ -66,6 +66,7 @@ from pipetune.preflight import Prepared, epoch_steps, preflight
 from pipetune.profile import profiled
 from pipetune.run_lock import record_launch, restarted_launch
 from pipetune.schedules import SCHEDULES
+from pipetune.switches import Hardware, resolve
 from pipetune.worker import has_launcher, named_cache_error
 
 
@@ -99,7 +100,9 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     say = functools.partial(print0, env, quiet)
     status = status or LoopStatus()
     # The launcher said the checks' warnings before the workers started; under torchrun alone rank 0 says them.
-    prepared = preflight(config, env.world_size, speak=env.is_main and under_launcher() and not has_launcher())
+    hardware = Hardware.of(env.device)
+    speak = env.is_main and under_launcher() and not has_launcher()
+    prepared = preflight(config, env.world_size, speak=speak, hardware=hardware)
     checkpoints = CheckpointSettings.of(config)
     run_dir = Path(config.output.dir)
     restarted = restarted_launch(run_dir)  # a restart of the launch that started what is there: it continues
@@ -109,25 +112,30 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     if env.is_main and not restarted:
         record_launch(run_dir)  # before anything is written: what a restart finds then is this launch's
     t, p, device = config.train, config.parallel, env.device
-    if t.cuda_graphs and device.type != "cuda":
+    if t.cuda_graphs is True and device.type != "cuda":
         ignored = "train.cuda_graphs = true is ignored on the CPU (CUDA graphs need GPUs)"
         warn0(env, f"{ignored}: the layers run compiled only")
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        save_config(config, run_dir / "config.toml")
+        save_config(config, run_dir / "config.toml")  # as asked, "auto" kept: a resume resolves it again
         write_prompt_settings(run_dir / PROMPT_FILE, prepared.prompts, config)  # for export and plain-HF use
     phases = PhaseLog(run_dir / "progress.jsonl", enabled=env.is_main)
     mesh = build_mesh(env, p.pp, p.dp, p.tp)
     # LoRA dropout: a different stream per stage and replica, one per tp group (parallel/tp.py: equal masks).
     torch.manual_seed(t.seed + mesh.replica_rank)
 
-    data = build_data(config, env, prepared, run_dir, say)
-    if data.packing and t.packed_attention == "documents":  # cuDNN's plans for them, built in the first step
+    data = build_data(prepared.speed.config, env, prepared, run_dir, say)
+    speed = resolve(config, hardware, data.real_tokens)  # the attention kernel by the samples' lengths
+    config, t = speed.config, speed.config.train
+    if data.packing and t.packed_attention == "documents" and device.type == "cuda":  # its cuDNN plans, in step 1
         expect_document_lengths(data.real_tokens)  # the samples' (pad tails take no attention there)
         if advice := documents_advice(data.real_tokens):
             say(advice)
     stages = build_stages(config, env, mesh, prepared, phases, say, quiet)
     runners = build_runners(config, env, mesh, prepared, stages)
+    say(speed.line(*runners.decisions))
+    if env.is_main:
+        speed.save(run_dir / "speed.json", *runners.decisions)
     optimizer, scheduler = build_optimizer(config, stages.params, data.total_steps)
     state = TrainState.of(stages.peft_model, optimizer, scheduler)
     position = Position()
@@ -418,6 +426,8 @@ class Runners:
     """What validation runs: the full-length shape; in a pipeline, stages of its own (see build_runners)."""
     cuda_graphs: bool
     gradients: GradientSync
+    decisions: list[str] = field(default_factory=list)
+    """This rank's own decisions for the startup line: its checkpointed layers, its CUDA graphs."""
 
 
 def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, stages: Stages) -> Runners:
@@ -427,7 +437,7 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
     device, modules, max_length = env.device, stages.modules, config.data.max_length
     loss_fn = TokenLoss()
     last_stage = next((module for module in modules if module.is_last), None)
-    if t.fused_loss and last_stage is not None:
+    if t.fused_loss is True and last_stage is not None:
         last_stage.head_in_loss = True
         loss_fn = TokenLoss(head=last_stage.lm_head, chunk=t.loss_chunk)
 
@@ -448,11 +458,15 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
     # stages whose first step was forward-only (the validation before step 1) sent no input gradient ("[5] for
     # chunk 0 has gradients None", 2x H200), and torch re-infers a stage's shapes after every forward-only step.
     validation = runner() if p.pipelined else runners[max_length]
+    decisions = []
     if t.activation_checkpointing == "auto":
         plan = auto_checkpointing(modules, stages.ids, mesh.pp_rank, config, prepared.model, device, mesh.tp_mesh)
         for module, count, offloaded in zip(modules, plan.layers, plan.offloaded_layers(), strict=True):
             module.set_layer_modes(count, offloaded)
-        print(f"rank {env.rank}: {plan.describe(stages.ids, [len(m.layers) for m in modules])}", flush=True)
+        described = plan.describe(stages.ids, [len(m.layers) for m in modules])
+        if not env.is_main:  # rank 0's is in its startup line
+            print(f"rank {env.rank}: {described}", flush=True)
+        decisions.append(described.replace("activation checkpointing (auto)", "checkpointing"))
         check_plans_fit(plan, config, device)
     cuda_graphs = t.compile and t.cuda_graphs and device.type == "cuda"
     if cuda_graphs:
@@ -470,6 +484,7 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
         )
         if note:
             print(f"rank {env.rank}: note: {note}", flush=True)
+        decisions.append("CUDA graphs recorded" if cuda_graphs else "CUDA graphs off on this rank (note above)")
     if cuda_graphs:
         give_gradients_own_memory(stages.params)
     if t.compile:
@@ -491,7 +506,7 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
         t.grad_accum * p.n_microbatches,
         overlap=p.overlapped_gradient_sum,
     )
-    return Runners(runners, timelines, loss_fn, validation, cuda_graphs, gradients)
+    return Runners(runners, timelines, loss_fn, validation, cuda_graphs, gradients, decisions)
 
 
 def build_optimizer(

@@ -117,7 +117,9 @@ def test_calibration_times_a_layer_and_the_model_uses_the_times(tmp_path, monkey
     split = next(p for p in make_plan(tp_config, 2).predictions if p.work.tp == 2)
     assert not calibrate.can_time(split.work, torch.device("cpu"))
     ((key, (forward, backward)),) = calibrate.time_tp_layers(tp_config, [(split.work, split.mode)], 2).items()
-    assert key == split.work.key(split.mode) and forward > 0 and backward > 0
+    # (a plan's layers run as "auto" resolves them on its GPUs; a CPU times graphed layers compiled)
+    cpu_mode = calibrate.timed_mode(split.mode, torch.device("cpu"))
+    assert key == split.work.key(cpu_mode) and forward > 0 and backward > 0
     # Rates from before timed tp shapes alone (split_tp_timings false): the model predicts those shapes instead.
     timed_alone = dataclasses.replace(rates, layer_seconds={key: (1.0, 1.0)}, split_tp_timings=False)
     assert layer_seconds(split.work, timed_alone, split.mode) != (1.0, 1.0)

@@ -6,6 +6,8 @@ import argparse
 import math
 from pathlib import Path
 
+import torch
+
 from pipetune.cli.options import add_config_options
 from pipetune.config import ConfigError, load_config
 
@@ -16,8 +18,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument(
         "--strategies",
         default=None,
-        help='comma-separated: pp, tp, ddp, fsdp, single (default: pp,single; with parallel.strategy = "auto": the '
-        "plan's pick)",
+        help="comma-separated: pp, tp, ddp, fsdp, single (default: the one `pipetune train --config C` runs here: the "
+        "config's strategy, on fewer GPUs than it names the layout that fits them; with \"auto\", the plan's pick)",
     )
     bench.add_argument("--steps", type=int, default=20, help="timed optimizer steps per strategy (default: 20)")
     bench.add_argument("--warmup", type=int, default=5, help="untimed steps first, compilation included (default: 5)")
@@ -29,7 +31,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a metrics row every N steps, each waiting for the GPU (default: 1)",
     )
     bench.add_argument("--out", default="runs/bench", help="output directory (default: runs/bench)")
-    bench.add_argument("--peak-tflops", type=float, default=790.0, help="per-GPU peak for MFU (default: 790)")
+    bench.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="per-GPU dense bf16 peak for MFU (default: the GPU's datasheet figure, 989 for an H100 / H200 SXM)",
+    )
     bench.add_argument(
         "--timeout",
         type=float,
@@ -55,15 +62,19 @@ def run(args: argparse.Namespace) -> int:
         )
     if not args.timeout >= 0:  # nan too
         raise ConfigError(f"--timeout {args.timeout} must be >= 0 seconds (0: no limit)")
-    if not 0 < args.peak_tflops < math.inf:
+    if args.peak_tflops is not None and not 0 < args.peak_tflops < math.inf:
         raise ConfigError(f"--peak-tflops {args.peak_tflops} must be a positive, finite TFLOP/s per GPU (e.g. 790)")
     config = load_config(args.config, args.set, "pipetune bench")
-    default = "pp,single"
     if config.parallel.strategy == "auto":
         from pipetune.planner.plan import available_gpus, resolve_auto
 
         config = resolve_auto(config, available_gpus(config))
-        default = config.parallel.strategy
+    elif args.strategies is None and torch.cuda.is_available():  # what `pipetune train --config C` runs here
+        from pipetune.planner.plan import LAYOUT_KEYS, fit_to_gpus
+
+        explicit = any(item.partition("=")[0].strip() in LAYOUT_KEYS for item in args.set)
+        config = fit_to_gpus(config, torch.cuda.device_count(), explicit)
+    default = config.parallel.strategy
     strategies = [s.strip() for s in (args.strategies or default).split(",") if s.strip()]
     preflight(config, config.parallel.world_size)  # one clear error before any run starts
     results = run_bench(

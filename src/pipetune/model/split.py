@@ -84,7 +84,7 @@ def run_split(
     """The cost model and the layer ranges of every pipeline stage of a run (parallel.layers_per_stage, or
     balanced by cost for the run's sequence length, loss and `attention_share`: estimate_costs)."""
     t, d = config.train, config.data
-    share = min(1.0, (d.max_summary_tokens + 1) / d.max_length) if t.fused_loss else None
+    share = min(1.0, (d.max_summary_tokens + 1) / d.max_length) if t.fused_loss is True else None
     costs = estimate_costs(model_config, d.max_length, share, attention_share)
     p = config.parallel
     return costs, split_layers(model_config.num_hidden_layers, p.n_stages, p.layers_per_stage, costs)

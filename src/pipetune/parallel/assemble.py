@@ -124,7 +124,7 @@ def build_stage_modules(
     )
     peft_model = apply_lora(model, lora, name or resolved.name, seed)
     quantize_linears(peft_model, quantize)  # placeholders, quantized as materialize fills them
-    if lora.fast_path:
+    if lora.fast_path is True:  # "auto" left unresolved (a probe of a raw config): the plain path
         use_fast_path(peft_model, lora.shared_dropout, tp, grouped, in_matmul=lora.adapter_in_matmul)
     peft_model.train()
     if packing or parallelism.keep_attention:
@@ -134,7 +134,7 @@ def build_stage_modules(
     loaded = LoadStats()
     if device.type != "meta":
         loaded = materialize(peft_model, resolved, device, seed, roots=modules)
-    if lora.fast_path and lora.adapter_in_matmul:  # (shape-only on the meta device: what memory probes measure)
+    if lora.fast_path is True and lora.adapter_in_matmul is True:  # shape-only on the meta device (memory probes)
         extend_base_weights(peft_model)  # the base weights become views of the extended ones
     return BuiltStages(peft_model, modules, loaded)
 

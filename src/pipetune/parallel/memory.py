@@ -343,7 +343,7 @@ def loss_bytes(config: Config, vocab: int) -> float:
     or (train.fused_loss) for its supervised rows (at most max_summary_tokens + 1 per sequence) a chunk of
     train.loss_chunk rows at a time."""
     t, d, microbatch = config.train, config.data, config.microbatch_size
-    if t.fused_loss:
+    if t.fused_loss is True:
         rows = min(t.loss_chunk, microbatch * min(d.max_length, d.max_summary_tokens + 1))
         return rows * vocab * 12
     return microbatch * d.max_length * vocab * 10
@@ -384,7 +384,7 @@ def measure_layer_memory(
     del built, model, stage
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return activations * (COMPILED_ACTIVATIONS if config.train.compile else 1.0), inputs
+    return activations * (COMPILED_ACTIVATIONS if config.train.compile is True else 1.0), inputs
 
 
 def _allocated_bytes(modules: Sequence[StageModule], device: torch.device) -> float:
@@ -501,7 +501,7 @@ def row_extras(config: Config, model_config: PretrainedConfig, seq: int, last: b
     same, grows = (workspace, 0.0) if chunked else (0.0, workspace)
     if last:
         loss = loss_bytes(long, vocab)
-        same, grows = (same + loss, grows) if config.train.fused_loss else (same, grows + loss)
+        same, grows = (same + loss, grows) if config.train.fused_loss is True else (same, grows + loss)
     return same, grows
 
 

@@ -126,6 +126,12 @@ class Layout:
         t.activation_checkpointing = self.checkpointing
         return variant
 
+    def planned(self, config: Config) -> Config:
+        """`config` run this way on the GPUs a plan is for, its speed switches resolved as "auto" would there."""
+        from pipetune.switches import PLANNED_GPU, resolve
+
+        return resolve(self.apply(config), PLANNED_GPU).config
+
     def describe(self) -> str:
         """E.g. "pp=2 interleaved_1f1b v=3", "ddp dp=2", "pp=2 x tp=2 1f1b", "fsdp dp=2"."""
         grid = [f"{name}={value}" for name, value in (("pp", self.pp), ("tp", self.tp), ("dp", self.dp)) if value > 1]
@@ -155,7 +161,7 @@ def candidate_layouts(
         for shape in _shapes(model_config, pp, tp, dp, per_replica):
             for checkpointing in CHECKPOINTING:
                 layout = dataclasses.replace(shape, checkpointing=checkpointing)
-                if _accepted(layout.apply(config), model_config, module_names):
+                if _accepted(layout.planned(config), model_config, module_names):
                     layouts.append(layout)
     return layouts
 

@@ -247,7 +247,7 @@ def predict(
     host_memory: float | None = None,
 ) -> Prediction:
     """Peak memory of every pipeline rank and tokens/s of `config` run as `layout` (`host_memory`: make_plan's)."""
-    variant = layout.apply(config)
+    variant = layout.planned(config)
     p, t = variant.parallel, variant.train
     costs, ranges = _split(variant, resolved.config, attention_share)
     share_costs = _split(variant, shape.config, attention_share)[0]
@@ -257,7 +257,7 @@ def predict(
     layer_weights = weights[0][0] / sum(len(ranges[s]) for s in p.stage_ids(0))
     fsdp = p.sharded and not p.pipelined  # layers gathered one at a time; in a pipeline they stay gathered all step
     # Under tp the fused loss works on this rank's vocabulary columns; the plain one on gathered, whole logits.
-    vocab = (shape.config if t.fused_loss else resolved.config).vocab_size
+    vocab = (shape.config if t.fused_loss is True else resolved.config).vocab_size
     host = host_budget(p.world_size, host_memory)  # what a rank's offloaded inputs may fill
 
     # ------------------------------------------------------------------ memory, rank by rank
@@ -645,6 +645,55 @@ def resolve_auto(config: Config, gpus: int, announce: bool = True) -> Config:
             )
         print(f"pipetune: parallel.strategy = auto: {elsewhere}{pick_line(plan)}", flush=True)
     return plan.pick.layout.apply(config)
+
+
+LAYOUT_KEYS = ("parallel.strategy", "parallel.pp", "parallel.dp", "parallel.tp")
+"""The --set keys that ask for a layout explicitly: `fit_to_gpus` keeps such a layout as asked."""
+
+
+def fit_to_gpus(config: Config, gpus: int, explicit: bool) -> Config:
+    """A config's layout on a machine with fewer GPUs than its processes (`gpus`): as it is where it fits; else,
+    where the layout came from the config file (not `explicit`), the layout that fits, said in one line: one
+    process on one GPU, the plan's pick on several; where it was asked for on the command line, one line naming
+    the fix. Two ranks never share a GPU unless asked to (--nproc)."""
+    p = config.parallel
+    wanted = p.world_size
+    if gpus >= wanted or gpus < 1:
+        return config
+    layout = f"parallel.pp x dp x tp = {p.pp} x {p.dp} x {p.tp} is {wanted} processes, one a GPU, but this machine has"
+    layout += f" {gpus}"
+    if explicit:
+        raise ConfigError(
+            f"{layout}: use --nproc {wanted} to run them sharing {'it' if gpus == 1 else 'them'}, or "
+            f"--set parallel.strategy=auto for the layout that fits {gpus} GPU{'s' if gpus > 1 else ''}"
+        )
+    if gpus == 1:
+        fitted = single_process(config)
+        what = "one process ('single')"
+    else:
+        auto = dataclasses.replace(config, parallel=dataclasses.replace(p, strategy="auto"))
+        fitted = resolve_auto(auto, gpus, announce=False)
+        q = fitted.parallel
+        what = f"the plan's pick, {q.strategy} pp x dp x tp = {q.pp} x {q.dp} x {q.tp}"
+    rows = config.train.batch_size * p.dp
+    if os.environ.get("RANK", "0") == "0":
+        print(
+            f"pipetune: {layout}: running {what}, {rows} rows a schedule step as the config's layout runs them "
+            f"(--nproc {wanted} runs the config's own layout on {'this GPU' if gpus == 1 else 'these GPUs'})",
+            flush=True,
+        )
+    return fitted
+
+
+def single_process(config: Config) -> Config:
+    """`config` run as one process with the same rows a step: the replicas' batch on one, its microbatches
+    chosen for one GPU ("auto"), the pipeline's own settings gone."""
+    variant = copy.deepcopy(config)
+    p = variant.parallel
+    variant.train.batch_size *= p.dp
+    p.strategy, p.pp, p.dp, p.tp, p.dp_shard, p.sequence_parallel = "single", 1, 1, 1, False, False
+    p.schedule, p.stages_per_rank, p.layers_per_stage, p.n_microbatches = "1f1b", 1, [], "auto"
+    return variant
 
 
 def auto_plan(config: Config, gpus: int) -> Plan:
