@@ -26,6 +26,7 @@ with it: 0.66-1.19 s at 16,384 tokens) and had MFU follow the draw of rows befor
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -54,8 +55,9 @@ from pipetune.switches import AUTO, SWITCHES, Hardware, resolve
 def strategy_config(config: Config, strategy: str, steps: int, warmup: int, out_dir: Path, rows: int = 1) -> Config:
     """The config's run as `strategy`, on as many ranks and at the same effective batch (`Layout.for_strategy`).
     A metrics row every `rows` steps (each waits for the GPU; between them the host runs ahead)."""
-    resolved = resolve(config, Hardware.here()).config  # the microbatches of the config's own layout
-    variant = Layout.for_strategy(resolved, strategy).apply(config)
+    m = resolve(config, Hardware.here()).config.parallel.n_microbatches  # the config's own layout's
+    counted = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, n_microbatches=m))
+    variant = Layout.for_strategy(counted, strategy).apply(config)
     p = variant.parallel
     if config.parallel.n_microbatches == AUTO:  # each strategy's run chooses its own, as `pipetune train` would
         p.n_microbatches = AUTO

@@ -237,6 +237,8 @@ def _checkpointing(config: Config, gpu: bool) -> tuple[bool | str, str]:
     schedule = SCHEDULES.get(config.parallel.schedule)
     if config.parallel.pipelined and schedule is not None and schedule.splits_backward:
         return False, f"{config.parallel.schedule} splits each backward"
+    if config.train.keep_attention:
+        return AUTO, "train.keep_attention keeps attention through it"
     if not gpu and config.train.memory_gb <= 0:
         return False, "CPU without train.memory_gb: no memory limit to plan for"
     return AUTO, "as each rank's memory needs"

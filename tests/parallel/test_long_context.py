@@ -121,7 +121,7 @@ def test_mlp_chunk_auto_turns_on_at_long_rows_and_bad_values_are_refused(tmp_pat
     apply_override(offload, "train.cuda_graphs=true")
     with pytest.raises(ConfigError, match=r'does not combine with train.activation_checkpointing = "offload"'):
         validate(offload, 2)
-    kept = tiny_config(tmp_path, "train.keep_attention=true")
+    kept = tiny_config(tmp_path, "train.keep_attention=true", "train.activation_checkpointing=false")
     with pytest.raises(ConfigError, match=r"train.keep_attention = true .* set train.activation_checkpointing"):
         validate(kept, 2)
     for setting, fix in (("train.compile=true", "set train.compile = false"), ("data.packing=true", "data.packing")):

@@ -122,6 +122,6 @@ def test_calibration_times_a_layer_and_the_model_uses_the_times(tmp_path, monkey
     assert key == split.work.key(cpu_mode) and forward > 0 and backward > 0
     # Rates from before timed tp shapes alone (split_tp_timings false): the model predicts those shapes instead.
     timed_alone = dataclasses.replace(rates, layer_seconds={key: (1.0, 1.0)}, split_tp_timings=False)
-    assert layer_seconds(split.work, timed_alone, split.mode) != (1.0, 1.0)
+    assert layer_seconds(split.work, timed_alone, cpu_mode) != (1.0, 1.0)
     split_rates = calibrate.with_timings(GpuRates(), "split", {key: (1.0, 1.0)}, [])
-    assert layer_seconds(split.work, split_rates, split.mode) == (1.0, 1.0)
+    assert layer_seconds(split.work, split_rates, cpu_mode) == (1.0, 1.0)

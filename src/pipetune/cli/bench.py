@@ -6,8 +6,6 @@ import argparse
 import math
 from pathlib import Path
 
-import torch
-
 from pipetune.cli.options import add_config_options
 from pipetune.config import ConfigError, load_config
 
@@ -64,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--timeout {args.timeout} must be >= 0 seconds (0: no limit)")
     if args.peak_tflops is not None and not 0 < args.peak_tflops < math.inf:
         raise ConfigError(f"--peak-tflops {args.peak_tflops} must be a positive, finite TFLOP/s per GPU (e.g. 790)")
+    import torch
+
     config = load_config(args.config, args.set, "pipetune bench")
     if config.parallel.strategy == "auto":
         from pipetune.planner.plan import available_gpus, resolve_auto

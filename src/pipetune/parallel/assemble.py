@@ -125,7 +125,7 @@ def build_stage_modules(
     peft_model = apply_lora(model, lora, name or resolved.name, seed)
     quantize_linears(peft_model, quantize)  # placeholders, quantized as materialize fills them
     if lora.fast_path is True:  # "auto" left unresolved (a probe of a raw config): the plain path
-        use_fast_path(peft_model, lora.shared_dropout, tp, grouped, in_matmul=lora.adapter_in_matmul)
+        use_fast_path(peft_model, lora.shared_dropout, tp, grouped, in_matmul=lora.adapter_in_matmul is True)
     peft_model.train()
     if packing or parallelism.keep_attention:
         use_document_attention(peft_model)
