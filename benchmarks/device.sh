@@ -25,6 +25,8 @@
 #   peers STACK LIMIT SHAPE [ARGS...]   a one-GPU peer of ../shared/baselines/peers (unsloth, hf, liger,
 #              liger_compile; carry that folder as .peers) on SHAPE (qwen3-4b, qwen3-8b), e.g. `peers unsloth 200
 #              qwen3-4b --seq 512 --mb 8 --ga 2 --steps 8 --warmup 3 --unsloth-gc false`; JSON in $OUT/peers-STACK.json.
+#              With `--docs F` among ARGS (a packer's rows, .peers/doc_lengths.py) it runs .peers/peers_packed.py
+#              (`--mode packed`: Unsloth's own padding-free packing); JSON in $OUT/peers-STACK-packed.json.
 #   sh COMMAND...   any shell command (a `pipetune train` or `demo`, a peer script under torchrun, a grep).
 # A step may begin with VAR=value words, its own environment (PIPETUNE_PROFILE_STEP=6, CUDA_VISIBLE_DEVICES=1;
 # PYTHONPATH=DIR is put first on the path: the code of an older commit, e.g. .baselines/pipetune-7da8567/src).
@@ -106,9 +108,10 @@ BENCH_ARGS=""
 peers() {  # STACK LIMIT SHAPE [ARGS...]: one one-GPU peer (.peers/peers_1gpu.py, carried from the baselines'
   # peers/ folder with its wheels) on a random-weight model of SHAPE (.peers/configs/SHAPE); its JSON in
   # $OUT/peers-STACK.json. The peers' wheels go to their own folder, so they never shadow pipetune's.
-  local stack=$1 limit=$2 shape=$3 model=/tmp/peers-$3; shift 3
+  local stack=$1 limit=$2 shape=$3 model=/tmp/peers-$3 script=peers_1gpu.py name=$1; shift 3
+  [[ " $* " == *" --docs "* ]] && { script=peers_packed.py; name=$stack-packed; }  # a packer's rows (--docs F)
   [ "$(left)" -lt "$limit" ] && limit=$(left)
-  local run="python3 .peers/peers_1gpu.py --stack $stack --config-dir $model $* --out $OUT/peers-$stack.json"
+  local run="python3 .peers/$script --stack $stack --config-dir $model $* --out $OUT/peers-$name.json"
   if [ "$DRY_RUN" = 1 ]; then echo "$run"; return; fi
   if [ "$limit" -lt 45 ]; then echo "== peers $stack: skipped, $(left) s left"; return; fi
   [ -d /tmp/site-peers ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -119,8 +122,8 @@ peers() {  # STACK LIMIT SHAPE [ARGS...]: one one-GPU peer (.peers/peers_1gpu.py
     (cd /tmp && timeout 180 python3 "$OLDPWD/.peers/peers_1gpu.py" --make-weights --config-dir "$model" 2>&1 | tail -2)
   fi
   echo "== peers $stack ($(date +%T), limit $limit s): $*"
-  (cd /tmp && timeout -k 15 "$limit" python3 "$OLDPWD/.peers/peers_1gpu.py" --stack "$stack" --config-dir "$model" "$@" \
-    --out "$OUT/peers-$stack.json" 2>&1 | grep -E "^step|^RESULT|Error" | grep -v -i warn | tail -6)
+  (cd /tmp && timeout -k 15 "$limit" python3 "$OLDPWD/.peers/$script" --stack "$stack" --config-dir "$model" "$@" \
+    --out "$OUT/peers-$name.json" 2>&1 | grep -E "^step|^RESULT|Error" | grep -v -i warn | tail -6)
 }
 
 config_args() {  # a CONFIG word: the --config value and the overrides that come with it

@@ -106,7 +106,7 @@ def _train_listed(request: pytest.FixtureRequest, tmp: Path, kind: str, configs:
                 config, copies[name] = config
             assert name not in configs and Path(config.output.dir) == tmp / name, (module.__name__, name)
             configs[name] = config
-    ordered = sorted(configs, key=lambda name: configs[name].train.compile)  # stable: compiled runs last
+    ordered = sorted(configs, key=lambda name: configs[name].train.compile is True)  # stable: compiled runs last
     assert ordered[0] not in copies, "the first run copies nothing: it starts the workers"
     files = [write_config(configs[name], tmp / f"{name}.toml") for name in ordered]
     for name, pairs in copies.items():
@@ -239,7 +239,7 @@ def _runs_here(args: tuple[str, ...], faults: bool) -> bool:
     config = load_config(options["--config"][0], options.get("--set", []))
     if config.parallel.strategy != "auto" and int(options.get("--nproc", [config.parallel.world_size])[0]) > 1:
         return True
-    return not faults and not config.train.compile
+    return not faults and config.train.compile is not True  # "auto" resolves off on a CPU
 
 
 def _in_process(args: tuple[str, ...]) -> subprocess.CompletedProcess:

@@ -62,7 +62,10 @@ def test_bench_runs_strategies_and_reports_bubble(tmp_path: Path) -> None:
             8,
         )
         assert setup["versions"]["torch"] == torch.__version__ and setup["gpu"].startswith("none (CPU")
-        assert setup["switches"]["train.compile"] is False
+        assert setup["switches"]["train.compile"] == "auto"  # as the config asks; the run's own resolution beside
+        resolved = row["resolved_switches"]
+        assert resolved["switches"]["train.compile"] is False and resolved["reasons"]["train.compile"] == "CPU"
+        assert resolved["line"].startswith("speed: fast LoRA path off (CPU")
         assert setup["attention_share"] == 1.0  # unpacked rows attend whole
     assert (pp["setup"]["layout"]["pp"], single["setup"]["layout"]["pp"]) == (2, 1)
     assert all(0 < r["real_tokens_per_sec"] <= r["tokens_per_sec"] for r in rows)

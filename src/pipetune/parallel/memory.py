@@ -48,7 +48,14 @@ MARGIN = 0.07
 COMPILED_ACTIVATIONS = 0.85
 """Share of a layer's eagerly measured activations that the compiled layer keeps: inductor recomputes cheap
 elementwise work in backward (the norms' float32 copies among it) rather than saving it. On 2x H200 compiled runs
-peaked 5-8% under the eager measurement's prediction, eager runs within 5% of it (benchmarks/journal/plan-check.md)."""
+peaked 5-8% under the eager measurement's prediction, eager runs within 5% of it (benchmarks/journal/plan-check.md):
+those ran 512-token rows with LoRA dropout 0.15."""
+COMPILED_ACTIVATIONS_NO_DROPOUT = 0.73
+"""The same without LoRA dropout: twelve compiled one-GPU runs without it (Qwen3-4B and 8B, rows of 4,096 to 16,384,
+the fast path, adapters in the matmuls or not) peaked 12-15% under the prediction with 0.85 (plan-check.md,
+2026-12-02), at 0.72-0.74 of the eager measurement's activations. Dropout and row length changed together in those
+runs: which of the two the difference follows is not measured apart (a dropout mask that inductor keeps as bits
+where an eager layer keeps the dropped copy would explain it)."""
 OPTIMIZER_BYTES = 12
 """Per trainable parameter besides the parameter itself: its float32 gradient and two AdamW moments."""
 OFFLOAD_STAGING = 2
@@ -384,7 +391,14 @@ def measure_layer_memory(
     del built, model, stage
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    return activations * (COMPILED_ACTIVATIONS if config.train.compile is True else 1.0), inputs
+    return activations * compiled_share(config), inputs
+
+
+def compiled_share(config: Config) -> float:
+    """Share of the eagerly measured activations a layer of this run keeps (1 eager)."""
+    if config.train.compile is not True:
+        return 1.0
+    return COMPILED_ACTIVATIONS if config.lora.dropout > 0 else COMPILED_ACTIVATIONS_NO_DROPOUT
 
 
 def _allocated_bytes(modules: Sequence[StageModule], device: torch.device) -> float:
@@ -542,6 +556,9 @@ def check_row_fits(config: Config, resolved: ResolvedModel, ranges: Sequence[ran
     if budget == float("inf"):
         return
     p, d = config.parallel, config.data
+    # MLPs chunked as rows of data.max_length run them ("auto" decides by the row), not as the probe's long row
+    chunk = mlp_chunk_tokens(config.train, d.max_length, p.tp)
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, mlp_chunk=chunk))
     budget *= 1 - MARGIN
     host = host_budget()
     weights = rank_weight_bytes(config, resolved.config, ranges)
