@@ -49,13 +49,15 @@ COMPILED_ACTIVATIONS = 0.85
 """Share of a layer's eagerly measured activations that the compiled layer keeps: inductor recomputes cheap
 elementwise work in backward (the norms' float32 copies among it) rather than saving it. On 2x H200 compiled runs
 peaked 5-8% under the eager measurement's prediction, eager runs within 5% of it (benchmarks/journal/plan-check.md):
-those ran 512-token rows with LoRA dropout 0.15."""
-COMPILED_ACTIVATIONS_NO_DROPOUT = 0.73
-"""The same without LoRA dropout: twelve compiled one-GPU runs without it (Qwen3-4B and 8B, rows of 4,096 to 16,384,
-the fast path, adapters in the matmuls or not) peaked 12-15% under the prediction with 0.85 (plan-check.md,
-2026-12-02), at 0.72-0.74 of the eager measurement's activations. Dropout and row length changed together in those
-runs: which of the two the difference follows is not measured apart (a dropout mask that inductor keeps as bits
-where an eager layer keeps the dropped copy would explain it)."""
+those ran 512-token rows."""
+COMPILED_ACTIVATIONS_LONG = 0.73
+"""The same for rows of LONG_ROW tokens or more: twelve compiled one-GPU runs without LoRA dropout (Qwen3-4B and
+8B, rows of 4,096 to 16,384; plan-check.md, 2026-12-02) kept 0.71-0.74 of the eager measurement's activations
+(peaks 12-15% under the prediction with 0.85), and Qwen3-4B in rows of 16,384 with dropout 0.15 0.735 (one H100,
+2026-12-06: 68.8 GB measured against 82.8 predicted with 14 layers recomputed). The 512-token runs above stay
+within 4% with 0.85: what inductor saves at short rows differs by a share of the row that is not measured apart."""
+LONG_ROW = 4096
+"""Tokens a row from which compiled layers are planned with COMPILED_ACTIVATIONS_LONG."""
 OPTIMIZER_BYTES = 12
 """Per trainable parameter besides the parameter itself: its float32 gradient and two AdamW moments."""
 OFFLOAD_STAGING = 2
@@ -398,7 +400,7 @@ def compiled_share(config: Config) -> float:
     """Share of the eagerly measured activations a layer of this run keeps (1 eager)."""
     if config.train.compile is not True:
         return 1.0
-    return COMPILED_ACTIVATIONS if config.lora.dropout > 0 else COMPILED_ACTIVATIONS_NO_DROPOUT
+    return COMPILED_ACTIVATIONS_LONG if config.data.max_length >= LONG_ROW else COMPILED_ACTIVATIONS
 
 
 def _allocated_bytes(modules: Sequence[StageModule], device: torch.device) -> float:
