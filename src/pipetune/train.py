@@ -464,8 +464,7 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
         for module, count, offloaded in zip(modules, plan.layers, plan.offloaded_layers(), strict=True):
             module.set_layer_modes(count, offloaded)
         described = plan.describe(stages.ids, [len(m.layers) for m in modules])
-        if not env.is_main:  # rank 0's is in its startup line
-            print(f"rank {env.rank}: {described}", flush=True)
+        print(f"rank {env.rank}: {described}", flush=True)
         decisions.append(described.replace("activation checkpointing (auto)", "checkpointing"))
         check_plans_fit(plan, config, device)
     cuda_graphs = t.compile and t.cuda_graphs and device.type == "cuda"

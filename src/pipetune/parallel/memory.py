@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig
 
-from pipetune.config import Config, ConfigError, ParallelConfig, mlp_chunk_tokens
+from pipetune.config import MLP_CHUNK_AUTO, Config, ConfigError, ParallelConfig, mlp_chunk_tokens
 from pipetune.model.families import family_of
 from pipetune.model.load import DTYPES
 from pipetune.model.quantize import linear_shapes, stored_bytes
@@ -553,36 +553,56 @@ def longest_rows(
 
 def check_row_fits(config: Config, resolved: ResolvedModel, ranges: Sequence[range]) -> None:
     """Refuse, before any process starts, data.max_length beyond what the busiest pipeline rank could train with
-    every layer recomputed and its input in host memory: the message names the longest that would fit."""
+    every layer recomputed and its input in host memory: the message names the longest that would fit. MLPs run
+    chunked as rows of that length run them (train.mlp_chunk = "auto" decides by the row)."""
     budget = memory_budget(config)
     if budget == float("inf"):
         return
     p, d = config.parallel, config.data
-    # MLPs chunked as rows of data.max_length run them ("auto" decides by the row), not as the probe's long row
-    chunk = mlp_chunk_tokens(config.train, d.max_length, p.tp)
-    config = dataclasses.replace(config, train=dataclasses.replace(config.train, mlp_chunk=chunk))
     budget *= 1 - MARGIN
     host = host_budget()
+    chunk = mlp_chunk_tokens(config.train, d.max_length, p.tp)
+    for rank, (longest, unlimited) in enumerate(_longest_by_rank(config, resolved, ranges, chunk, budget, host)):
+        if d.max_length <= longest:
+            continue
+        threshold = MLP_CHUNK_AUTO[0]
+        if config.train.mlp_chunk == "auto" and chunk and longest < threshold:  # such rows run their MLPs whole
+            longest, unlimited = _longest_by_rank(config, resolved, ranges, 0, budget, host)[rank]
+            longest, unlimited = min(longest, threshold - 1), min(unlimited, threshold - 1)
+        host_note = f", {host / GB:.0f} GB of host memory for the inputs" if unlimited > longest else ""
+        raise ConfigError(
+            f"data.max_length = {d.max_length} does not fit pipeline rank {rank}'s {budget / GB:.0f} GB "
+            f"(train.memory_gb, else the GPU's, less {MARGIN:.0%}){host_note} even with every layer recomputed "
+            'and its input in host memory (train.activation_checkpointing = "offload"): the longest row that '
+            f"would is {longest} tokens with {config.microbatch_size} sequence(s) a microbatch; {ROW_REMEDY}"
+        )
+
+
+def _longest_by_rank(
+    config: Config, resolved: ResolvedModel, ranges: Sequence[range], chunk: int, budget: float, host: float
+) -> list[tuple[int, int]]:
+    """Each pipeline rank's longest row with every layer offloaded, within `host` bytes of host memory and without
+    a limit there, its MLPs in chunks of `chunk` tokens (0: whole)."""
+    p = config.parallel
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, mlp_chunk=chunk))
     weights = rank_weight_bytes(config, resolved.config, ranges)
     trainable = _trainable_per_layer(config, resolved)
     shards = (p.dp if p.sharded else 1) * p.tp
     measured = long_row_memory(config, resolved)
+    longest = []
     for rank, (layer_weights, root) in enumerate(weights):
         stages = p.stage_ids(rank)
         stage_layers = [len(ranges[s]) for s in stages]
         fixed = (layer_weights + root) / shards + (4 + OPTIMIZER_BYTES) * trainable * sum(stage_layers) / shards
         row = row_costs(config, resolved.config, measured, fixed, len(ranges) - 1 in stages, resolved.config.vocab_size)
         timeline = rank_timeline(p, rank)
-        longest = longest_rows(stage_layers, timeline, row, budget, host)["offload"]
-        if d.max_length > longest:
-            unlimited = longest_rows(stage_layers, timeline, row, budget, float("inf"))["offload"]
-            host_note = f", {host / GB:.0f} GB of host memory for the inputs" if unlimited > longest else ""
-            raise ConfigError(
-                f"data.max_length = {d.max_length} does not fit pipeline rank {rank}'s {budget / GB:.0f} GB "
-                f"(train.memory_gb, else the GPU's, less {MARGIN:.0%}){host_note} even with every layer recomputed "
-                'and its input in host memory (train.activation_checkpointing = "offload"): the longest row that '
-                f"would is {longest} tokens with {config.microbatch_size} sequence(s) a microbatch; {ROW_REMEDY}"
+        longest.append(
+            (
+                longest_rows(stage_layers, timeline, row, budget, host)["offload"],
+                longest_rows(stage_layers, timeline, row, budget, float("inf"))["offload"],
             )
+        )
+    return longest
 
 
 def _trainable_per_layer(config: Config, resolved: ResolvedModel) -> int:
