@@ -163,7 +163,7 @@ def test_a_summary_ends_at_the_turns_end_or_at_the_end_of_text() -> None:
     assert asked["stops"] == [turn_end, end_of_text]
 
 
-def test_long_meetings_go_in_smaller_batches_and_tokens_are_counted() -> None:
+def test_long_meetings_go_in_smaller_batches_and_tokens_are_counted(capsys: pytest.CaptureFixture[str]) -> None:
     """Batches hold prompts of similar length, at most --batch-size of them and --max-batch-tokens of KV cache
     (a 16k-token meeting alone); the tokens/s line counts summary tokens up to the stop, not the padding."""
     from types import SimpleNamespace
@@ -190,6 +190,11 @@ def test_long_meetings_go_in_smaller_batches_and_tokens_are_counted() -> None:
     assert re.fullmatch(
         r"2 summaries in 1 batches: 5 new tokens in \d+\.\d s, \d+\.\d tokens/s \(5 prompt tokens\)", stats.line()
     )
+    for args in (["--max-batch-tokens", "0"], ["--batch-size", "0", "--max-new-tokens", "-1"]):
+        assert main(["summarize", "--adapter", "nowhere", *args]) == 2
+    err = capsys.readouterr().err
+    assert "error: --max-batch-tokens 0 must be at least 1\n" in err
+    assert "error: --batch-size 0 and --max-new-tokens -1 must be at least 1\n" in err
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """`pipetune export`: a run as a directory that plain transformers + PEFT (and vLLM's LoRA loading) use as is.
 
-    pipetune export --run runs/demo --out exported [--merge]
+    pipetune export --run runs/demo --out exported [--merge] [--gguf [TYPE]]
 
     exported/
       README.md      model card: the run, the exact prompt, and code that builds it and generates
@@ -10,6 +10,8 @@
       base/          a base that exists nowhere else as a checkpoint: a random-init one (config.json, weights,
                      tokenizer), or a GGUF file's (the de-quantized weights pipetune trained on, and its tokenizer)
       merged/        with --merge: the base with the adapter merged in, with the tokenizer
+      model-f16.gguf with --gguf [TYPE]: the merged model as one GGUF file, and a Modelfile for Ollama
+                     (export_gguf.py)
 
 A hub or local checkpoint base is referenced by its id or absolute path, not copied; config.toml names the
 tokenizer saved in adapter/ when the run set model.tokenizer. A quantized run's base (model.quantize) is read and

@@ -57,15 +57,11 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.sample and (args.temperature is not None or args.top_p is not None):
         raise ConfigError("--temperature and --top-p set sampling; add --sample (decoding is greedy by default)")
-    if (
-        args.batch_size < 1
-        or args.max_batch_tokens < 1
-        or (args.max_new_tokens is not None and args.max_new_tokens < 1)
-    ):
-        raise ConfigError(
-            f"--batch-size {args.batch_size}, --max-batch-tokens {args.max_batch_tokens} and --max-new-tokens "
-            f"{args.max_new_tokens} must be >= 1"
-        )
+    counts = (("--batch-size", args.batch_size), ("--max-batch-tokens", args.max_batch_tokens))
+    counts += (("--max-new-tokens", args.max_new_tokens),)
+    below = [f"{flag} {value}" for flag, value in counts if value is not None and value < 1]
+    if below:
+        raise ConfigError(f"{' and '.join(below)} must be at least 1")
     source = inference_config(args.adapter, args.base, args.config, args.trust_remote_code)
     config = source.config
     sampling = None
