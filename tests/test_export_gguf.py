@@ -13,9 +13,11 @@ import torch
 
 from pipetune.cli import main
 from pipetune.config import ConfigError, save_config
+from pipetune.data.synthetic import synthetic_splits
 from pipetune.export import export_run
 from pipetune.export_gguf import gguf_file_name, llama3_rope_factors, write_gguf
 from pipetune.generate import inference_config
+from pipetune.model.load import build_model
 from pipetune.preflight import prepare
 from tests.conftest import tiny_config
 from tests.data.test_prompt import QWEN3_LIKE
@@ -76,21 +78,24 @@ def test_the_gguf_is_the_merged_model_for_transformers_and_pipetunes_intake(run:
 
     path = exported / gguf_file_name("f16")
     merged = AutoModelForCausalLM.from_pretrained(exported / "merged", dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(exported / "base", dtype=torch.float32).eval()
     trained = prepare(inference_config(run / "adapter").config)
-    ids = torch.tensor([trained.prompts.prompt_ids(MEETING)])
+    meetings = [MEETING, "Anna: ok.", synthetic_splits(seed=3, n_train=1, n_validation=1)["validation"][0].transcript]
+    prompts = [torch.tensor([trained.prompts.prompt_ids(text)]) for text in meetings]
     intake = tiny_config(run.parent / "intake", f'model.name="{path}"', 'model.init="pretrained"')
     read_back = prepare(intake)
-    from pipetune.model.load import build_model
-
     intake_model, _ = build_model(read_back.model, torch.float32, torch.device("cpu"), seed=0)
-    assert read_back.prompts.prompt_ids(MEETING) == ids[0].tolist()
+    transformers_model = load_gguf(path)
+    greedy = {"max_new_tokens": 32, "min_new_tokens": 32, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
-        want = merged(input_ids=ids).logits
-        for model in (load_gguf(path), intake_model):
-            assert relative_error(model(input_ids=ids).logits, want) < 1e-2
-        greedy = {"max_new_tokens": 32, "min_new_tokens": 32, "do_sample": False, "pad_token_id": 0}
-        expected = merged.generate(input_ids=ids, **greedy)
-        assert torch.equal(load_gguf(path).generate(input_ids=ids, **greedy), expected)
+        for text, ids in zip(meetings, prompts, strict=True):
+            assert read_back.prompts.prompt_ids(text) == ids[0].tolist()  # the intake's tokenizer: the same prompt
+            want = merged(input_ids=ids).logits
+            assert relative_error(base(input_ids=ids).logits, want) > 0.05  # the adapter is in the merged model
+            for model in (transformers_model, intake_model):
+                assert relative_error(model(input_ids=ids).logits, want) < 1e-2
+            expected = merged.generate(input_ids=ids, **greedy)
+            assert torch.equal(transformers_model.generate(input_ids=ids, **greedy), expected)
     metadata = file_metadata(path)
     settings = json.loads((exported / "prompt.json").read_text())
     assert metadata["tokenizer.ggml.eos_token_id"] == settings["stop_ids"][0] == 2  # the demo's <|im_end|>
