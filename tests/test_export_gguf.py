@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from pipetune.cli import main
 from pipetune.config import ConfigError, save_config
 from pipetune.data.synthetic import synthetic_splits
 from pipetune.export import export_run
-from pipetune.export_gguf import gguf_file_name, llama3_rope_factors, write_gguf
+from pipetune.export_gguf import bpe_tokenizer, gguf_file_name, llama3_rope_factors, write_gguf
 from pipetune.generate import inference_config
 from pipetune.model.load import build_model
 from pipetune.preflight import prepare
@@ -275,16 +276,19 @@ def test_gguf_bad_input_is_one_line_and_writes_nothing(run: Path, tmp_path: Path
         with pytest.raises(OSError, match="No space left"):
             export_run(run, outs / "out", gguf_type="f16")
     assert leftovers(outs) == []
-    with pytest.raises(ConfigError, match="pipetune writes byte-level BPE tokenizers"):
-        from pipetune.export_gguf import _add_tokenizer
-
-        tokenizer = copy.deepcopy(prepare(config_without_quantize(quantized)).tokenizer)
-        spec = json.loads(tokenizer.backend_tokenizer.to_str())
-        spec["model"]["byte_fallback"] = True
-        from tokenizers import Tokenizer
-
-        tokenizer._tokenizer = Tokenizer.from_str(json.dumps(spec))
-        _add_tokenizer(None, tokenizer, 2048, [2])
+    byte_fallback = copy.deepcopy(prepare(config_without_quantize(quantized)).tokenizer)  # as Mistral v0.3's
+    spec = json.loads(byte_fallback.backend_tokenizer.to_str())
+    spec["model"]["byte_fallback"] = True
+    byte_fallback._tokenizer = Tokenizer.from_str(json.dumps(spec))
+    with pytest.raises(ConfigError, match="is a BPE byte-fallback model; pipetune writes byte-level BPE tokenizers"):
+        bpe_tokenizer(byte_fallback)
+    spec["model"]["byte_fallback"] = False
+    spec["pre_tokenizer"] = {"type": "Whitespace"}
+    byte_fallback._tokenizer = Tokenizer.from_str(json.dumps(spec))
+    with pytest.raises(
+        ConfigError, match=r"splits text by a rule llama.cpp has no name for \(\{\"type\": \"Whitespace"
+    ):
+        bpe_tokenizer(byte_fallback)
 
 
 def config_without_quantize(run_dir: Path):

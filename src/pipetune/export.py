@@ -167,7 +167,7 @@ def export_run(run_dir: Path, out: Path, merge: bool = False, gguf_type: str | N
     if gguf_type is not None:
         from pipetune.export_gguf import check_gguf_export
 
-        check_gguf_export(config, prepared.model.config, gguf_type)
+        check_gguf_export(config, prepared.model.config, prepared.tokenizer, gguf_type)
     check_adapter(adapter_dir, prepared.model.config, f"--run {str(run_dir)!r}")
     settings = prompt_settings(prepared.prompts, config)
     final = out.resolve()

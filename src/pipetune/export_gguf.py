@@ -35,9 +35,10 @@ def gguf_file_name(gguf_type: str) -> str:
     return f"model-{gguf_type}.gguf"
 
 
-def check_gguf_export(config: Config, model_config: Any, gguf_type: str) -> Family:
-    """Refuse, in one line, what cannot become a GGUF file of the model trained: an unknown type, a quantized base,
-    a family or rope scaling this module does not write. Returns the base's family."""
+def check_gguf_export(config: Config, model_config: Any, tokenizer: Any, gguf_type: str) -> Family:
+    """Refuse, in one line, what cannot become a GGUF file of the model trained, before anything is built: an
+    unknown type, a quantized base, a family, rope scaling or tokenizer this module does not write. Returns the
+    base's family."""
     if gguf_type not in GGUF_TYPES:
         raise ConfigError(f"--gguf {gguf_type!r} is not a type pipetune writes; choose one of {', '.join(GGUF_TYPES)}")
     if config.model.quantize != "none":
@@ -59,6 +60,8 @@ def check_gguf_export(config: Config, model_config: Any, gguf_type: str) -> Fami
             f"--gguf: the base's rope scaling (rope_type = {rope['rope_type']!r}) is not written to GGUF by "
             "pipetune; export without --gguf"
         )
+    bpe_tokenizer(tokenizer)
+    file_chat_template(tokenizer)
     return family
 
 
@@ -126,13 +129,7 @@ def _add_tokenizer(writer: Any, tokenizer: Any, n_vocab: int, stops: list[int]) 
     the merges, the pre-tokenizer's name, and the special tokens (the template writes BOS itself)."""
     import gguf
 
-    spec = json.loads(tokenizer.backend_tokenizer.to_str())
-    kind = spec["model"].get("type")
-    if kind != "BPE" or spec["model"].get("byte_fallback"):
-        raise ConfigError(
-            f"--gguf: the run's tokenizer is a {kind}{' byte-fallback' if kind == 'BPE' else ''} model; pipetune "
-            "writes byte-level BPE tokenizers (Qwen, Llama 3, SmolLM2) to GGUF; export without --gguf"
-        )
+    spec, pre = bpe_tokenizer(tokenizer)
     vocab = {i: token for token, i in tokenizer.get_vocab().items()}
     if max(vocab) >= n_vocab:
         raise ConfigError(f"--gguf: the tokenizer has token id {max(vocab)}, past the model's {n_vocab} embeddings")
@@ -151,7 +148,7 @@ def _add_tokenizer(writer: Any, tokenizer: Any, n_vocab: int, stops: list[int]) 
             tokens.append(vocab[i])
             types.append(gguf.TokenType.NORMAL)
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(pre_tokenizer_name(spec.get("pre_tokenizer")))
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     merges = spec["model"].get("merges", [])
@@ -167,6 +164,19 @@ def _add_tokenizer(writer: Any, tokenizer: Any, n_vocab: int, stops: list[int]) 
         writer.add_eot_token_id(stops[0])  # the turn's end: llama.cpp and Ollama stop generating there
     writer.add_add_bos_token(False)  # the chat template renders the prompt's BOS, as training encoded it
     writer.add_add_eos_token(False)
+
+
+def bpe_tokenizer(tokenizer: Any) -> tuple[dict[str, Any], str]:
+    """The tokenizer's tokenizer.json as a dict and llama.cpp's name of its pre-tokenizer; a ConfigError for a
+    tokenizer llama.cpp's "gpt2" model does not reproduce."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    kind = spec["model"].get("type")
+    if kind != "BPE" or spec["model"].get("byte_fallback"):
+        raise ConfigError(
+            f"--gguf: the run's tokenizer is a {kind}{' byte-fallback' if kind == 'BPE' else ''} model; pipetune "
+            "writes byte-level BPE tokenizers (Qwen, Llama 3, SmolLM2) to GGUF; export without --gguf"
+        )
+    return spec, pre_tokenizer_name(spec.get("pre_tokenizer"))
 
 
 QWEN2_SPLIT = (
