@@ -163,6 +163,40 @@ def test_a_summary_ends_at_the_turns_end_or_at_the_end_of_text() -> None:
     assert asked["stops"] == [turn_end, end_of_text]
 
 
+def test_long_meetings_go_in_smaller_batches_and_tokens_are_counted(capsys: pytest.CaptureFixture[str]) -> None:
+    """Batches hold prompts of similar length, at most --batch-size of them and --max-batch-tokens of KV cache
+    (a 16k-token meeting alone); the tokens/s line counts summary tokens up to the stop, not the padding."""
+    from types import SimpleNamespace
+
+    from pipetune.generate import GenerationStats, plan_batches
+
+    lengths = [100, 10, 16_000, 12, 9_000, 11]
+    assert plan_batches(lengths, 8, None, 50) == [[1, 5, 3, 0, 4, 2]]
+    assert plan_batches(lengths, 2, None, 50) == [[1, 5], [3, 0], [4, 2]]
+    assert plan_batches(lengths, 8, 20_000, 50) == [[1, 5, 3, 0], [4], [2]]
+    assert plan_batches(lengths, 8, 1, 50) == [[i] for i in (1, 5, 3, 0, 4, 2)]
+
+    class Model(torch.nn.Linear):
+        def generate(self, input_ids, **kwargs):  # row 0 stops after 2 tokens, row 1 after 3
+            new = torch.tensor([[3, 4, 7, 0], [3, 4, 5, 7]])[: len(input_ids)]
+            return torch.cat([input_ids, new], dim=1)
+
+    tokenizer = SimpleNamespace(eos_token_id=None, decode=lambda ids, **kwargs: " ".join(map(str, ids)))
+    prompts = SimpleNamespace(end_ids=[7], prompt_ids=lambda text, system=None: [1] * len(text))
+    prepared = SimpleNamespace(tokenizer=tokenizer, prompts=prompts, pad_id=0)
+    stats = GenerationStats()
+    assert summarize(Model(1, 1), prepared, ["ab", "abc"], stats=stats) == ["3 4", "3 4 5"]
+    assert (stats.transcripts, stats.batches, stats.prompt_tokens, stats.new_tokens) == (2, 1, 5, 5)
+    assert re.fullmatch(
+        r"2 summaries in 1 batches: 5 new tokens in \d+\.\d s, \d+\.\d tokens/s \(5 prompt tokens\)", stats.line()
+    )
+    for args in (["--max-batch-tokens", "0"], ["--batch-size", "0", "--max-new-tokens", "-1"]):
+        assert main(["summarize", "--adapter", "nowhere", *args]) == 2
+    err = capsys.readouterr().err
+    assert "error: --max-batch-tokens 0 must be at least 1\n" in err
+    assert "error: --batch-size 0 and --max-new-tokens -1 must be at least 1\n" in err
+
+
 @pytest.mark.slow
 def test_sampling_is_seeded_and_checked(finetuned, meetings) -> None:
     model, prepared = finetuned

@@ -1,6 +1,6 @@
 """`pipetune export`: a run as a directory that plain transformers + PEFT (and vLLM's LoRA loading) use as is.
 
-    pipetune export --run runs/demo --out exported [--merge]
+    pipetune export --run runs/demo --out exported [--merge] [--gguf [TYPE]]
 
     exported/
       README.md      model card: the run, the exact prompt, and code that builds it and generates
@@ -10,6 +10,8 @@
       base/          a base that exists nowhere else as a checkpoint: a random-init one (config.json, weights,
                      tokenizer), or a GGUF file's (the de-quantized weights pipetune trained on, and its tokenizer)
       merged/        with --merge: the base with the adapter merged in, with the tokenizer
+      model-f16.gguf with --gguf [TYPE]: the merged model as one GGUF file, and a Modelfile for Ollama
+                     (export_gguf.py)
 
 A hub or local checkpoint base is referenced by its id or absolute path, not copied; config.toml names the
 tokenizer saved in adapter/ when the run set model.tokenizer. A quantized run's base (model.quantize) is read and
@@ -141,8 +143,9 @@ def check_adapter(adapter_dir: Path, model_config: Any, what: str) -> None:
         )
 
 
-def export_run(run_dir: Path, out: Path, merge: bool = False) -> Path:
-    """Write the export directory for a finished run, whole or not at all; return its path."""
+def export_run(run_dir: Path, out: Path, merge: bool = False, gguf_type: str | None = None) -> Path:
+    """Write the export directory for a finished run, whole or not at all; return its path. `gguf_type` (f16, ...):
+    also the merged model as one GGUF file and an Ollama Modelfile (export_gguf.py)."""
     import torch
     from peft import PeftModel
     from transformers import GenerationConfig
@@ -161,6 +164,10 @@ def export_run(run_dir: Path, out: Path, merge: bool = False) -> Path:
     # The export reads and writes the base unquantized: no quantization hardware or library needed, whatever
     # model.quantize the run trained with (its config.toml keeps it, for `pipetune summarize`).
     prepared = prepare(dataclasses.replace(config, model=dataclasses.replace(config.model, quantize="none")))
+    if gguf_type is not None:
+        from pipetune.export_gguf import check_gguf_export
+
+        check_gguf_export(config, prepared.model.config, prepared.tokenizer, gguf_type)
     check_adapter(adapter_dir, prepared.model.config, f"--run {str(run_dir)!r}")
     settings = prompt_settings(prepared.prompts, config)
     final = out.resolve()
@@ -184,7 +191,7 @@ def export_run(run_dir: Path, out: Path, merge: bool = False) -> Path:
 
     def build(staging: Path) -> None:
         base = None
-        if writes_base or merge:
+        if writes_base or merge or gguf_type:
             dtype = DTYPES[config.model.dtype]
             base, _ = build_model(prepared.model, dtype, torch.device("cpu"), seed=config.train.seed)
             base.config.use_cache = True  # pipetune trains without a KV cache; generation wants one
@@ -195,11 +202,16 @@ def export_run(run_dir: Path, out: Path, merge: bool = False) -> Path:
         prepared.tokenizer.save_pretrained(staging / "adapter")
         (staging / PROMPT_FILE).write_text(json.dumps(settings, indent=1, ensure_ascii=False) + "\n")
         save_config(export_config(config, base_ref, writes_base, final), staging / "config.toml")
-        if merge:
+        if merge or gguf_type:
             merged = PeftModel.from_pretrained(base, str(adapter_dir)).merge_and_unload()
+        if merge:
             _save_model(merged, staging / "merged", prepared.tokenizer, generation)
         external = None if writes_base else base_ref
         card = model_card(config, settings, external, gguf, run, merge, adapter_config["r"])
+        if gguf_type:
+            from pipetune.export_gguf import write_gguf_files
+
+            card += write_gguf_files(staging, merged, prepared.tokenizer, settings, config, gguf_type)
         (staging / "README.md").write_text(card)
 
     write_atomic_dir(final, build, complete="README.md")

@@ -190,6 +190,45 @@ def stop_ids(turn_end: int, tokenizer: Any) -> list[int]:
     return [i for i in dict.fromkeys((turn_end, tokenizer.eos_token_id)) if i is not None]
 
 
+@dataclass
+class GenerationStats:
+    """What `summarize` generated and how fast: the line `pipetune summarize` prints."""
+
+    transcripts: int = 0
+    batches: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    """Summary tokens up to the stop token, per transcript (not the padding of rows that stopped early)."""
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        rate = self.new_tokens / self.seconds if self.seconds > 0 else 0.0
+        return (
+            f"{self.transcripts} summaries in {self.batches} batches: {self.new_tokens} new tokens in "
+            f"{self.seconds:.1f} s, {rate:.1f} tokens/s ({self.prompt_tokens} prompt tokens)"
+        )
+
+
+def plan_batches(
+    lengths: list[int], batch_size: int, max_batch_tokens: int | None, max_new_tokens: int
+) -> list[list[int]]:
+    """Indices of `lengths` (prompt lengths) in batches: shortest first, at most `batch_size` rows, and at most
+    `max_batch_tokens` tokens of KV cache (rows x (longest prompt + max_new_tokens)); a prompt longer than the
+    budget goes alone. Similar lengths share a batch, so left padding stays small."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        last = batches[-1] if batches else None
+        fits = last is not None and len(last) < batch_size
+        if fits and max_batch_tokens is not None:
+            fits = (len(last) + 1) * (lengths[i] + max_new_tokens) <= max_batch_tokens
+        if fits:
+            last.append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
 @torch.no_grad()
 def summarize(
     model: nn.Module,
@@ -200,50 +239,70 @@ def summarize(
     sampling: Sampling | None = None,
     progress: Callable[[int], None] | None = None,
     systems: list[str | None] | None = None,
+    max_batch_tokens: int | None = None,
+    stats: GenerationStats | None = None,
 ) -> list[str]:
     """Summaries in input order; greedy unless `sampling`; generation stops at the token closing the
     assistant turn or at the tokenizer's end of text (a base model may end with either).
 
     `systems`: each transcript's own system prompt (a chat row's, as training read it; None: data.system_prompt).
-    Prompts are sorted by length so each left-padded batch carries little padding; `progress(n)` is
-    called after each batch with the number of transcripts it held.
+    Prompts are batched by `plan_batches` (by length, at most `batch_size` of them and `max_batch_tokens` tokens of
+    KV cache), left-padded, and generated with the KV cache; `progress(n)` is called after each batch with the number
+    of transcripts it held; `stats`, when given, is filled with the token counts and the time taken.
     """
+    import time
+
     if batch_size < 1:
         raise ConfigError(f"--batch-size {batch_size} must be at least 1")
     tokenizer, prompts = prepared.tokenizer, prepared.prompts
-    device = next(model.parameters()).device
     stops = stop_ids(prompts.end_ids[0], tokenizer)
     systems = systems if systems is not None else [None] * len(transcripts)
     prompt_ids = [prompts.prompt_ids(text, system) for text, system in zip(transcripts, systems, strict=True)]
-    order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     sample_kwargs: dict[str, Any] = {"do_sample": False}
     if sampling is not None:
         torch.manual_seed(sampling.seed)
         sample_kwargs = {"do_sample": True, "temperature": sampling.temperature, "top_p": sampling.top_p, "top_k": 0}
     outputs: list[str] = [""] * len(transcripts)
-    for start in range(0, len(order), batch_size):
-        rows = order[start : start + batch_size]
-        width = max(len(prompt_ids[i]) for i in rows)
-        ids = torch.full((len(rows), width), prepared.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for row, i in enumerate(rows):
-            ids[row, width - len(prompt_ids[i]) :] = torch.tensor(prompt_ids[i])
-            mask[row, width - len(prompt_ids[i]) :] = 1
-        generated = model.generate(
-            input_ids=ids.to(device),
-            attention_mask=mask.to(device),
-            max_new_tokens=max_new_tokens,
-            eos_token_id=stops,
-            pad_token_id=prepared.pad_id,
-            use_cache=True,
-            **sample_kwargs,
+    stats = stats if stats is not None else GenerationStats()
+    start_time = time.perf_counter()
+    for rows in plan_batches([len(ids) for ids in prompt_ids], batch_size, max_batch_tokens, max_new_tokens):
+        new_ids = _generate_batch(
+            model, [prompt_ids[i] for i in rows], prepared.pad_id, max_new_tokens, stops, sample_kwargs
         )
-        for i, new in zip(rows, generated[:, width:].tolist(), strict=True):
+        for i, new in zip(rows, new_ids, strict=True):
             new = new[: min((new.index(stop) for stop in stops if stop in new), default=len(new))]
             outputs[i] = tokenizer.decode(new, skip_special_tokens=True).strip()
+            stats.new_tokens += len(new)
+            stats.prompt_tokens += len(prompt_ids[i])
+        stats.transcripts += len(rows)
+        stats.batches += 1
         if progress is not None:
             progress(len(rows))
+    stats.seconds += time.perf_counter() - start_time
     return outputs
+
+
+def _generate_batch(
+    model: nn.Module, prompts: list[list[int]], pad_id: int, max_new_tokens: int, stops: list[int], sample_kwargs: dict
+) -> list[list[int]]:
+    """The new tokens of each left-padded prompt of one batch (generation with the KV cache), on the model's device."""
+    device = next(model.parameters()).device
+    width = max(len(ids) for ids in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    generated = model.generate(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        max_new_tokens=max_new_tokens,
+        eos_token_id=stops,
+        pad_token_id=pad_id,
+        use_cache=True,
+        **sample_kwargs,
+    )
+    return generated[:, width:].tolist()
 
 
 # --------------------------------------------------------------------------- input and output of `pipetune summarize`

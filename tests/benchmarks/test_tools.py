@@ -33,6 +33,7 @@ ARGPARSE_TOOLS = [
     "plan_check",
     "quant_quality",
     "smollm2_rouge",
+    "summarize_speed",
     "trace_gaps",
 ]
 

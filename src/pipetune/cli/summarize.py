@@ -27,6 +27,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     summarize.add_argument("--column", default=None, help="transcript field of JSONL records (data.transcript_column)")
     summarize.add_argument("--max-new-tokens", type=int, default=None, help="(default: data.max_summary_tokens)")
     summarize.add_argument("--batch-size", type=int, default=8, help="transcripts generated together (default: 8)")
+    summarize.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=65_536,
+        help="KV cache a batch may hold, in tokens: rows x (longest prompt + max new tokens); whole meetings go in "
+        "smaller batches, one alone if it is longer (default: 65536)",
+    )
     summarize.add_argument("--sample", action="store_true", help="nucleus sampling instead of greedy decoding")
     summarize.add_argument("--temperature", type=float, default=None, help="with --sample (default: 0.7)")
     summarize.add_argument("--top-p", type=float, default=None, help="with --sample (default: 0.9)")
@@ -37,6 +44,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Summaries of a transcript, JSONL records or stdin from base + adapter in this process, printed to stdout."""
     from pipetune.generate import (
+        GenerationStats,
         Sampling,
         format_summaries,
         inference_config,
@@ -49,8 +57,11 @@ def run(args: argparse.Namespace) -> int:
 
     if not args.sample and (args.temperature is not None or args.top_p is not None):
         raise ConfigError("--temperature and --top-p set sampling; add --sample (decoding is greedy by default)")
-    if args.batch_size < 1 or (args.max_new_tokens is not None and args.max_new_tokens < 1):
-        raise ConfigError(f"--batch-size {args.batch_size} and --max-new-tokens {args.max_new_tokens} must be >= 1")
+    counts = (("--batch-size", args.batch_size), ("--max-batch-tokens", args.max_batch_tokens))
+    counts += (("--max-new-tokens", args.max_new_tokens),)
+    below = [f"{flag} {value}" for flag, value in counts if value is not None and value < 1]
+    if below:
+        raise ConfigError(f"{' and '.join(below)} must be at least 1")
     source = inference_config(args.adapter, args.base, args.config, args.trust_remote_code)
     config = source.config
     sampling = None
@@ -76,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
             f"on {next(model.parameters()).device}; {len(inputs.transcripts)} transcript(s)",
             file=sys.stderr,
         )
+    stats = GenerationStats()
     with TaskProgress(enabled=not args.quiet) as progress:
         summaries = summarize(
             model,
@@ -86,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
             sampling,
             progress.task("summarize", len(inputs.transcripts)),
             inputs.systems,
+            args.max_batch_tokens,
+            stats,
         )
     print(format_summaries(summaries, inputs))
+    if not args.quiet:
+        print(f"pipetune: {stats.line()}", file=sys.stderr)
     return 0

@@ -28,7 +28,7 @@ import mmap
 import re
 import struct
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -284,6 +284,9 @@ def check_gguf(path: Path) -> Any:
 
     try:
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
+        key_length = header.metadata.get(f"{architecture}.attention.key_length")
+        if isinstance(key_length, int) and getattr(config, "head_dim", key_length) != key_length:
+            config.head_dim = key_length  # transformers reads no head size from qwen3 files: it takes 128
         expected = expected_tensors(config, architecture)
     except Exception as e:  # transformers raises many kinds on metadata it cannot map, or a model it cannot build
         raise ConfigError(
@@ -297,20 +300,28 @@ def check_gguf(path: Path) -> Any:
 def expected_tensors(config: Any, architecture: str) -> dict[str, tuple[int, ...]]:
     """llama.cpp's name -> shape of every parameter a model of `config` has: the tensors a GGUF file of
     `architecture` must hold (a tied output layer is the embedding's, so it is not asked for twice)."""
-    import gguf as package
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config))  # building may set attributes on it
-    arch = next(key for key, name in package.MODEL_ARCH_NAMES.items() if name == architecture)
-    names = package.get_tensor_name_map(arch, config.num_hidden_layers)
+    names = tensor_names(architecture, config.num_hidden_layers)
     expected = {}
     for name, parameter in model.named_parameters():  # tied parameters appear once, under their first name
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        gguf_name = names(name)
         if gguf_name is not None:
             expected[gguf_name] = tuple(parameter.shape)
     return expected
+
+
+def tensor_names(architecture: str, n_layers: int) -> Callable[[str], str | None]:
+    """transformers' parameter name -> llama.cpp's tensor name in a GGUF file of `architecture` (None: a name it
+    does not map), by the gguf package's table: what reading checks a file against, and what export writes."""
+    import gguf as package
+
+    arch = next(key for key, name in package.MODEL_ARCH_NAMES.items() if name == architecture)
+    names = package.get_tensor_name_map(arch, n_layers)
+    return lambda name: names.get_name(name, try_suffixes=(".weight", ".bias"))
 
 
 def check_tensors(path: Path, header: GGUFHeader, expected: dict[str, tuple[int, ...]], architecture: str) -> None:
