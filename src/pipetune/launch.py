@@ -12,6 +12,8 @@ Multi-node runs use torchrun's c10d rendezvous directly.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import os
 import signal
 import sys
@@ -23,7 +25,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipetune.checkpoint import CheckpointSettings, find_resume_checkpoint, latest_checkpoint
+from pipetune.checkpoint import (
+    CheckpointError,
+    CheckpointSettings,
+    check_compatible,
+    find_resume_checkpoint,
+    latest_checkpoint,
+)
 from pipetune.config import Config, ConfigError, save_config
 from pipetune.parallel.process_group import close_distributed, exit_skipping_teardown, init_distributed, under_launcher
 from pipetune.preflight import epoch_steps, preflight
@@ -60,7 +68,9 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
     if config.parallel.strategy == "auto":
         from pipetune.planner.plan import available_gpus, resolve_auto
 
-        config = resolve_auto(config, available_gpus(config, nproc))
+        processes = available_gpus(config, nproc)
+        config = resolve_auto(config, processes)
+        check_auto_resume(config, processes)
         nproc = None  # the pick's own process count
     if under_launcher():
         if max_restarts:
@@ -97,6 +107,39 @@ def run_train(config: Config, nproc: int | None = None, quiet: bool = False, max
         return 128 + e.signum
     finally:
         restore_signals(previous_handlers)
+
+
+AUTO_CHOSEN = (("train", "batch_size"), ("train", "grad_accum"), ("parallel", "dp"))
+"""Keys of RESUME_REFUSED that parallel.strategy = "auto" chooses (with the layout), not the user."""
+
+
+def check_auto_resume(config: Config, processes: int) -> None:
+    """A resume of a run whose checkpoint differs from what "auto" chose here only in AUTO_CHOSEN: one line naming
+    the processes it was written on, not keys the user never set."""
+    settings = CheckpointSettings.of(config)
+    newest = latest_checkpoint(settings.run_dir)
+    if not settings.resume or newest is None:
+        return
+    saved = newest.marker.get("config", {})
+    now = copy.deepcopy(settings.recorded)
+    for section, key in AUTO_CHOSEN:
+        now["config"][section][key] = saved.get(section, {}).get(key, now["config"][section][key])
+    try:
+        check_compatible(newest, settings)
+        return
+    except CheckpointError as refused:
+        try:
+            check_compatible(newest, dataclasses.replace(settings, recorded=now))
+        except CheckpointError:
+            raise refused from None  # other keys differ too: its message names them
+    was, here = newest.marker.get("world_size"), settings.recorded["config"]
+    chosen = ", ".join(f"{s}.{k} {saved[s][k]}" for s, k in AUTO_CHOSEN if s in saved and k in saved[s])
+    picks = ", ".join(f"{s}.{k} {here[s][k]}" for s, k in AUTO_CHOSEN)
+    raise CheckpointError(
+        f"checkpoint {newest.path} was written on {was} processes, where parallel.strategy = 'auto' chose {chosen}; "
+        f"on {processes} it chooses {picks}, and these set the data position: resume on {was} processes "
+        f"(--nproc {was}), or start a new run in another output.dir"
+    )
 
 
 def tokenize(config: Config, prompts: PromptBuilder) -> TokenizedData:

@@ -164,3 +164,16 @@ def packed_pad_fraction(lengths: torch.Tensor, row_length: int, max_per_row: int
     """Share of pad tokens in the packed rows of epoch 0's order (0 for no samples)."""
     rows = packed_rows_needed(lengths, row_length, max_per_row, seed)
     return 1 - int(lengths.clamp(max=row_length).sum()) / (rows * row_length) if rows else 0.0
+
+
+def packing_line(rows: torch.Tensor, lengths: torch.Tensor, row_length: int, max_per_row: int) -> str:
+    """The startup line on the packed `rows` an epoch trains: their pad share against the same samples' one a row
+    (never more: a row holds at least one sample), so that both figures are of the same samples."""
+    packed, n_rows = members(rows), rows[..., 0].numel()
+    real = int(lengths[packed].sum())
+    pad_share = 1 - real / (n_rows * row_length) if n_rows else 0.0
+    alone = 1 - real / (len(packed) * row_length) if len(packed) else 0.0
+    return (
+        f"{len(packed)} of the {len(lengths)} samples in {n_rows} rows of {row_length} tokens (at most {max_per_row} "
+        f"a row), pad share {pad_share:.1%} (the same samples one a row: {alone:.1%})"
+    )
