@@ -665,6 +665,13 @@ def _check_data(d: DataConfig) -> None:
             f"data.buckets = {d.buckets} must be distinct ascending lengths ending at data.max_length = "
             f"{d.max_length}, e.g. [{d.max_length // 4}, {d.max_length // 2}, {d.max_length}]",
         )
+    most = d.max_length // 2  # a sample is a prompt token and a summary token at least (the template: more)
+    _check(
+        not d.packing or d.max_samples_per_row <= most,
+        f"data.max_samples_per_row = {d.max_samples_per_row} is more samples than a row of data.max_length = "
+        f"{d.max_length} tokens holds (each takes 2 tokens at least, the chat template more); set at most {most}, "
+        f"e.g. {min(16, most)}",
+    )
     _check(
         not (d.packing and d.buckets),
         f"data.packing = true fills rows of data.max_length, but data.buckets = {d.buckets} pads each sample to a "

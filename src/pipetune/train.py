@@ -226,7 +226,7 @@ class TrainData:
 
     def attention_share(self, batches: torch.Tensor) -> float:
         """Packed batches' attention work against whole rows' (packing.rows_attention_share)."""
-        return rows_attention_share(batches.reshape(-1, self.max_samples_per_row), self.real_tokens, self.max_length)
+        return rows_attention_share(batches.reshape(-1, batches.shape[-1]), self.real_tokens, self.max_length)
 
     def samples_in(self, batches: torch.Tensor) -> torch.Tensor:
         """The sample indices in some of a plan's batches, flat."""

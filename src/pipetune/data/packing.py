@@ -37,11 +37,12 @@ PACK_WINDOW = 1024
 def best_fit_rows(
     order: torch.Tensor, lengths: torch.Tensor, row_length: int, max_per_row: int, window: int = 0
 ) -> torch.Tensor:
-    """[n_rows, max_per_row] sample indices (-1: no sample) of the samples in `order` packed into rows of
+    """[n_rows, width] sample indices (-1: no sample) of the samples in `order` packed into rows of
     `row_length` tokens, at most `max_per_row` samples a row, in the order the rows were opened: each `window` of
     the order longest first (ties in the order's), each sample into the open row with the least room that holds it
     (of equal rooms, the row that reached it last), else a new row. A row closes when it holds max_per_row samples
-    or less room than the shortest sample. `window` 0: PACK_WINDOW."""
+    or less room than the shortest sample. `window` 0: PACK_WINDOW. `width`: max_per_row, or the most samples a
+    row can hold (row_length // the shortest) where that is fewer."""
     window = window or PACK_WINDOW
     sizes = lengths.clamp(max=row_length).numpy()
     smallest = int(sizes.min()) if len(sizes) else 0
@@ -69,7 +70,9 @@ def best_fit_rows(
                     rows_with[room] = []
                     bisect.insort(rooms, room)
                 rows_with[room].append(row)
-    rows = torch.full((len(members), max_per_row), -1, dtype=torch.long)
+    # No row holds more than row_length // smallest samples: a larger max_per_row never binds, nor sizes the rows.
+    width = min(max_per_row, row_length // smallest) if smallest else max_per_row
+    rows = torch.full((len(members), width), -1, dtype=torch.long)
     for row, indices_of_row in enumerate(members):
         rows[row, : len(indices_of_row)] = torch.tensor(indices_of_row, dtype=torch.long)
     return rows
