@@ -132,8 +132,9 @@ def _cache_part(file: str) -> str | None:
 class Ending:
     """How one rank's run ended (`line`: what it prints when it reports itself), for its launcher to say once for
     all ranks: `kind` is "disk full" (`file`: what it was writing), "stopped" (`signum`), "timeout" (a peer stopped
-    responding), "peer lost" (a peer exited: a consequence of another rank's ending) or "config" (a ConfigError on a
-    rank other than 0, which rank 0 says itself when it reaches it too)."""
+    responding), "peer lost" (a peer exited: a consequence of another rank's ending), "out of memory" (an allocation
+    failed: out_of_memory.py) or "config" (a ConfigError on a rank other than 0, which rank 0 says itself when it
+    reaches it too)."""
 
     kind: str
     rank: int
