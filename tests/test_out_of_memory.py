@@ -75,14 +75,15 @@ def test_the_launcher_names_a_worker_the_kernel_killed_and_an_allocation_that_fa
     assert code == 1 and len(lines) == 1
     line = lines[0]
     assert line.startswith(
-        f"pipetune: error: rank 0 was killed by the kernel's OOM killer: host memory ran out in {WHERE} (exit code "
-        "-9); its peak RSS was "
+        f"pipetune: error: rank 0 was killed by the kernel's OOM killer: host memory ran out (exit code -9), last "
+        f"seen in {WHERE}; its peak RSS was "
     ), line
     assert line.endswith(f"; {HOST_ADVICE}; no checkpoint was committed yet: run the same command again to start over")
     unknown = failure_report(failures, tmp_path / "run", None, oom_kills=None)[0][0]
     assert "rank 0 was killed by SIGKILL, most likely by the kernel's OOM killer (host memory ran out) (exit code" in (
         unknown
     )
+    assert "last seen" not in unknown and "peak RSS" not in unknown  # no progress recorded: nothing said of it
     oom = Ending("out of memory", 1, f"rank 1 ran out of GPU memory in {WHERE}, allocating 2.00 GiB (...); ...")
     assert failure_report({0: _failed(1, lost), 1: _failed(1, oom)}, tmp_path) == ([f"pipetune: error: {oom.line}"], 1)
 

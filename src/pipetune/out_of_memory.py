@@ -62,17 +62,20 @@ def _memory_line(error: BaseException, rank: int, where: str) -> str | None:
 
 
 def killed_line(rank: int, exitcode: int, progress: dict | None, oom_kills: int | None) -> str:
-    """The line for a worker that died of SIGKILL (exit code -9): where it was and its peak RSS (its ProgressFile),
+    """The line for a worker that died of SIGKILL (exit code -9): where it was and its peak RSS when its ProgressFile
+    last wrote (up to a second before),
     and whether the cgroup's OOM killer ended it (`oom_kills`: how many it ended during the run; None: unknown)."""
-    where = f" in {progress['where']}" if progress and progress.get("where") else ""
-    peak = f"; its peak RSS was {progress['peak_rss_gb']:.1f} GB" if progress and "peak_rss_gb" in progress else ""
+    where = f", last seen in {progress['where']}" if progress and progress.get("where") else ""
+    peak = (
+        f"; its peak RSS was {progress['peak_rss_gb']:.1f} GB or more" if progress and "peak_rss_gb" in progress else ""
+    )
     limit = host_memory_limit_gb()
     of = f" of the {limit:.1f} GB this machine gives the run" if limit and peak else ""
     if oom_kills:
         cause = "killed by the kernel's OOM killer: host memory ran out"
     else:
         cause = "killed by SIGKILL, most likely by the kernel's OOM killer (host memory ran out)"
-    return f"rank {rank} was {cause}{where} (exit code {exitcode}){peak}{of}; {HOST_ADVICE}"
+    return f"rank {rank} was {cause} (exit code {exitcode}){where}{peak}{of}; {HOST_ADVICE}"
 
 
 def oom_kill_count() -> int | None:
