@@ -217,7 +217,7 @@ class TrainData:
     validation: tuple[torch.Tensor, torch.Tensor] | None
     max_samples_per_row: int = 0
     """data.packing: samples per row at most (0: unpacked, one sample a row). Packed batches hold rows of sample
-    indices, [n_batches, global_batch, max_samples_per_row] with -1 where a row has fewer."""
+    indices, [n_batches, global_batch, width] with -1 where a row has fewer (width: at most max_samples_per_row)."""
     _rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
