@@ -26,7 +26,7 @@ from pipetune.checkpoint import (
 from pipetune.cli import main
 from pipetune.config import ConfigError, validate
 from pipetune.data import tokenizer
-from pipetune.data.batching import SampleStore, capped_summaries_note
+from pipetune.data.batching import SampleStore
 from pipetune.data.packing import packing_line
 from pipetune.data.sources import load_dataset
 from pipetune.data.synthetic import synthetic_splits
@@ -181,7 +181,7 @@ def test_whole_meetings_with_short_summary_room_say_the_summaries_are_capped(tmp
     examples = synthetic_splits(seed=0, n_train=4, n_validation=0, lengths="whole")["train"]
     store = SampleStore.from_samples(prepare(config).prompts.build_examples(examples))
     assert store.summaries_capped == 4
-    assert capped_summaries_note(store, 96).startswith(
+    assert store.capped_summaries_note(96).startswith(
         "note: 4 of 4 training summaries are capped at data.max_summary_tokens = 96 (or the room the transcript "
         "leaves): their ends are never trained; raise data.max_summary_tokens"
     )

@@ -37,14 +37,7 @@ from pipetune.checkpoint import (
     save_checkpoint,
 )
 from pipetune.config import Config, save_config
-from pipetune.data.batching import (
-    SampleStore,
-    bucket_lengths,
-    bucketed_epoch_batches,
-    capped_summaries_note,
-    epoch_batches,
-    pad_fraction,
-)
+from pipetune.data.batching import SampleStore, bucket_lengths, bucketed_epoch_batches, epoch_batches, pad_fraction
 from pipetune.data.cache import tokenized_data
 from pipetune.data.packing import batches_of_rows, epoch_rows, members, packed_batch, packing_line, rows_attention_share
 from pipetune.data.sources import chat_lines
@@ -317,7 +310,7 @@ def build_data(
         + ("packed rows" if planned.packing else "sequences")
     )
     if train_split.summaries_capped:
-        say(capped_summaries_note(train_split, config.data.max_summary_tokens))
+        say(train_split.capped_summaries_note(config.data.max_summary_tokens))
     for line in chat_lines(data.summary.get("columns", {})):  # chat rows: their system messages kept or replaced
         say(f"data {line}")
     if planned.packing:  # the rows epoch 1 trains: those of its steps (as steps_from cuts them)

@@ -90,20 +90,19 @@ class SampleStore:
             labels[row, prompt - 1 : n - 1] = ids[prompt:]
         return input_ids, labels
 
+    def capped_summaries_note(self, max_summary_tokens: int) -> str:
+        """The note a run starts with when summaries were capped: their ends are never trained (the model learns
+        to stop writing at the cap), which the count of samples cut to fit alone does not say."""
+        return (
+            f"note: {self.summaries_capped} of {len(self)} training summaries are capped at data.max_summary_tokens "
+            f"= {max_summary_tokens} (or the room the transcript leaves): their ends are never trained; raise "
+            "data.max_summary_tokens to train whole summaries (pipetune data inspect shows the longest cut)"
+        )
+
     def dense(self, length: int, pad_id: int) -> TokenizedSplit:
         """Every sample padded to `length`, in one pair of tensors (small splits: validation, evaluation)."""
         input_ids, labels = self.batch(range(len(self)), length, pad_id)
         return TokenizedSplit(input_ids, labels, self.lengths.clone(), self.truncated)
-
-
-def capped_summaries_note(store: SampleStore, max_summary_tokens: int) -> str:
-    """The note a run starts with when summaries were capped: their ends are never trained (the model learns to
-    stop writing at the cap), which the count of samples cut to fit alone does not say."""
-    return (
-        f"note: {store.summaries_capped} of {len(store)} training summaries are capped at data.max_summary_tokens = "
-        f"{max_summary_tokens} (or the room the transcript leaves): their ends are never trained; raise "
-        "data.max_summary_tokens to train whole summaries (pipetune data inspect shows the longest cut)"
-    )
 
 
 def tokenize_split(examples: list[Example], builder: PromptBuilder, pad_id: int) -> TokenizedSplit:
