@@ -122,3 +122,33 @@ def test_a_host_allocation_failure_in_a_step_is_one_line_and_the_run_resumes(
     rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
     assert [row["step"] for row in rows] == ["1", "2"], rows  # steps 1 and 2 once each
     assert json.loads((run_dir / "checkpoints" / "step-2" / "COMMITTED").read_text())["step"] == 2
+
+
+def test_a_cuda_out_of_memory_on_one_rank_of_several_is_one_line_not_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """Once the raw torch.OutOfMemoryError traceback (Qwen3-4B on one H100, step 2): rank 1's line, exit code 1."""
+    from pipetune import launch, train
+    from pipetune.parallel.process_group import DistEnv
+
+    def out_of_memory(config, env, quiet, status):
+        status.step, status.phase = 2, "pipeline send/recv"
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.25 GiB. GPU 0 has a total capacity")
+
+    monkeypatch.setattr(launch, "init_distributed", lambda *_: DistEnv(1, 2, 1, torch.device("cpu")))
+    monkeypatch.setattr(train, "train", out_of_memory)
+    monkeypatch.setattr(launch, "close_distributed", lambda: None)
+
+    def exit_now(code: int) -> None:  # a crash's way out (os._exit), here an exception that ends only the test
+        raise SystemExit(code)
+
+    monkeypatch.setattr(launch, "exit_skipping_teardown", exit_now)
+    with pytest.raises(SystemExit) as ended:
+        launch.run_training(tiny_config(tmp_path / "run"))
+    assert ended.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.count("pipetune: error:") == 1, err
+    assert err.startswith(
+        "pipetune: error: rank 1 ran out of GPU memory in the pipeline send/recv of step 2, allocating 3.25 GiB "
+    ), err
+    assert f"{GPU_ADVICE}; no checkpoint was committed yet" in err
