@@ -271,6 +271,7 @@ def test_resume_refuses_data_whose_content_changed_under_the_same_name(tmp_path:
         ('data.system_prompt="Answer in French."', "data.system_prompt 'You are "),
         ('model.dtype="bfloat16"', "model.dtype 'float32' (config: 'bfloat16')"),
         ('model.quantize="nf4"', "model.quantize 'none' (config: 'nf4')"),
+        ("data.synthetic_validation=5", "data.synthetic_validation 8 (config: 5)"),  # the val_loss column's meetings
     ],
 )
 def test_resume_refuses_another_prompt_dtype_or_quantization(run_dir: Path, override: str, message: str) -> None:

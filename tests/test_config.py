@@ -360,6 +360,12 @@ def test_activation_checkpointing_takes_true_false_or_auto(tmp_path: Path) -> No
         (['model.name="not-a-model-anywhere"'], 2, r"could not be fetched from the Hugging Face hub"),
         (['model.name="./no/such/dir"'], 2, r"is not a directory with a config.json"),
         (["parallel.layers_per_stage=[1, 2]"], 2, r"sums to 3, but 'tiny-qwen3' has 4 decoder layers"),
+        (  # an adapter's weights and optimizer state grow with a rank no layer can use
+            ["lora.r=100000"],
+            2,
+            r"^lora.r = 100000 is beyond the 256 features of 'tiny-qwen3''s layers \(hidden_size\): an adapter's rank "
+            r"cannot exceed a layer's narrower side; set lora.r <= 256 \(e.g. 16\)$",
+        ),
         (
             ["data.max_length=8"],
             2,

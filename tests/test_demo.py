@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from pipetune.config import load_config
+from pipetune.config import config_path, load_config
 from pipetune.metrics import SEED_COLUMNS
 
 pytestmark = pytest.mark.slow  # multi-process end-to-end runs: pytest -m "not slow" leaves them out
@@ -30,6 +30,11 @@ def test_demo_runs_end_to_end(demo_run: tuple[Path, subprocess.CompletedProcess]
     losses = [float(r["loss"]) for r in rows[1:]]
     assert losses[-1] < losses[0]
     assert all(float(r["tokens_per_sec"]) > 0 and float(r["peak_vram_gb"]) > 0 for r in rows[1:])
+    # Each worker's peak RSS (the peak columns on a CPU) under the cap the config's header states.
+    header = (config_path("demo").read_text()).split("[model]")[0]
+    cap = float(re.search(r"under ([\d.]+) GB a worker", header).group(1))
+    peaks = [float(r[f"peak_gb_rank{rank}"]) for r in rows[1:] for rank in (0, 1)]
+    assert 0 < max(peaks) <= cap, (peaks, cap)
 
     assert json.loads((out / "adapter" / "adapter_config.json").read_text())["peft_type"] == "LORA"
     assert len(load_file(out / "adapter" / "adapter_model.safetensors")) == 4 * 7 * 2

@@ -54,6 +54,7 @@ RESUME_REFUSED = {
         "transcript_column",
         "summary_column",
         "synthetic_train",
+        "synthetic_validation",
         "validation_fraction",
         "system_prompt",
         "synthetic_lengths",
@@ -70,7 +71,8 @@ position (seed, batch_size x dp, grad_accum; packing and the samples a packed ro
 share a row). A key the run never reads may change (`_unread`): max_samples_per_row without packing, the
 synthetic_* keys with another data source. Every other key may change on resume and is applied: lr, weight
 decay and the schedule (warmup_steps, min_lr_ratio, epochs, max_steps) included. The data's content must not
-change either: COMMITTED records a digest of every data file (`data_content`)."""
+change either: COMMITTED records a digest of every data file (`data_content`). Nor the validation meetings
+(synthetic_validation): metrics.csv's val_loss compares the losses of one set."""
 SANE_ADAPTER_MAX = 1e4
 """The largest adapter weight magnitude a checkpoint is resumed from or recommended with. LoRA weights start at
 about 1/sqrt(hidden size) (A) and 0 (B) and AdamW moves each by about lr a step: a value beyond this is a run
@@ -660,7 +662,11 @@ def load_checkpoint(checkpoint: Checkpoint, state: TrainState, rank: int, rng_se
         elif rank < len(metas):  # a rank the saved layout did not have keeps its fresh seed
             _set_rng(rng, metas[rank]["rng"])
         position = Position(**metas[0]["position"])
-    except (KeyError, TypeError, ValueError, IndexError) as e:  # a hash-verified file cannot be malformed, but
+        if not all(type(value) is int for value in asdict(position).values()):
+            raise TypeError(f"position {metas[0]['position']} is not whole numbers")
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:  # a file rewritten with its hashes
         raise _damaged(checkpoint, f"its state has an unexpected shape ({type(e).__name__}: {e})") from None
     # Where the (possibly new) schedule stands at the saved step, as LambdaLR computes it.
     for group, base_lr, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
@@ -742,6 +748,10 @@ def _load_optimizer(
         hyper["params"] = []
         for param in group["params"]:
             name = param_names[param]
+            for field, value in by_name.get(name, {}).items():  # a moment has the parameter's shape, a step one value
+                if isinstance(value, torch.Tensor) and not _is_moment(value, param) and value.numel() != 1:
+                    shape, like = tuple(value.shape), tuple(param.shape)
+                    raise _damaged(checkpoint, f"its optimizer state {field} of {name} is {shape}, the model's {like}")
             if name in by_name:
                 state[index] = {
                     field: shard_like(value, param) if _is_moment(value, param) else value

@@ -405,10 +405,10 @@ def config_path(name: str | Path) -> Path:
     stem = path.name.removesuffix(".toml")
     if path.parent == Path(".") and stem in shipped:
         return shipped[stem]
-    raise ConfigError(
-        f"config file {str(name)!r} does not exist; pass --config with a TOML file or the name of a shipped "
-        f"config: {', '.join(shipped)} (pipetune config list)"
-    )
+    raise ConfigError(f"config file {str(name)!r} does not exist; {_CONFIG_HINT.format(', '.join(shipped))}")
+
+
+_CONFIG_HINT = "pass --config with a TOML file or the name of a shipped config: {} (pipetune config list)"
 
 
 def load_config(path: str | Path | None, overrides: list[str] = (), command: str = "pipetune train") -> Config:
@@ -416,6 +416,8 @@ def load_config(path: str | Path | None, overrides: list[str] = (), command: str
     `section.key=value` overrides. `command` is the one a data file given as the config is shown with."""
     raw: dict[str, Any] = {}
     if path is not None:
+        if str(path) == "":  # Path("") is ".", a directory the user never named
+            raise ConfigError(f"config file '' is an empty name; {_CONFIG_HINT.format(', '.join(shipped_configs()))}")
         path = Path(path)
         if path.is_dir():
             raise ConfigError(f"config file {str(path)!r} is a directory; pass --config with a TOML file")
@@ -671,6 +673,13 @@ def _check_data(d: DataConfig) -> None:
             f"data.buckets = {d.buckets} must be distinct ascending lengths ending at data.max_length = "
             f"{d.max_length}, e.g. [{d.max_length // 4}, {d.max_length // 2}, {d.max_length}]",
         )
+    most = d.max_length // 2  # a sample is a prompt token and a summary token at least (the template: more)
+    _check(
+        not d.packing or d.max_samples_per_row <= most,
+        f"data.max_samples_per_row = {d.max_samples_per_row} is more samples than a row of data.max_length = "
+        f"{d.max_length} tokens holds (each takes 2 tokens at least, the chat template more); set at most {most}, "
+        f"e.g. {min(16, most)}",
+    )
     _check(
         not (d.packing and d.buckets),
         f"data.packing = true fills rows of data.max_length, but data.buckets = {d.buckets} pads each sample to a "
@@ -799,8 +808,8 @@ def _check_train(t: TrainConfig, d: DataConfig) -> None:
     _check(t.save_every >= 0, f"train.save_every = {t.save_every} must be >= 0 (0: checkpoints at epoch ends only)")
     _check(t.resume in RESUME_MODES, f"train.resume = {t.resume!r} is unknown; use one of {', '.join(RESUME_MODES)}")
     _check(t.eval_every >= 0, f"train.eval_every = {t.eval_every} must be >= 0 (0: at epoch ends only)")
+    _check(math.isfinite(t.memory_gb), f"train.memory_gb = {t.memory_gb} must be a finite number of GB (e.g. 80)")
     _check(t.memory_gb >= 0, f"train.memory_gb = {t.memory_gb} must be >= 0 (0: the GPU's total memory)")
-    _check(math.isfinite(t.memory_gb), f"train.memory_gb = {t.memory_gb} must be finite (GB, e.g. 80)")
     _check(
         t.max_grad_norm >= 0 and math.isfinite(t.max_grad_norm),
         f"train.max_grad_norm = {t.max_grad_norm} must be >= 0 and finite (0 disables clipping)",

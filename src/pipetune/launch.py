@@ -12,9 +12,13 @@ Multi-node runs use torchrun's c10d rendezvous directly.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 import uuid
@@ -23,8 +27,22 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pipetune.checkpoint import CheckpointSettings, find_resume_checkpoint, latest_checkpoint
+from pipetune.checkpoint import (
+    CheckpointError,
+    CheckpointSettings,
+    check_compatible,
+    find_resume_checkpoint,
+    latest_checkpoint,
+)
 from pipetune.config import Config, ConfigError, save_config
+from pipetune.out_of_memory import (
+    PROGRESS_ENV,
+    ProgressFile,
+    killed_line,
+    memory_failure,
+    oom_kill_count,
+    read_progress,
+)
 from pipetune.parallel.process_group import close_distributed, exit_skipping_teardown, init_distributed, under_launcher
 from pipetune.preflight import epoch_steps, preflight
 from pipetune.run_lock import lock_for_worker, lock_run_dir
@@ -63,7 +81,9 @@ def run_train(
     if config.parallel.strategy == "auto":
         from pipetune.planner.plan import available_gpus, resolve_auto
 
-        config = resolve_auto(config, available_gpus(config, nproc))
+        processes = available_gpus(config, nproc)
+        config = resolve_auto(config, processes)
+        check_auto_resume(config, processes)
         nproc = None  # the pick's own process count
     elif not nproc and not under_launcher() and torch.cuda.is_available():
         from pipetune.planner.plan import fit_to_gpus
@@ -104,6 +124,39 @@ def run_train(
         return 128 + e.signum
     finally:
         restore_signals(previous_handlers)
+
+
+AUTO_CHOSEN = (("train", "batch_size"), ("train", "grad_accum"), ("parallel", "dp"))
+"""Keys of RESUME_REFUSED that parallel.strategy = "auto" chooses (with the layout), not the user."""
+
+
+def check_auto_resume(config: Config, processes: int) -> None:
+    """A resume of a run whose checkpoint differs from what "auto" chose here only in AUTO_CHOSEN: one line naming
+    the processes it was written on, not keys the user never set."""
+    settings = CheckpointSettings.of(config)
+    newest = latest_checkpoint(settings.run_dir)
+    if not settings.resume or newest is None:
+        return
+    saved = newest.marker.get("config", {})
+    now = copy.deepcopy(settings.recorded)
+    for section, key in AUTO_CHOSEN:
+        now["config"][section][key] = saved.get(section, {}).get(key, now["config"][section][key])
+    try:
+        check_compatible(newest, settings)
+        return
+    except CheckpointError as refused:
+        try:
+            check_compatible(newest, dataclasses.replace(settings, recorded=now))
+        except CheckpointError:
+            raise refused from None  # other keys differ too: its message names them
+    was, here = newest.marker.get("world_size"), settings.recorded["config"]
+    chosen = ", ".join(f"{s}.{k} {saved[s][k]}" for s, k in AUTO_CHOSEN if s in saved and k in saved[s])
+    picks = ", ".join(f"{s}.{k} {here[s][k]}" for s, k in AUTO_CHOSEN)
+    raise CheckpointError(
+        f"checkpoint {newest.path} was written on {was} processes, where parallel.strategy = 'auto' chose {chosen}; "
+        f"on {processes} it chooses {picks}, and these set the data position: resume on {was} processes "
+        f"(--nproc {was}), or start a new run in another output.dir"
+    )
 
 
 def tokenize(config: Config, prompts: PromptBuilder) -> TokenizedData:
@@ -159,10 +212,14 @@ def launch_local(
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # the workers die with this process and leave stops to it
     os.environ[STARTED_ENV] = f"{started:.3f}"  # the workers' wall time counts from here
+    os.environ[PROGRESS_ENV] = progress = tempfile.mkdtemp(prefix="pipetune-progress-")  # for a SIGKILL's line
+    oom_kills = oom_kill_count()
     try:
         elastic_launch(launch, sys.executable)(*argv)
     except ChildFailedError as e:
-        lines, code = failure_report(e.failures, run_dir)
+        after = oom_kill_count()
+        killed = after - oom_kills if after is not None and oom_kills is not None else None
+        lines, code = failure_report(e.failures, run_dir, progress, killed)
         for line in lines:
             print(line, file=sys.stderr)
         return code
@@ -174,7 +231,8 @@ def launch_local(
         print(f"pipetune: error: {stopped_message(stop.sigval.name, run_dir)}", file=sys.stderr)
         return 128 + int(stop.sigval)
     finally:
-        del os.environ[LAUNCHER_ENV]
+        del os.environ[LAUNCHER_ENV], os.environ[PROGRESS_ENV]
+        shutil.rmtree(progress, ignore_errors=True)
     return 0
 
 
@@ -196,9 +254,13 @@ def stopped_message(signal_name: str, run_dir: Path, ranks: list[int] | None = N
     return f"{who}stopped by {signal_name}; {kept}: continue with --resume"
 
 
-def failure_report(failures: dict[int, ProcessFailure], run_dir: Path) -> tuple[list[str], int]:
+def failure_report(
+    failures: dict[int, ProcessFailure], run_dir: Path, progress: str | None = None, oom_kills: int | None = None
+) -> tuple[list[str], int]:
     """The launcher's line for failed workers, and its exit code: the cause once, for all the ranks it ended (a
-    full disk, a stop signal to the workers), not its consequences (peers lost, workers the agent then stopped)."""
+    full disk, a stop signal to the workers, memory), not its consequences (peers lost, workers the agent then
+    stopped). `progress`: where the workers recorded their progress; `oom_kills`: processes the OOM killer ended
+    during the run (None: unknown), for a worker killed with SIGKILL."""
     endings: dict[str, list[Ending]] = {}
     unexplained = []  # a crash (its traceback is above) or a kill
     for rank in sorted(failures):
@@ -210,6 +272,8 @@ def failure_report(failures: dict[int, ProcessFailure], run_dir: Path) -> tuple[
     if "disk full" in endings:
         full = endings["disk full"]
         return [f"pipetune: error: {no_space_message([e.rank for e in full], [e.file for e in full if e.file])}"], 1
+    if "out of memory" in endings:
+        return [f"pipetune: error: {min(endings['out of memory'], key=lambda e: e.rank).line}"], 1
     if "timeout" in endings:  # the rank that stopped responding was stopped by the agent
         return [f"pipetune: error: {endings['timeout'][0].line}"], 1
     said = 0 in failures and failures[0].exitcode == 2  # rank 0 said its own ConfigError
@@ -217,6 +281,9 @@ def failure_report(failures: dict[int, ProcessFailure], run_dir: Path) -> tuple[
         return [f"pipetune: error: {min(endings['config'], key=lambda e: e.rank).line}"], 2
     if unexplained:
         rank = min(unexplained, key=lambda r: failures[r].timestamp)
+        if failures[rank].exitcode == -signal.SIGKILL:  # the kernel's kill says nothing: say what the rank recorded
+            line = killed_line(rank, failures[rank].exitcode, read_progress(progress, rank), oom_kills)
+            return [f"pipetune: error: {line}; {checkpoints_kept(run_dir)}"], 1
         lost = [f"pipetune: error: {e.line}" for e in endings.get("peer lost", [])[:1]]
         return [*lost, f"pipetune: worker {rank} failed (exit code {failures[rank].exitcode}); its output is above"], 1
     if "stopped" in endings:  # the signal went to the workers, not to this launcher
@@ -225,6 +292,14 @@ def failure_report(failures: dict[int, ProcessFailure], run_dir: Path) -> tuple[
         message = stopped_message(signal.Signals(signum).name, run_dir, [e.rank for e in stopped])
         return [f"pipetune: error: {message}"], 128 + signum
     return [f"pipetune: error: {e.line}" for e in endings.get("peer lost", [])[:1]], 1
+
+
+def checkpoints_kept(run_dir: Path) -> str:
+    """What a failed run leaves to continue from."""
+    newest = latest_checkpoint(run_dir)
+    if newest is None:
+        return "no checkpoint was committed yet: run the same command again to start over"
+    return f"the newest committed checkpoint, {newest.path}, is kept: continue with --resume"
 
 
 def run_training(config: Config, quiet: bool = False) -> RunResult:
@@ -240,6 +315,7 @@ def run_training(config: Config, quiet: bool = False) -> RunResult:
     previous_handlers = raise_on_stop_signals()
     env = init_distributed(config.parallel.timeout_s, config.parallel.p2p_channels)
     status = LoopStatus()
+    progress = ProgressFile(env.rank, status.where)  # under pipetune's launcher: for its line should a kill come
     lock = None
     with contextlib.ExitStack() as log:  # closed after the messages below: they go to train.log too
         try:
@@ -262,7 +338,9 @@ def run_training(config: Config, quiet: bool = False) -> RunResult:
                 raise SystemExit(2) from None
             except Exception as e:
                 ending = None
-                if isinstance(e, RuntimeError):
+                if (line := memory_failure(e, env.rank, status.where())) is not None:
+                    ending = Ending("out of memory", env.rank, f"{line}; {checkpoints_kept(Path(config.output.dir))}")
+                elif isinstance(e, RuntimeError):
                     ending = peer_failure(e, env.rank, status, config.parallel.timeout_s)
                 elif isinstance(e, OSError) and (message := disk_full_message(e, env.rank)) is not None:
                     ending = Ending("disk full", env.rank, message, file=e.filename)
@@ -292,6 +370,7 @@ def run_training(config: Config, quiet: bool = False) -> RunResult:
                 exit_skipping_teardown(128 + e.signum)
             raise SystemExit(128 + e.signum) from None
         finally:
+            progress.close()
             if lock is not None:
                 lock.release()
             close_distributed()

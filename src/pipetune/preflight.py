@@ -143,6 +143,7 @@ def prepare(config: Config, speak: bool = True) -> Prepared:
     heads = shape.num_attention_heads
     kv_heads = getattr(shape, "num_key_value_heads", None) or heads
     validate_against_model(config, shape.num_hidden_layers, linear_layer_names(resolved), heads, kv_heads)
+    check_lora_rank(config, shape)
     warning = check_positions(config, shape)
     if warning:
         _say(f"warning: {warning}", speak)
@@ -158,6 +159,18 @@ def prepare(config: Config, speak: bool = True) -> Prepared:
     )
     prompts.check_budget()
     return Prepared(resolved, tokenizer, prompts)
+
+
+def check_lora_rank(config: Config, model_config: PretrainedConfig) -> None:
+    """lora.r beyond hidden_size: every adapted layer takes or gives hidden_size features, so no adapter can use a
+    rank above it, while its weights and optimizer state grow with lora.r."""
+    hidden = getattr(model_config, "hidden_size", None)
+    if isinstance(hidden, int) and config.lora.r > hidden:
+        raise ConfigError(
+            f"lora.r = {config.lora.r} is beyond the {hidden} features of {config.model.name!r}'s layers "
+            f"(hidden_size): an adapter's rank cannot exceed a layer's narrower side; set lora.r <= {hidden} "
+            f"(e.g. {min(16, hidden)})"
+        )
 
 
 def check_optimizer_steps(

@@ -39,7 +39,7 @@ from pipetune.checkpoint import (
 from pipetune.config import Config, save_config
 from pipetune.data.batching import SampleStore, bucket_lengths, bucketed_epoch_batches, epoch_batches, pad_fraction
 from pipetune.data.cache import tokenized_data
-from pipetune.data.packing import batches_of_rows, epoch_rows, members, packed_batch, rows_attention_share
+from pipetune.data.packing import batches_of_rows, epoch_rows, members, packed_batch, packing_line, rows_attention_share
 from pipetune.data.sources import chat_lines
 from pipetune.export import PROMPT_FILE, write_prompt_settings
 from pipetune.metrics import MetricsLog, PhaseLog, host_peak_gb, peak_memory_gb, reset_peak_memory
@@ -218,7 +218,7 @@ class TrainData:
     validation: tuple[torch.Tensor, torch.Tensor] | None
     max_samples_per_row: int = 0
     """data.packing: samples per row at most (0: unpacked, one sample a row). Packed batches hold rows of sample
-    indices, [n_batches, global_batch, max_samples_per_row] with -1 where a row has fewer."""
+    indices, [n_batches, global_batch, width] with -1 where a row has fewer (width: at most max_samples_per_row)."""
     _rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -227,7 +227,7 @@ class TrainData:
 
     def attention_share(self, batches: torch.Tensor) -> float:
         """Packed batches' attention work against whole rows' (packing.rows_attention_share)."""
-        return rows_attention_share(batches.reshape(-1, self.max_samples_per_row), self.real_tokens, self.max_length)
+        return rows_attention_share(batches.reshape(-1, batches.shape[-1]), self.real_tokens, self.max_length)
 
     def samples_in(self, batches: torch.Tensor) -> torch.Tensor:
         """The sample indices in some of a plan's batches, flat."""
@@ -317,17 +317,14 @@ def build_data(
         f"{t.batch_size} x grad_accum {t.grad_accum} x dp {p.dp} = {planned.global_batch * t.grad_accum} "
         + ("packed rows" if planned.packing else "sequences")
     )
+    if train_split.summaries_capped:
+        say(train_split.capped_summaries_note(config.data.max_summary_tokens))
     for line in chat_lines(data.summary.get("columns", {})):  # chat rows: their system messages kept or replaced
         say(f"data {line}")
     if planned.packing:  # the rows epoch 1 trains: those of its steps (as steps_from cuts them)
         rows = planned.epoch_plan(0)[0][: min(planned.epoch_steps[0], planned.total_steps) * t.grad_accum]
-        packed, n_rows = members(rows), rows[..., 0].numel()
-        pad_share = 1 - int(real_tokens[packed].sum()) / (n_rows * max_length)
-        say(
-            f"packing: epoch 1 trains {len(packed)} of the {len(train_split)} samples in {n_rows} rows of "
-            f"{max_length} tokens (at most {planned.max_samples_per_row} a row), pad share {pad_share:.1%} "
-            f"(unpacked: {pad_fraction(real_tokens, [max_length]):.1%}); train.batch_size counts rows"
-        )
+        line = packing_line(rows, real_tokens, max_length, planned.max_samples_per_row)
+        say(f"packing: epoch 1 trains {line}; train.batch_size counts rows")
     if config.data.buckets:
         say(
             f"length buckets {config.data.buckets}: pad fraction {pad_fraction(real_tokens, config.data.buckets):.1%} "

@@ -92,10 +92,11 @@ def no_space_message(ranks: list[int], files: list[str]) -> str:
         where = f" writing {files[0]}"
     elif files:
         where = f" writing into {os.path.commonpath(files)}"
-    if files and all(_in_cache(f) for f in files):
+    caches = {_cache_part(f) for f in files}
+    if files and None not in caches:
         return (
-            f"{who}no space left on the device{where} (the token cache); the run had not started: free space "
-            "there, or set PIPETUNE_CACHE to a directory on a disk with room"
+            f"{who}no space left on the device{where} ({' and '.join(sorted(caches))}); the run had not started: "
+            "free space there, or set PIPETUNE_CACHE to a directory on a disk with room"
         )
     return (
         f"{who}no space left on the device{where}; committed checkpoints are kept: free space, "
@@ -113,19 +114,27 @@ def named_cache_error(error: OSError) -> OSError:
     return OSError(error.errno, error.strerror, str(default_cache_dir() / "data"))
 
 
-def _in_cache(file: str) -> bool:
-    """`file` is in the token cache (files.default_cache_dir()/data)."""
+CACHE_PARTS = {"data": "the token cache", "tokenizers": "the demo tokenizer", "models": "a converted model"}
+"""What pipetune's cache (files.default_cache_dir()) keeps in each folder, as a full disk's line names it."""
+
+
+def _cache_part(file: str) -> str | None:
+    """What of pipetune's cache `file` is part of (CACHE_PARTS), or None when it is outside the cache."""
     from pipetune.files import default_cache_dir
 
-    return Path(os.path.abspath(file)).is_relative_to(os.path.abspath(default_cache_dir() / "data"))
+    for folder, part in CACHE_PARTS.items():
+        if Path(os.path.abspath(file)).is_relative_to(os.path.abspath(default_cache_dir() / folder)):
+            return part
+    return None
 
 
 @dataclass
 class Ending:
     """How one rank's run ended (`line`: what it prints when it reports itself), for its launcher to say once for
     all ranks: `kind` is "disk full" (`file`: what it was writing), "stopped" (`signum`), "timeout" (a peer stopped
-    responding), "peer lost" (a peer exited: a consequence of another rank's ending) or "config" (a ConfigError on a
-    rank other than 0, which rank 0 says itself when it reaches it too)."""
+    responding), "peer lost" (a peer exited: a consequence of another rank's ending), "out of memory" (an allocation
+    failed: out_of_memory.py) or "config" (a ConfigError on a rank other than 0, which rank 0 says itself when it
+    reaches it too)."""
 
     kind: str
     rank: int

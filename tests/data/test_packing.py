@@ -40,10 +40,21 @@ def test_best_fit_lays_the_longest_first_and_fills_the_tightest_gap() -> None:
     # At most max_per_row samples a row, even where more would fit; equal lengths keep the order's.
     rows = best_fit_rows(torch.arange(5), torch.full((5,), 10), 100, 2)
     assert rows.tolist() == [[0, 1], [2, 3], [4, -1]]
-    # Windows: the first window's two samples of 50 pair up before the next window's 70 and 30 are seen.
+    # Windows: the first window's two samples of 50 pair up before the next window's 70 and 30 are seen (rows of
+    # 100 // 30 = 3 columns: no row holds more samples of 30 tokens or longer).
     lengths = torch.tensor([50, 50, 30, 70])
-    assert best_fit_rows(torch.arange(4), lengths, 100, 4, window=2).tolist() == [[0, 1, -1, -1], [3, 2, -1, -1]]
-    assert best_fit_rows(torch.arange(4), lengths, 100, 4).tolist() == [[3, 2, -1, -1], [0, 1, -1, -1]]
+    assert best_fit_rows(torch.arange(4), lengths, 100, 4, window=2).tolist() == [[0, 1, -1], [3, 2, -1]]
+    assert best_fit_rows(torch.arange(4), lengths, 100, 4).tolist() == [[3, 2, -1], [0, 1, -1]]
+
+
+def test_a_bound_on_samples_a_row_the_data_cannot_reach_neither_changes_nor_sizes_the_rows() -> None:
+    """data.max_samples_per_row = 1e8 once allocated [rows, 1e8] (a 16.8 GB traceback): rows are as wide as the
+    most samples a row can hold (row_length // the shortest) and packed as under that bound."""
+    lengths = torch.tensor([30, 12, 45, 25, 12, 60, 40])
+    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(0))
+    reachable = best_fit_rows(order, lengths, 100, 100 // 12)
+    assert torch.equal(best_fit_rows(order, lengths, 100, 10**6), reachable)
+    assert reachable.shape == (3, 8)
 
 
 def test_best_fit_leaves_little_padding_on_meeting_lengths() -> None:
@@ -146,6 +157,11 @@ def _config(*overrides: str) -> Config:
             r"data.packing = true fills rows of data.max_length, but data.buckets = \[256, 512\] pads each sample",
         ),
         (["data.packing=true", "data.max_samples_per_row=0"], "data.max_samples_per_row = 0 must be at least 1"),
+        (  # once [rows, 1e8] tensors: a 16.8 GB allocation traceback
+            ["data.packing=true", "data.max_length=512", "data.max_samples_per_row=100000000"],
+            r"^data.max_samples_per_row = 100000000 is more samples than a row of data.max_length = 512 tokens holds "
+            r"\(each takes 2 tokens at least, the chat template more\); set at most 256, e.g. 16$",
+        ),
     ],
 )
 def test_packing_settings_are_validated(overrides: list[str], message: str) -> None:

@@ -47,6 +47,8 @@ class SampleStore:
     """[n] int32: the unsupervised prompt's length of each sample."""
     truncated: int = 0
     """Samples whose transcript or summary was cut to fit."""
+    summaries_capped: int = 0
+    """Samples whose summary was capped at max_summary_tokens (or the room the transcript leaves it)."""
 
     @classmethod
     def from_samples(cls, samples: list[Sample]) -> SampleStore:
@@ -56,6 +58,7 @@ class SampleStore:
             np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
             np.array([s.n_prompt for s in samples], dtype=np.int32),
             sum(bool(s.transcript_tokens_cut or s.summary_tokens_cut) for s in samples),
+            sum(bool(s.summary_tokens_cut) for s in samples),
         )
 
     def __len__(self) -> int:
@@ -86,6 +89,15 @@ class SampleStore:
             input_ids[row, :n] = ids
             labels[row, prompt - 1 : n - 1] = ids[prompt:]
         return input_ids, labels
+
+    def capped_summaries_note(self, max_summary_tokens: int) -> str:
+        """The note a run starts with when summaries were capped: their ends are never trained (the model learns
+        to stop writing at the cap), which the count of samples cut to fit alone does not say."""
+        return (
+            f"note: {self.summaries_capped} of {len(self)} training summaries are capped at data.max_summary_tokens "
+            f"= {max_summary_tokens} (or the room the transcript leaves): their ends are never trained; raise "
+            "data.max_summary_tokens to train whole summaries (pipetune data inspect shows the longest cut)"
+        )
 
     def dense(self, length: int, pad_id: int) -> TokenizedSplit:
         """Every sample padded to `length`, in one pair of tensors (small splits: validation, evaluation)."""

@@ -209,7 +209,7 @@ def _write_split(directory: Path, name: str, examples: list, prompts: PromptBuil
     """Tokenize one split a chunk at a time, appending its ids to `<name>.tokens`; offsets and prompt lengths beside."""
     offsets = np.zeros(len(examples) + 1, dtype=np.int64)
     n_prompt = np.zeros(len(examples), dtype=np.int32)
-    truncated = 0
+    truncated = capped = 0
     with open(directory / f"{name}.tokens", "wb") as tokens:
         for start in range(0, len(examples), CHUNK):
             chunk = examples[start : start + CHUNK]
@@ -218,11 +218,12 @@ def _write_split(directory: Path, name: str, examples: list, prompts: PromptBuil
                 offsets[i + 1] = offsets[i] + len(sample.input_ids)
                 n_prompt[i] = sample.n_prompt
                 truncated += bool(sample.transcript_tokens_cut or sample.summary_tokens_cut)
+                capped += bool(sample.summary_tokens_cut)
             ids = np.fromiter((t for s in samples for t in s.input_ids), dtype=np.int32)
             tokens.write(ids.tobytes())
     np.save(directory / f"{name}.offsets.npy", offsets)
     np.save(directory / f"{name}.n_prompt.npy", n_prompt)
-    return {"samples": len(examples), "tokens": int(offsets[-1]), "truncated": truncated}
+    return {"samples": len(examples), "tokens": int(offsets[-1]), "truncated": truncated, "summaries_capped": capped}
 
 
 def _open_split(directory: Path, name: str, info: dict[str, int]) -> SampleStore:
@@ -233,4 +234,4 @@ def _open_split(directory: Path, name: str, info: dict[str, int]) -> SampleStore
     )
     offsets = np.load(directory / f"{name}.offsets.npy", mmap_mode="r")
     n_prompt = np.load(directory / f"{name}.n_prompt.npy", mmap_mode="r")
-    return SampleStore(tokens, offsets, n_prompt, info["truncated"])
+    return SampleStore(tokens, offsets, n_prompt, info["truncated"], info.get("summaries_capped", 0))

@@ -37,11 +37,12 @@ PACK_WINDOW = 1024
 def best_fit_rows(
     order: torch.Tensor, lengths: torch.Tensor, row_length: int, max_per_row: int, window: int = 0
 ) -> torch.Tensor:
-    """[n_rows, max_per_row] sample indices (-1: no sample) of the samples in `order` packed into rows of
+    """[n_rows, width] sample indices (-1: no sample) of the samples in `order` packed into rows of
     `row_length` tokens, at most `max_per_row` samples a row, in the order the rows were opened: each `window` of
     the order longest first (ties in the order's), each sample into the open row with the least room that holds it
     (of equal rooms, the row that reached it last), else a new row. A row closes when it holds max_per_row samples
-    or less room than the shortest sample. `window` 0: PACK_WINDOW."""
+    or less room than the shortest sample. `window` 0: PACK_WINDOW. `width`: max_per_row, or the most samples a
+    row can hold (row_length // the shortest) where that is fewer."""
     window = window or PACK_WINDOW
     sizes = lengths.clamp(max=row_length).numpy()
     smallest = int(sizes.min()) if len(sizes) else 0
@@ -69,7 +70,9 @@ def best_fit_rows(
                     rows_with[room] = []
                     bisect.insort(rooms, room)
                 rows_with[room].append(row)
-    rows = torch.full((len(members), max_per_row), -1, dtype=torch.long)
+    # No row holds more than row_length // smallest samples: a larger max_per_row never binds, nor sizes the rows.
+    width = min(max_per_row, row_length // smallest) if smallest else max_per_row
+    rows = torch.full((len(members), width), -1, dtype=torch.long)
     for row, indices_of_row in enumerate(members):
         rows[row, : len(indices_of_row)] = torch.tensor(indices_of_row, dtype=torch.long)
     return rows
@@ -164,3 +167,16 @@ def packed_pad_fraction(lengths: torch.Tensor, row_length: int, max_per_row: int
     """Share of pad tokens in the packed rows of epoch 0's order (0 for no samples)."""
     rows = packed_rows_needed(lengths, row_length, max_per_row, seed)
     return 1 - int(lengths.clamp(max=row_length).sum()) / (rows * row_length) if rows else 0.0
+
+
+def packing_line(rows: torch.Tensor, lengths: torch.Tensor, row_length: int, max_per_row: int) -> str:
+    """The startup line on the packed `rows` an epoch trains: their pad share against the same samples' one a row
+    (never more: a row holds at least one sample), so that both figures are of the same samples."""
+    packed, n_rows = members(rows), rows[..., 0].numel()
+    real = int(lengths[packed].sum())
+    pad_share = 1 - real / (n_rows * row_length) if n_rows else 0.0
+    alone = 1 - real / (len(packed) * row_length) if len(packed) else 0.0
+    return (
+        f"{len(packed)} of the {len(lengths)} samples in {n_rows} rows of {row_length} tokens (at most {max_per_row} "
+        f"a row), pad share {pad_share:.1%} (the same samples one a row: {alone:.1%})"
+    )

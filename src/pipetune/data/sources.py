@@ -497,6 +497,10 @@ def chat_columns(row: dict, data: DataConfig) -> tuple[dict[str, str], str | Non
             return _Unusable(f"non-string {message['role']} message")
         if not content.strip():
             return _Unusable(f"empty {message['role']} message")
+        try:
+            content.encode("utf-8")
+        except UnicodeEncodeError:
+            return _Unusable(f"invalid Unicode in {message['role']} message")  # as in _problem
         texts[column] = content
     systems = [m.get("content") for m in messages[: answers[-1] + 1] if m["role"] == "system"]  # later: left out
     if not all(isinstance(content, str) for content in systems):

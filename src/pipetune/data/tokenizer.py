@@ -7,6 +7,7 @@ directory and rename it into place, so exactly one copy wins and the others load
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -78,7 +79,14 @@ def _wrap(tokenizer: Tokenizer) -> PreTrainedTokenizerFast:
 
 def _build_into(target: Path, vocab_size: int) -> None:
     """Train and save into ``target``, whole (unless another process's build got there first)."""
-    write_atomic_dir(target, lambda staging: _wrap(_train(vocab_size)).save_pretrained(staging), "tokenizer.json")
+    try:
+        write_atomic_dir(target, lambda staging: _wrap(_train(vocab_size)).save_pretrained(staging), "tokenizer.json")
+    except OSError as e:  # a write to an open file names none: the tokenizer's directory is the one that failed
+        raise OSError(e.errno, e.strerror, e.filename or str(target)) from None
+    except Exception as e:  # the tokenizers library's own writes fail as a plain Exception ("... (os error 28)")
+        if f"(os error {errno.ENOSPC})" not in str(e):
+            raise
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(target)) from None
 
 
 def demo_tokenizer(

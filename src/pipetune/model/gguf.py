@@ -88,7 +88,7 @@ def gguf_source(name: str) -> Path | None:
     if name in PACKAGED_MODELS:
         return _packaged_file(name)
     path = Path(name).expanduser()
-    if path.suffix.lower() == ".gguf":
+    if path.suffix.lower() == ".gguf" and not path.is_dir():
         if not path.is_file():
             raise ConfigError(f"model.name = {name!r} does not exist; give an existing .gguf file")
         return path
@@ -101,6 +101,11 @@ def gguf_source(name: str) -> Path | None:
             )
         if files:
             return files[0]
+        if path.suffix.lower() == ".gguf":
+            raise ConfigError(
+                f"model.name = {name!r} is a directory holding no .gguf file (nor a config.json); give the .gguf "
+                "file itself, or a directory holding one"
+            )
     return None
 
 

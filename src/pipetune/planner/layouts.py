@@ -148,21 +148,30 @@ class Layout:
 
 
 def candidate_layouts(
-    config: Config, model_config: PretrainedConfig, module_names: set[str], gpus: int
+    config: Config, model_config: PretrainedConfig, module_names: set[str], gpus: int, refused: list[str] | None = None
 ) -> list[Layout]:
     """Every layout on `gpus` GPUs at the config's sequences per optimizer step that validation accepts, in a
-    fixed order."""
+    fixed order. `refused`, when given, gets why each process grid runs none (what "auto" says when none runs)."""
     sequences = config.train.batch_size * config.parallel.dp * config.train.grad_accum
+    refused = [] if refused is None else refused
     layouts = []
     for pp, tp, dp in process_grids(gpus, model_config):
+        grid = f"pp={pp} tp={tp} dp={dp}"
         if sequences % dp:
+            refused.append(f"{grid}: {sequences} sequences a step do not split over {dp} replicas")
             continue
         per_replica = sequences // dp
+        found, errors = len(layouts), []
         for shape in _shapes(model_config, pp, tp, dp, per_replica):
             for checkpointing in CHECKPOINTING:
                 layout = dataclasses.replace(shape, checkpointing=checkpointing)
-                if _accepted(layout.planned(config), model_config, module_names):
+                error = _refusal(layout.planned(config), model_config, module_names)
+                if error is None:
                     layouts.append(layout)
+                errors += [error] if error and not errors else []
+        if len(layouts) == found:
+            no_split = f"no multiple of {pp} microbatches divides the {per_replica} sequences a step"
+            refused.append(f"{grid}: {errors[0] if errors else no_split}")
     return layouts
 
 
@@ -208,16 +217,17 @@ def _shapes(model_config: PretrainedConfig, pp: int, tp: int, dp: int, per_repli
                         yield Layout(pipeline, pp, dp, tp, schedule, v, m, microbatch, accumulation, dp_shard=dp_shard)
 
 
-def _accepted(variant: Config, model_config: PretrainedConfig, module_names: set[str]) -> bool:
+def _refusal(variant: Config, model_config: PretrainedConfig, module_names: set[str]) -> str | None:
+    """Why validation refuses `variant`, or None when it runs."""
     p = variant.parallel
     try:
         validate(variant, p.world_size)
         heads = model_config.num_attention_heads
         kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
         validate_against_model(variant, model_config.num_hidden_layers, module_names, heads, kv_heads)
-    except ConfigError:
-        return False
-    return True
+    except ConfigError as e:
+        return str(e)
+    return None
 
 
 def _divisors(n: int) -> list[int]:

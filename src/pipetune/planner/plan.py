@@ -130,6 +130,8 @@ class Plan:
     """A row's attention work against causal attention over the whole row (below 1: packed rows)."""
     host_memory: float = 0.0
     """Bytes of host memory of the machine that trains (HOST_SHARE of it holds offloaded inputs)."""
+    refused: list[str] = field(default_factory=list)
+    """When no layout runs: why each process grid runs none."""
 
     @property
     def pick(self) -> Prediction | None:
@@ -169,9 +171,9 @@ def make_plan(
     rates = rates or GpuRates()
     budget = default_budget(config) if budget is None else budget
     resolved = resolve_model(dataclasses.replace(config.model, init="random"))  # its config only, no weights
-    enumerated = layouts is None
+    enumerated, refused = layouts is None, []
     if layouts is None:
-        layouts = candidate_layouts(config, resolved.config, linear_layer_names(resolved), gpus)
+        layouts = candidate_layouts(config, resolved.config, linear_layer_names(resolved), gpus, refused)
     shapes: dict[int, _Shape] = {}
     predictions = []
     for layout in layouts:
@@ -195,6 +197,7 @@ def make_plan(
         predictions,
         attention_share=attention_share,
         host_memory=host,
+        refused=refused if not predictions else [],
     )
     if plan.pick is None and search and enumerated and predictions:
         plan.changes = changes_that_fit(config, gpus, budget, rates, host_memory)
@@ -599,7 +602,11 @@ def _gb(nbytes: float) -> str:
 def no_fit_message(plan: Plan) -> str:
     """Nothing fits: the closest layout, and the smallest changes that would make one fit."""
     if not plan.predictions:
-        return f"no layout of {plan.model} runs on {plan.gpus} GPUs: the validation refuses every one"
+        why = f" ({'; '.join(plan.refused)})" if plan.refused else ""
+        return (
+            f"no layout of {plan.model} runs on {plan.gpus} GPUs{why}; use another number of processes (--nproc), "
+            "or a train.batch_size x train.grad_accum that splits over them"
+        )
     closest = min(plan.predictions, key=lambda p: max(p.peaks))
     need = max(closest.peaks) / (1 - MARGIN) / GB
     return (
