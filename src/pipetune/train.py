@@ -127,9 +127,9 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     data = build_data(prepared.speed.config, env, prepared, run_dir, say)
     speed = resolve(config, hardware, data.real_tokens)  # the attention kernel by the samples' lengths
     config, t = speed.config, speed.config.train
-    if data.packing and t.packed_attention == "documents" and device.type == "cuda":  # its cuDNN plans, in step 1
+    if data.packing and t.packed_attention == "documents":  # cuDNN's plans for them, built in the first step
         expect_document_lengths(data.real_tokens)  # the samples' (pad tails take no attention there)
-        if advice := documents_advice(data.real_tokens):
+        if advice := documents_advice(data.real_tokens, device.type == "cuda"):
             say(advice)
     stages = build_stages(config, env, mesh, prepared, phases, say, quiet)
     runners = build_runners(config, env, mesh, prepared, stages)

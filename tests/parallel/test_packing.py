@@ -331,3 +331,5 @@ def test_documents_kernel_speaks_up_on_short_samples() -> None:
     advice = attention.documents_advice(torch.tensor([500, 600, 550]))
     assert advice is not None and "550 tokens on average" in advice and '"flex"' in advice
     assert attention.documents_advice(torch.tensor([7000, 8000])) is None
+    # on a CPU both kernels take each sample alone: no advice to prefer one
+    assert attention.documents_advice(torch.tensor([500, 600, 550]), gpu=False) is None

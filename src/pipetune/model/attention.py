@@ -271,9 +271,12 @@ two streams made it 20-30% slower still, where on whole meetings (~7,400 tokens)
 (`documents_advice`)."""
 
 
-def documents_advice(lengths: torch.Tensor) -> str | None:
+def documents_advice(lengths: torch.Tensor, gpu: bool = True) -> str | None:
     """A line for the run's log when train.packed_attention = "documents" meets short samples (`lengths`: the
-    training samples' tokens), where flex attention is the faster kernel; None otherwise."""
+    training samples' tokens) on a GPU, where flex attention is the faster kernel; None otherwise (on a CPU both
+    kernels take each sample alone)."""
+    if not gpu:
+        return None
     mean = float(lengths.double().mean()) if len(lengths) else 0.0
     if mean >= LONG_DOCUMENT:
         return None
