@@ -1,0 +1,116 @@
+"""Speed switches: every "auto" resolved in one place (pipetune/switches.py), never into a combination validation
+refuses; forced values kept; a layout fitted to the GPUs there are; MFU's peak from the GPU's name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipetune.config import ConfigError, load_config, validate
+from pipetune.planner.plan import fit_to_gpus
+from pipetune.switches import AUTO, Hardware, resolve, unresolved
+
+GPU, CPU = Hardware(True, "NVIDIA H100 80GB HBM3"), Hardware(False)
+WHOLE = torch.full((8,), 7371)  # whole meetings' tokens a sample
+SHORT = torch.full((8,), 550)
+
+
+def _config(name: str = "qwen3-4b-meetings", *overrides: str):
+    return load_config(name, ["model.name=qwen3-4b", "model.init=random", "data.source=synthetic", *overrides])
+
+
+def test_the_meetings_config_on_one_gpu_resolves_to_the_measured_fast_setting() -> None:
+    one_gpu = fit_to_gpus(_config(), gpus=1, explicit=False)
+    speed = resolve(one_gpu, GPU, WHOLE)
+    c = speed.config
+    assert (c.parallel.strategy, c.parallel.pp, c.train.batch_size) == ("single", 1, 8)  # the same rows a step
+    assert (c.lora.fast_path, c.lora.adapter_in_matmul, c.train.compile, c.train.fused_loss) == (True,) * 4
+    assert (c.train.layers_per_graph, c.train.packed_attention, c.train.cuda_graphs) == (6, "documents", False)
+    assert c.parallel.n_microbatches == 8  # one 16,384-token row a microbatch
+    assert unresolved(c) == ["train.activation_checkpointing", "train.mlp_chunk"]  # each rank's own rules
+    line = speed.line("checkpointing: stage 0: 0 of 36 layers")
+    assert line.startswith("speed: fast LoRA path on (GPU), adapters in the matmuls on (plain bfloat16 base")
+    assert "documents attention kernel (samples 7,371 tokens on average >= 4,096)" in line
+    assert "CUDA graphs off (the documents kernel reads the host)" in line and line.endswith("0 of 36 layers")
+    # short samples keep flex, and then CUDA graphs where they pay off; a pipeline keeps flex (not measured there)
+    assert resolve(one_gpu, GPU, SHORT).config.train.packed_attention == "flex"
+    assert resolve(_config(), GPU, WHOLE).config.train.packed_attention == "flex"
+    assert resolve(one_gpu, GPU, SHORT).config.train.cuda_graphs is True
+
+
+def test_the_seed_job_on_one_gpu_takes_whole_batches_a_microbatch() -> None:
+    c = resolve(fit_to_gpus(_config("qwen3-4b-ami"), 1, explicit=False), GPU).config
+    assert (c.parallel.n_microbatches, c.microbatch_size, c.train.grad_accum) == (1, 8, 2)  # 8 x 512 tokens
+    # in its own pipeline the seed's 8 microbatches stay (set in the file); "auto" there: 2,048 tokens a microbatch
+    assert resolve(_config("qwen3-4b-ami"), GPU).config.parallel.n_microbatches == 8
+    piped = resolve(_config("qwen3-4b-ami", 'parallel.n_microbatches="auto"'), GPU).config
+    assert (piped.parallel.n_microbatches, piped.microbatch_size) == (2, 4)
+
+
+def test_the_cpu_runs_the_plain_path() -> None:
+    speed = resolve(_config(), CPU, WHOLE)
+    c = speed.config
+    assert not any((c.lora.fast_path, c.lora.adapter_in_matmul, c.train.compile, c.train.fused_loss))
+    assert (c.train.cuda_graphs, c.train.activation_checkpointing, c.train.layers_per_graph) == (False, False, 1)
+    assert speed.values()["train.compile"] is False and "CPU" in speed.line()
+    # with a memory budget the CPU plans checkpointing as a GPU does
+    assert resolve(_config("demo", "train.memory_gb=2"), CPU).config.train.activation_checkpointing == AUTO
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        [],
+        ["parallel.pp=1", "parallel.tp=2", 'parallel.strategy="tp"'],
+        ["parallel.pp=1", "parallel.dp=2", 'parallel.strategy="fsdp"'],
+        ['model.quantize="nf4"'],
+        ['parallel.schedule="zbv"', "parallel.stages_per_rank=2"],
+        ['parallel.schedule="interleaved_zero_bubble"', "parallel.stages_per_rank=2"],
+        ["train.keep_attention=true", "data.packing=false"],
+        ["lora.shared_dropout=true"],
+        ['model.dtype="float32"', 'parallel.schedule="interleaved_1f1b"', "parallel.stages_per_rank=3"],
+    ],
+)
+def test_auto_never_resolves_into_a_refusal(layout: list[str]) -> None:
+    """Where a switch cannot work (tp, FSDP, a quantized base, a split backward, eager kept attention, the CPU),
+    "auto" resolves it off; validation then accepts the run on a GPU and on a CPU alike."""
+    for hardware in (GPU, CPU):
+        for lengths in (WHOLE, SHORT, None):
+            config = _config("qwen3-4b-meetings", *layout)
+            resolved = resolve(config, hardware, lengths).config
+            validate(resolved, resolved.parallel.world_size)
+    tp = resolve(_config("qwen3-4b-meetings", *layout), GPU, WHOLE)
+    if "parallel.tp=2" in layout or 'parallel.strategy="fsdp"' in layout:
+        assert tp.config.lora.adapter_in_matmul is False and tp.config.train.layers_per_graph == 1
+    if 'parallel.schedule="zbv"' in layout:
+        assert tp.config.train.compile is False and tp.config.train.activation_checkpointing is False
+
+
+def test_forced_values_stay_and_their_refusals_stay() -> None:
+    forced = resolve(_config("qwen3-4b-meetings", "train.compile=false", "lora.adapter_in_matmul=false"), GPU, WHOLE)
+    assert (forced.config.train.compile, forced.config.lora.adapter_in_matmul) == (False, False)
+    assert "compile off (set)" in forced.line() and forced.config.train.layers_per_graph == 1
+    # a forced switch that needs another turns that one on where it is "auto", and is refused where it is forced off
+    needs = resolve(_config("demo", "lora.adapter_in_matmul=true"), CPU).config
+    assert needs.lora.fast_path is True
+    refused = _config("demo", "lora.adapter_in_matmul=true", "lora.fast_path=false")
+    with pytest.raises(ConfigError, match="set lora.fast_path = true, or set lora.adapter_in_matmul = false"):
+        validate(resolve(refused, GPU).config, 2)
+
+
+def test_fewer_gpus_than_the_layout_fit_it_or_refuse_in_one_line() -> None:
+    config = _config()
+    assert fit_to_gpus(config, gpus=2, explicit=False) is config  # enough GPUs: as it is
+    with pytest.raises(ConfigError, match=r"is 2 processes, one a GPU, but this machine has 1: use --nproc 2"):
+        fit_to_gpus(config, gpus=1, explicit=True)  # asked for on the command line: kept, or the fix named
+    four = _config("qwen3-4b-meetings", "parallel.dp=2", "train.batch_size=4")
+    single = fit_to_gpus(four, gpus=1, explicit=False)
+    assert (single.parallel.world_size, single.train.batch_size, single.parallel.n_microbatches) == (1, 8, AUTO)
+
+
+def test_mfu_counts_the_datasheet_peak_of_the_gpu_by_its_name() -> None:
+    from pipetune.bench import spec_peak_tflops
+
+    assert spec_peak_tflops("NVIDIA H100 80GB HBM3") == spec_peak_tflops("NVIDIA H200") == 989.4
+    assert spec_peak_tflops("NVIDIA H100 PCIe") == 756.5 and spec_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert spec_peak_tflops("Some GPU") == 989.4  # unknown: an H100 / H200 SXM's (--peak-tflops to set it)
