@@ -74,7 +74,8 @@ def test_tensor_parallel_matches_single_process_and_resumes_in_one_process(
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copy(run / "metrics.csv", resumed / "metrics.csv")
     shutil.copytree(run / "checkpoints" / "step-2", resumed / "checkpoints" / "step-2")
-    one_process = ['parallel.strategy="single"', "parallel.pp=1", "train.batch_size=8"]
+    # the run's validation meetings too: a resume that changed them is refused (val_loss would mean another thing)
+    one_process = ['parallel.strategy="single"', "parallel.pp=1", "train.batch_size=8", "data.synthetic_validation=6"]
     printed = _train(tmp_path, "resumed", *one_process, nproc=1, resume=True)
     assert f"resumed from {resumed / 'checkpoints' / 'step-2'} at step 2" in printed
     torch.testing.assert_close(torch.tensor(_metrics(resumed)), torch.tensor(_metrics(run)), rtol=1e-6, atol=0)
