@@ -449,7 +449,7 @@ def test_output_dir_naming_a_file_and_config_files_that_cannot_be_read(tmp_path:
 
 
 def test_system_prompt_is_the_prompts_system_turn(tmp_path: Path) -> None:
-    from pipetune.export import prompt_settings
+    from pipetune.data.prompt import prompt_settings
 
     config = tiny_config(tmp_path, 'data.system_prompt="Summarize the meeting in one line."')
     prepared = preflight(config, world_size=2)

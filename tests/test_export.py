@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from pipetune.cli import main
 from pipetune.config import Config, ConfigError, load_config, save_config
-from pipetune.data.synthetic import synthetic_splits
+from pipetune.data.synthetic_splits import synthetic_splits
 from pipetune.export import export_run
 from pipetune.generate import inference_config, load_finetuned, read_transcripts
 from pipetune.model.load import build_model
@@ -248,7 +248,7 @@ def test_a_gguf_runs_export_loads_with_plain_transformers_and_peft(smollm2: Path
 
 def test_summarize_warns_when_the_prompt_is_not_the_runs(run: Path, tmp_path: Path) -> None:
     """A tokenizer, chat template or prompt rule that changed since training is named, not summarized past."""
-    from pipetune.export import write_prompt_settings
+    from pipetune.data.prompt import write_prompt_settings
     from pipetune.generate import prompt_change
 
     copy = shutil.copytree(run, tmp_path / "run")

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 
 from pipetune.cli import main
 from pipetune.config import ConfigError, save_config
-from pipetune.data.synthetic import synthetic_splits
+from pipetune.data.synthetic_splits import synthetic_splits
 from pipetune.export import export_run
 from pipetune.export_gguf import bpe_tokenizer, gguf_file_name, llama3_rope_factors, write_gguf
 from pipetune.generate import inference_config

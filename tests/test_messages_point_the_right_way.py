@@ -29,7 +29,7 @@ from pipetune.data import tokenizer
 from pipetune.data.batching import SampleStore
 from pipetune.data.packing import packing_line
 from pipetune.data.sources import load_dataset
-from pipetune.data.synthetic import synthetic_splits
+from pipetune.data.synthetic_splits import synthetic_splits
 from pipetune.launch import check_auto_resume
 from pipetune.model.gguf import gguf_source
 from pipetune.planner.plan import resolve_auto

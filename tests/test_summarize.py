@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipetune.cli import main
 from pipetune.config import ConfigError, DataConfig
-from pipetune.data.synthetic import synthetic_splits
+from pipetune.data.synthetic_splits import synthetic_splits
 from pipetune.generate import (
     SUMMARY_FIELD,
     Sampling,

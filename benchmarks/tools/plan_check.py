@@ -28,10 +28,9 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from pipetune.bench import strategy_config  # noqa: E402
 from pipetune.config import load_config  # noqa: E402
-from pipetune.data.inspect import training_attention_share  # noqa: E402
 from pipetune.parallel.memory import GB  # noqa: E402
 from pipetune.planner.layouts import Layout  # noqa: E402
-from pipetune.planner.plan import H200_MEMORY, make_plan  # noqa: E402
+from pipetune.planner.plan import H200_MEMORY, attention_share, make_plan  # noqa: E402
 from pipetune.planner.speed import GpuRates  # noqa: E402
 
 B4 = "configs/bench-qwen3-4b.toml"
@@ -835,7 +834,7 @@ def main() -> int:
         gpus = p.pp * p.dp * getattr(p, "tp", 1)
         budget = None if config.train.memory_gb > 0 else H200_MEMORY  # None: train.memory_gb
         host = run.host_gib * 2**30 if run.host_gib else None  # None: this machine's
-        share = training_attention_share(config)  # as `pipetune plan` counts packed rows' attention
+        share = attention_share(config)  # as `pipetune plan` counts packed rows' attention
         plan = make_plan(
             config, gpus, budget, rates, layouts=[Layout.of(config)], host_memory=host, attention_share=share
         )

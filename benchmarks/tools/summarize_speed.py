@@ -112,7 +112,7 @@ def plain_generate(model, prepared, transcripts: list[str], max_new: int, stats)
 
 def synthetic(args: argparse.Namespace) -> list[str]:
     """`--meetings` transcripts of about `--words` words, each synthetic meetings joined."""
-    from pipetune.data.synthetic import synthetic_splits
+    from pipetune.data.synthetic_splits import synthetic_splits
 
     pool = [m.transcript for m in synthetic_splits(seed=5, n_train=64, n_validation=0)["train"]]
     transcripts = []

@@ -20,10 +20,16 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from pipetune.data.prompt_text import SYSTEM_PROMPT
+from pipetune.errors import ConfigError
 from pipetune.schedules import SCHEDULES
 from pipetune.strategies import STRATEGY_SPECS
 
+SYSTEM_PROMPT = (
+    "You are a meeting assistant. Given a meeting transcript, write a concise summary that covers "
+    "the key discussion points, decisions made, and action items with owners and deadlines where "
+    "mentioned."
+)
+"""data.system_prompt's default: the system turn of the demo tokenizer's corpus, the prompt builder and evaluation."""
 DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE = ("none", "nf4", "fp8")
 RUN_STRATEGIES = tuple(STRATEGY_SPECS)
@@ -37,10 +43,6 @@ MAX_LENGTH = 2**20
 """The longest sample pipetune accepts (tokens); far beyond what any model here can attend to."""
 MAX_TIMEOUT_S = 86400 * 7
 """parallel.timeout_s at most a week: longer (or infinite) cannot be a collective's timeout."""
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work; the message names the value and the fix."""
 
 
 @dataclass

@@ -31,44 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from pipetune.config import Config, ConfigError, save_config
-from pipetune.data.prompt import PromptBuilder
-from pipetune.data.sources import CHARS_PER_TOKEN
+from pipetune.data.prompt import PROMPT_FILE, prompt_settings
 
-PROMPT_FILE = "prompt.json"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # model/lora.py's name, which PEFT reads
-
-
-def prompt_settings(prompts: PromptBuilder, config: Config) -> dict[str, Any]:
-    """What builds an inference prompt: template ids around the transcript, the transcript's cleaning, budget and
-    cut rule."""
-    tokenizer = prompts.tokenizer
-    return {
-        "system_prompt": config.data.system_prompt,
-        "max_length": prompts.max_length,
-        "max_summary_tokens": prompts.max_summary_tokens,
-        "transcript_budget": prompts.transcript_room,
-        "transcript_max_chars": config.data.max_length * CHARS_PER_TOKEN,
-        "cut_rule": (
-            "the transcript is stripped of leading and trailing whitespace; one of more than transcript_max_chars "
-            "characters keeps its first and last transcript_max_chars // 2 characters with a newline between; it "
-            "is then encoded with split_special_tokens=True (control-token text in it is plain text); a transcript "
-            "of more than transcript_budget tokens keeps its first ceil(k / 2) and last floor(k / 2) tokens with "
-            "elision_ids between, k = transcript_budget - len(elision_ids) (if k < 1: its first transcript_budget "
-            "tokens), in training and inference alike"
-        ),
-        "prefix": tokenizer.decode(prompts.head_ids),
-        "prefix_ids": list(prompts.head_ids),
-        "suffix": tokenizer.decode(prompts.middle_ids),
-        "suffix_ids": list(prompts.middle_ids),
-        "stop_ids": list(prompts.end_ids),
-        "elision": tokenizer.decode(prompts.elision_ids),
-        "elision_ids": list(prompts.elision_ids),
-    }
-
-
-def write_prompt_settings(path: Path, prompts: PromptBuilder, config: Config) -> None:
-    path.write_text(json.dumps(prompt_settings(prompts, config), indent=1, ensure_ascii=False) + "\n")
 
 
 def check_export_paths(run_dir: Path, out: Path) -> None:

@@ -14,6 +14,8 @@ import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from pipetune.errors import ConfigError
+
 
 def write_atomic(path: str | Path, data: bytes | str, sync: bool = False) -> None:
     """Write through `.<name>.<pid>.tmp` and a rename. `sync`: durable on return, the file fsynced before the
@@ -134,8 +136,6 @@ def _check_cache_dir(path: Path, variable: str, value: str) -> None:
     for existing in (path, *path.parents):
         if existing.exists():
             if not existing.is_dir():
-                from pipetune.config import ConfigError
-
                 where = "" if existing == path else f": {str(existing)!r}"
                 raise ConfigError(
                     f"{variable} = {value!r}{where} is a file, not a directory; point {variable} at a directory "

@@ -124,7 +124,7 @@ PROMPT_KEYS = ("prefix_ids", "suffix_ids", "stop_ids", "elision_ids", "transcrip
 def prompt_change(adapter_dir: Path, prepared: Prepared, config: Config) -> str:
     """'' when the prompt built now is the one the run recorded in prompt.json beside the adapter (or there is
     none); else a warning naming what changed: the tokenizer, its chat template or pipetune's prompt rules."""
-    from pipetune.export import PROMPT_FILE, prompt_settings
+    from pipetune.data.prompt import PROMPT_FILE, prompt_settings
 
     path = Path(adapter_dir).parent / PROMPT_FILE
     try:

@@ -40,8 +40,8 @@ from pipetune.config import Config, save_config
 from pipetune.data.batching import SampleStore, bucket_lengths, bucketed_epoch_batches, epoch_batches, pad_fraction
 from pipetune.data.cache import tokenized_data
 from pipetune.data.packing import batches_of_rows, epoch_rows, members, packed_batch, packing_line, rows_attention_share
+from pipetune.data.prompt import PROMPT_FILE, write_prompt_settings
 from pipetune.data.sources import chat_lines
-from pipetune.export import PROMPT_FILE, write_prompt_settings
 from pipetune.metrics import MetricsLog, PhaseLog, host_peak_gb, peak_memory_gb, reset_peak_memory
 from pipetune.model.attention import PLAN_BUILDS, documents_advice, expect_document_lengths
 from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory, graphs_untried

@@ -237,4 +237,4 @@ def test_a_hub_dataset_is_keyed_by_its_splits_fingerprints(monkeypatch: pytest.M
 def test_the_key_covers_every_module_that_decides_the_samples() -> None:
     from pipetune.data.cache import _CODE
 
-    assert {"synthetic.py", "synthetic_whole.py", "facts.py", "prompt_text.py", "example.py"} <= set(_CODE)
+    assert {"synthetic.py", "synthetic_whole.py", "synthetic_splits.py", "facts.py", "example.py"} <= set(_CODE)

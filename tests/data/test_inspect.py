@@ -110,4 +110,4 @@ def test_bucketed_rows_attend_as_far_as_their_bucket(tmp_path: Path) -> None:
     padded = bucket_lengths(lengths, [256, 384, 512]).double()
     share = training_attention_share(config, prompts)
     assert share == pytest.approx(float((padded**2).sum() / (512 * padded.sum())))
-    assert 0 < share < 1 and training_attention_share(tiny_config(tmp_path)) == 1.0
+    assert 0 < share < 1 and training_attention_share(tiny_config(tmp_path), prompts) == 1.0

@@ -6,11 +6,10 @@ import copy
 
 import pytest
 
-from pipetune.config import ConfigError
+from pipetune.config import SYSTEM_PROMPT, ConfigError
 from pipetune.data.batching import IGNORE, tokenize_split
 from pipetune.data.example import Example
 from pipetune.data.prompt import ELISION, PromptBuilder
-from pipetune.data.prompt_text import SYSTEM_PROMPT
 from pipetune.data.tokenizer import demo_tokenizer
 
 TRANSCRIPT = " ".join(f"Project Manager (Anna): point number {i} about the remote control." for i in range(200))

@@ -10,8 +10,8 @@ from pipetune.data.synthetic import (
     generate_meetings,
     plan_meetings,
     render_meeting,
-    synthetic_splits,
 )
+from pipetune.data.synthetic_splits import synthetic_splits
 
 LINE = re.compile(r"^(?P<role>[A-Za-z ]+) \((?P<name>[A-Z][a-z]+)\): (?P<text>\S.*)$")
 

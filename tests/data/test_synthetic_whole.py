@@ -10,7 +10,8 @@ import pytest
 from pipetune.config import Config, ConfigError, DataConfig, validate
 from pipetune.data.facts import fact_recall, mentions
 from pipetune.data.sources import load_dataset
-from pipetune.data.synthetic import generate_meetings, synthetic_splits
+from pipetune.data.synthetic import generate_meetings
+from pipetune.data.synthetic_splits import synthetic_splits
 from pipetune.data.synthetic_whole import (
     LOG_SIGMA,
     MAX_TOKENS,
@@ -125,7 +126,7 @@ def test_data_synthetic_lengths_reaches_the_rows_with_their_facts() -> None:
 
 
 def _train_seed() -> int:
-    from pipetune.data.synthetic import _derive_seed
+    from pipetune.data.synthetic_splits import _derive_seed
 
     return _derive_seed(0, "train")
 

@@ -17,7 +17,6 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from pipetune.config import Config, LoraConfig, ModelConfig
 from pipetune.data.batching import IGNORE
-from pipetune.data.inspect import training_attention_share
 from pipetune.data.packing import batches_of_rows, epoch_rows
 from pipetune.model import attention
 from pipetune.model.attention import (
@@ -33,6 +32,7 @@ from pipetune.model.lora import apply_lora
 from pipetune.model.shapes import resolve_model
 from pipetune.model.stage import StageModule
 from pipetune.parallel.pipeline import TokenLoss
+from pipetune.planner.plan import attention_share
 from tests.conftest import run_cli, tiny_config, write_config
 from tests.parity import assert_same_training
 
@@ -297,7 +297,7 @@ def test_packed_runs_match_the_unpacked_run_on_the_same_samples(
     # The metrics count the same supervised and real tokens, in half the rows: twice the real share of them.
     unpacked, packed_rows = _steps(reference), _steps(runs[1])
     # Each packed step records its rows' attention share; over the epoch's steps, the epoch's (data inspect's).
-    epoch_share = training_attention_share(_config(tmp_path, "single", data, "parallel.pp=1", *PACKED))
+    epoch_share = attention_share(_config(tmp_path, "single", data, "parallel.pp=1", *PACKED))
     assert statistics.fmean(float(r["attention_share"]) for r in _steps(single)) == pytest.approx(epoch_share)
     assert len({r["attention_share"] for r in _steps(single)}) > 1 and not any(r["attention_share"] for r in unpacked)
     assert [r["supervised_tokens"] for r in packed_rows] == [r["supervised_tokens"] for r in unpacked]

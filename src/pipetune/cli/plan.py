@@ -48,9 +48,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--host-memory {args.host_memory} must be a finite number of GB, 0 or more (the machine's, e.g. 2048)"
         )
-    from pipetune.data.inspect import training_attention_share
     from pipetune.parallel.memory import GB
-    from pipetune.planner.plan import available_gpus, format_plan, make_plan, no_gpu_line
+    from pipetune.planner.plan import attention_share, available_gpus, format_plan, make_plan, no_gpu_line
 
     config = load_config(args.config, args.set, "pipetune plan")
     gpus = args.gpus if args.gpus is not None else available_gpus(config)
@@ -63,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
         rates = calibrate(config, gpus, budget)
     host = args.host_memory * GB if args.host_memory is not None else None
-    plan = make_plan(config, gpus, budget, rates, attention_share=training_attention_share(config), host_memory=host)
+    plan = make_plan(config, gpus, budget, rates, attention_share=attention_share(config), host_memory=host)
     print(format_plan(plan, top=None if args.all else 15))
     note = no_gpu_line(config, plan)
     if note:

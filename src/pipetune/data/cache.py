@@ -38,7 +38,7 @@ CHUNK = 8192
 _CODE = (
     "sources.py",
     "prompt.py",
-    "prompt_text.py",
+    "synthetic_splits.py",
     "example.py",
     "synthetic.py",
     "synthetic_whole.py",

@@ -158,21 +158,16 @@ def split_report(
     )
 
 
-def training_attention_share(config: Config, prompts: PromptBuilder | None = None) -> float:
+def training_attention_share(config: Config, prompts: PromptBuilder) -> float:
     """The attention work a training token does against one of a whole row of data.max_length: with data.packing,
     that of the training split's packed rows (packing.packed_attention_share); with data.buckets, the token-
     weighted mean of each row's padded length over max_length (a row of b tokens does b / max_length of the work
     a token, and holds b tokens); else 1.0 (a padded row is attended whole). Over the token cache's lengths: the
-    cache training reads, built here if missing; `prompts`: the run's prompt builder, made here if None. The speed
+    cache training reads, built here if missing; `prompts`: the run's prompt builder (preflight.prepare). The speed
     models (the plan, `strategy = "auto"`, the bench's MFU) scale attention's FLOPs by it."""
     if not config.data.packing and not config.data.buckets:
         return 1.0
     from pipetune.data.cache import tokenized_data
-
-    if prompts is None:
-        from pipetune.preflight import prepare
-
-        prompts = prepare(config).prompts
 
     store = tokenized_data(config.data, prompts, config.train.seed).splits.get("train")
     lengths = store.lengths if store is not None else torch.empty(0, dtype=torch.long)

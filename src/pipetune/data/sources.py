@@ -34,10 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipetune.config import ConfigError, DataConfig
+from pipetune.config import SYSTEM_PROMPT, ConfigError, DataConfig
 from pipetune.data.example import Example
-from pipetune.data.prompt_text import SYSTEM_PROMPT
-from pipetune.data.synthetic import synthetic_splits
+from pipetune.data.synthetic_splits import synthetic_splits
 from pipetune.files import write_atomic
 
 SYNTHETIC = "synthetic"

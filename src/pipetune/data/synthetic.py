@@ -8,12 +8,10 @@ word in the transcript, so a small model can learn the mapping without any downl
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from dataclasses import dataclass
 
-from pipetune.config import SYNTHETIC_LENGTHS
 from pipetune.data.example import Example
 from pipetune.data.facts import Fact
 
@@ -525,32 +523,3 @@ def render_meeting(plan: MeetingPlan) -> Meeting:
 def generate_meetings(n: int, seed: int = 0, min_turns: int = 12, max_turns: int = 40) -> list[Meeting]:
     """``n`` meetings of ``min_turns..max_turns`` turns each; the same arguments give the same meetings."""
     return [render_meeting(plan) for plan in plan_meetings(n, seed, min_turns, max_turns)]
-
-
-def _derive_seed(seed: int, split: str) -> int:
-    digest = hashlib.sha256(f"pipetune-synthetic/{seed}/{split}".encode()).digest()
-    return int.from_bytes(digest[:8], "little")
-
-
-def synthetic_splits(
-    seed: int = 0, n_train: int = 256, n_validation: int = 32, lengths: str = "short"
-) -> dict[str, list[Meeting]]:
-    """Disjoint "train" and "validation" splits, each generated from its own seed derived from ``seed``;
-    ``lengths`` is data.synthetic_lengths: "short" meetings (generate_meetings: 12-40 turns, a few hundred tokens)
-    or "whole" ones (synthetic_whole.generate_whole_meetings: ~6,000 tokens, up to ~30,000)."""
-    if lengths == "short":
-        generate = generate_meetings
-    elif lengths == "whole":
-        from pipetune.data.synthetic_whole import generate_whole_meetings as generate  # it builds on this module
-    else:
-        raise ValueError(f"lengths={lengths!r} is unknown; use one of {', '.join(SYNTHETIC_LENGTHS)}")
-    train = generate(n_train, seed=_derive_seed(seed, "train"))
-    seen = {meeting.transcript for meeting in train}
-    # A validation meeting equal to a train one is astronomically unlikely but would leak: skip it.
-    n_drawn = n_validation
-    while True:
-        drawn = generate(n_drawn, seed=_derive_seed(seed, "validation"))
-        validation = [meeting for meeting in drawn if meeting.transcript not in seen]
-        if len(validation) >= n_validation:
-            return {"train": train, "validation": validation[:n_validation]}
-        n_drawn += n_validation - len(validation)

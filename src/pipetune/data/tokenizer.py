@@ -14,8 +14,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from pipetune.data.prompt_text import SYSTEM_PROMPT
-from pipetune.data.synthetic import synthetic_splits
+from pipetune.config import SYSTEM_PROMPT
+from pipetune.data.synthetic_splits import synthetic_splits
 from pipetune.files import default_cache_dir, write_atomic_dir
 
 TOKENIZER_VERSION = 1

@@ -706,7 +706,17 @@ def single_process(config: Config) -> Config:
 def auto_plan(config: Config, gpus: int) -> Plan:
     """The plan `parallel.strategy = "auto"` runs: this machine's GPU memory (or train.memory_gb) and host memory,
     the H200's rates, the training split's attention share."""
-    return make_plan(config, gpus, attention_share=training_attention_share(config))
+    return make_plan(config, gpus, attention_share=attention_share(config))
+
+
+def attention_share(config: Config) -> float:
+    """The training split's attention share (`data.inspect.training_attention_share`) with the run's prompts; 1.0
+    without packing or buckets, where it reads no data."""
+    if not config.data.packing and not config.data.buckets:
+        return 1.0
+    from pipetune.preflight import prepare
+
+    return training_attention_share(config, prepare(config).prompts)
 
 
 def no_gpu_line(config: Config, plan: Plan) -> str | None:
