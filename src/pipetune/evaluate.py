@@ -174,29 +174,10 @@ def evaluate(
 
     `base`: "score", or "skip" (--no-base). Base scores found in `cache` (an earlier eval.json) made with the
     same settings are reused either way: the base model does not change between runs."""
-    if limit is not None and limit < 1:
-        raise ConfigError(f"--limit {limit} must be at least 1 (or left out for the whole split)")
-    if batch_size < 1:
-        raise ConfigError(f"--batch-size {batch_size} must be at least 1 (meetings generated together, e.g. 8)")
-    if max_new_tokens is not None and max_new_tokens < 1:
-        raise ConfigError(
-            f"--max-new-tokens {max_new_tokens} must be at least 1 (or left out: data.max_summary_tokens)"
-        )
+    check_eval_arguments(limit, batch_size, max_new_tokens)
     max_new_tokens = config.data.max_summary_tokens if max_new_tokens is None else max_new_tokens
     progress = progress or TaskProgress(enabled=False)
-    dataset = load_dataset(config.data, seed=config.train.seed)
-    if split not in dataset.splits or not dataset.splits[split]:
-        available = ", ".join(name for name, rows in dataset.splits.items() if rows) or "none"
-        hold_out = (  # synthetic data draws its validation meetings apart; other sources split theirs off
-            "draw validation meetings with data.synthetic_validation (e.g. 16)"
-            if config.data.source == "synthetic"
-            else "hold out a validation split with data.validation_fraction"
-        )
-        raise ConfigError(
-            f"--split {split!r}: data.source = {config.data.source!r} has no such split (splits: {available}); "
-            f"choose one of those, or {hold_out}"
-        )
-    examples = dataset.splits[split][:limit]
+    examples = split_examples(config, split)[:limit]
     scorer = rouge_scorer()  # a missing rouge-score fails here, before the model is built
     settings = base_settings(config, split, limit, max_new_tokens, examples)
     reused = cached_base(cache, settings) if cache is not None else None
@@ -231,15 +212,7 @@ def evaluate(
         with model.disable_adapter():
             base_scores, base_summaries = score("base")
     finetuned, tuned_summaries = score("fine-tuned")
-    shown = []
-    for i in range(min(N_EXAMPLES_SAVED, len(examples))):
-        example: dict[str, Any] = {"reference": references[i], "finetuned": tuned_summaries[i]}
-        if base_summaries is not None and i < len(base_summaries):
-            example["base"] = base_summaries[i]
-        if facts[i]:
-            example["fact_recall"] = fact_recall(tuned_summaries[i], facts[i])
-            example["facts_missed"] = [fact.text for fact in facts[i] if not states(tuned_summaries[i], fact)]
-        shown.append(example)
+    shown = saved_examples(references, tuned_summaries, base_summaries, facts)
     base_record = settings if base_scores is not None else {}
     return EvalResult(
         split,
@@ -252,3 +225,49 @@ def evaluate(
         base_record,
         n_facts=sum(map(len, facts)),
     )
+
+
+def check_eval_arguments(limit: int | None, batch_size: int, max_new_tokens: int | None) -> None:
+    """`pipetune eval`'s counts: one line naming a bad one."""
+    if limit is not None and limit < 1:
+        raise ConfigError(f"--limit {limit} must be at least 1 (or left out for the whole split)")
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size {batch_size} must be at least 1 (meetings generated together, e.g. 8)")
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise ConfigError(
+            f"--max-new-tokens {max_new_tokens} must be at least 1 (or left out: data.max_summary_tokens)"
+        )
+
+
+def split_examples(config: Config, split: str) -> list:
+    """The meetings of `split` of the run's data, or one line naming the splits there are and how to make one."""
+    dataset = load_dataset(config.data, seed=config.train.seed)
+    if split not in dataset.splits or not dataset.splits[split]:
+        available = ", ".join(name for name, rows in dataset.splits.items() if rows) or "none"
+        hold_out = (  # synthetic data draws its validation meetings apart; other sources split theirs off
+            "draw validation meetings with data.synthetic_validation (e.g. 16)"
+            if config.data.source == "synthetic"
+            else "hold out a validation split with data.validation_fraction"
+        )
+        raise ConfigError(
+            f"--split {split!r}: data.source = {config.data.source!r} has no such split (splits: {available}); "
+            f"choose one of those, or {hold_out}"
+        )
+    return dataset.splits[split]
+
+
+def saved_examples(
+    references: list[str], tuned: list[str], base: list[str] | None, facts: list[list]
+) -> list[dict[str, Any]]:
+    """The first N_EXAMPLES_SAVED meetings as eval.json shows them: reference, fine-tuned (and base) summary, and
+    the facts the fine-tuned one missed."""
+    shown = []
+    for i in range(min(N_EXAMPLES_SAVED, len(references))):
+        example: dict[str, Any] = {"reference": references[i], "finetuned": tuned[i]}
+        if base is not None and i < len(base):
+            example["base"] = base[i]
+        if facts[i]:
+            example["fact_recall"] = fact_recall(tuned[i], facts[i])
+            example["facts_missed"] = [fact.text for fact in facts[i] if not states(tuned[i], fact)]
+        shown.append(example)
+    return shown

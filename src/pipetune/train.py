@@ -24,6 +24,7 @@ from peft import PeftModel
 from torch.distributed.tensor import DTensor
 
 from pipetune.checkpoint import (
+    Checkpoint,
     CheckpointSettings,
     Position,
     TrainState,
@@ -138,16 +139,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         speed.save(run_dir / "speed.json", *runners.decisions)
     optimizer, scheduler = build_optimizer(config, stages.params, data.total_steps)
     state = TrainState.of(stages.peft_model, optimizer, scheduler)
-    position = Position()
-    if resume_from is not None:  # adapters, optimizer, RNG and the data position
-        # RNG states belong to ranks: under another layout, each rank is seeded as a fresh run's (tp groups alike).
-        changed = layout_change(resume_from, checkpoints)
-        rng_seed = None if changed is None else resumed_seed(t.seed, mesh.replica_rank, resume_from.step)
-        position = load_checkpoint(resume_from, state, env.rank, rng_seed)
-        note = ""
-        if changed and config.lora.dropout > 0:
-            note = f" ({changed}: LoRA dropout draws continue from a new stream)"
-        say(f"resumed from {resume_from.path} at step {position.step}{note}")
+    position = resume_position(config, env.rank, mesh, checkpoints, resume_from, state, say)
 
     # ------------------------------------------------------------------ loop
     # A resumed run continues metrics.csv from its checkpoint's step.
@@ -160,12 +152,51 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         metrics.write(row)
         say(f"step 0/{data.total_steps} | val_loss {row['val_loss']:.4f} (before fine-tuning)")
     reset_peak_memory(device)
+    run_steps(loop, position, checkpoints)
+    metrics.close()
+    if env.rank == 0 and t.timeline_step:
+        plot_saved_timeline(run_dir, config)
+
+    status.phase = "adapter gather"
+    phases.mark("adapter", step=loop.step)
+    save_gathered_adapter(config, env, stages.peft_model, run_dir, say)
+    phases.mark("done", step=loop.step)
+    return RunResult(run_dir, metrics.losses, position.step if resume_from is not None else None)
+
+
+def resume_position(
+    config: Config,
+    rank: int,
+    mesh: Mesh,
+    checkpoints: CheckpointSettings,
+    resume_from: Checkpoint | None,
+    state: TrainState,
+    say: Callable[[str], None],
+) -> Position:
+    """Where the run starts: step 0, or a committed checkpoint's adapters, optimizer, RNG and data position."""
+    if resume_from is None:
+        return Position()
+    # RNG states belong to ranks: under another layout, each rank is seeded as a fresh run's (tp groups alike).
+    changed = layout_change(resume_from, checkpoints)
+    rng_seed = None if changed is None else resumed_seed(config.train.seed, mesh.replica_rank, resume_from.step)
+    position = load_checkpoint(resume_from, state, rank, rng_seed)
+    note = ""
+    if changed and config.lora.dropout > 0:
+        note = f" ({changed}: LoRA dropout draws continue from a new stream)"
+    say(f"resumed from {resume_from.path} at step {position.step}{note}")
+    return position
+
+
+def run_steps(loop: Loop, position: Position, checkpoints: CheckpointSettings) -> None:
+    """Every optimizer step from `position` to the run's last, each followed by what the cadence asks: a metrics
+    row (with validation), a checkpoint holding the position after it."""
+    data, config = loop.data, loop.config
     for epoch, index, batches, lengths in data.steps_from(position):
-        with profiled(loop.step + 1, env.rank, device):  # PIPETUNE_PROFILE_STEP, for diagnosis
+        with profiled(loop.step + 1, loop.env.rank, loop.env.device):  # PIPETUNE_PROFILE_STEP, for diagnosis
             lr = run_step(loop, batches, lengths)
         while PLAN_BUILDS:
             count, seconds, passes = PLAN_BUILDS.pop(0)
-            say(f"packed attention: cuDNN's {passes} plans for {count} document lengths built in {seconds:.1f} s")
+            loop.say(f"packed attention: cuDNN's {passes} plans for {count} document lengths built in {seconds:.1f} s")
         loop.hooks.after_step(loop.step, saved=False)
         epoch_end = index == data.epoch_steps[epoch] - 1
         log, evaluate, save = cadence(config, loop.step, data.total_steps, epoch_end, data.validation is not None)
@@ -177,15 +208,6 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
             next_epoch, next_batch = (epoch + 1, 0) if epoch_end else (epoch, index + 1)
             save_step(loop, checkpoints, Position(loop.step, next_epoch, next_batch, loop.skipped_in_row))
     settle(loop)
-    metrics.close()
-    if env.rank == 0 and t.timeline_step:
-        plot_saved_timeline(run_dir, config)
-
-    status.phase = "adapter gather"
-    phases.mark("adapter", step=loop.step)
-    save_gathered_adapter(config, env, stages.peft_model, run_dir, say)
-    phases.mark("done", step=loop.step)
-    return RunResult(run_dir, metrics.losses, position.step if resume_from is not None else None)
 
 
 # --------------------------------------------------------------------------- what the loop is built from

@@ -193,7 +193,12 @@ def percentile(ordered: list[int], q: float) -> int:
 
 
 def format_report(report: DataReport) -> str:
-    """The report as aligned plain text."""
+    """The report as aligned plain text: the rows read, the token lengths and truncation, the padding."""
+    return "\n".join([*_rows_part(report), *_lengths_part(report), *_padding_part(report)])
+
+
+def _rows_part(report: DataReport) -> list[str]:
+    """Rows read, kept, skipped (by reason, with the first of each) and held out, per split."""
     out = [
         f"data.source = {report.source}   model = {report.model}   "
         f"max_length = {report.max_length}   max_summary_tokens = {report.max_summary_tokens}",
@@ -218,7 +223,12 @@ def format_report(report: DataReport) -> str:
     if shortened:
         out.append(f"{shortened} row(s) with text too long for any sample were cut by characters before tokenizing")
     out.append("")
+    return out
 
+
+def _lengths_part(report: DataReport) -> list[str]:
+    """Token lengths per split, and how many transcripts were cut and summaries capped."""
+    out = []
     length_rows = []
     for s in report.splits:
         for what, lengths in (
@@ -247,7 +257,12 @@ def format_report(report: DataReport) -> str:
     )
     out.append("(cut mean/max: transcript tokens removed from the samples that were cut)")
     out.append("")
+    return out
 
+
+def _padding_part(report: DataReport) -> list[str]:
+    """The padding of each way to lay out rows: static, buckets, packed (with packed rows' attention share)."""
+    out = []
     bucket_names = "/".join(str(b) for b in report.buckets)
     out += _table(
         [
@@ -278,7 +293,7 @@ def format_report(report: DataReport) -> str:
         f"{report.max_samples_per_row} a row; rows: unpacked -> packed; attention: a packed row's attention work"
         " against a whole row's, each sample and the pad tail attending only to itself)"
     )
-    return "\n".join(out)
+    return out
 
 
 def _percent(value: float | None) -> str:

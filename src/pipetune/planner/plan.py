@@ -263,55 +263,19 @@ def predict(
     vocab = (shape.config if t.fused_loss is True else resolved.config).vocab_size
     host = host_budget(p.world_size, host_memory)  # what a rank's offloaded inputs may fill
 
-    # ------------------------------------------------------------------ memory, rank by rank
-    peaks, checkpointed, offloaded_layers, stage_layers = [], [], [], []
     held = max((stored + root) / (p.dp if p.sharded else 1) for stored, root in weights)  # check_weights_fit's count
-    longest = []  # the longest row of each rank's modes
-    for rank in range(p.pp):
-        layers = [len(ranges[s]) for s in p.stage_ids(rank)]
-        trainable = sum(layers) * shape.trainable_per_layer / (p.dp if fsdp else 1)
-        stored, root = weights[rank]
-        fixed = (stored / p.dp + 2 * layer_weights if fsdp else stored) + root  # FSDP: this layer and the next
-        fixed += (4 + OPTIMIZER_BYTES) * trainable  # float32 adapters, their gradients and AdamW moments
-        timeline = rank_timeline(p, rank)
-        last = len(ranges) - 1 in p.stage_ids(rank)
-        row = row_costs(variant, shape.config, _layer_memory(variant, shape.resolved, ROW_PROBE), fixed, last, vocab)
-        longest.append(longest_rows(layers, timeline, row, (1 - MARGIN) * budget, host))
-        fixed += loss_bytes(variant, vocab) if last else 0.0
-        k, offloaded = _layer_modes(variant, layers, timeline, (layer_bytes, input_bytes), fixed, budget, host, costs)
-        peaks.append(fixed + activation_peak(layers, k, timeline, layer_bytes, input_bytes, offloaded)[0])
-        checkpointed.append(k)
-        offloaded_layers.append(list(offloaded or [0] * len(layers)))
-        stage_layers.append(layers)
+    memory = _rank_memory(variant, shape, ranges, weights, (layer_bytes, input_bytes), budget, host, vocab, costs)
+    peaks, checkpointed, offloaded_layers = memory.peaks, memory.checkpointed, memory.offloaded
+    stage_layers, longest = memory.stage_layers, memory.longest
 
-    # ------------------------------------------------------------------ time: each stage's work per microbatch
-    mode, rank_modes = _mode(variant), []
+    mode, rank_modes = _mode(variant), []  # time: each stage's work per microbatch
     hidden = resolved.config.hidden_size
-    nf4 = shape.linear_sizes if config.model.quantize == "nf4" else []
-    work = LayerWork(
-        share_costs,
-        hidden,
-        microbatch * seq,
-        microbatch,
-        seq,
-        layout.tp,
-        config.model.name,
-        sum(nf4),
-        len(nf4),
-        shape.masked,
-        shape.widths if config.model.quantize == "fp8" else 0,
-    )
+    work = _layer_work(config, shape, share_costs, hidden, microbatch, seq, layout.tp)
     element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
     hidden_bytes = microbatch * seq * hidden * element
     forward, backward, gather_seconds = {}, {}, 0.0
     for rank, (layers, k) in enumerate(zip(stage_layers, checkpointed, strict=True)):
-        rank_mode = mode
-        if mode == "graphs":  # the run's own rule, rank by rank (checkpointing, recording time)
-            untried = graphs_untried(config.model.quantize)
-            graphs = choose_cuda_graphs(
-                costs, sum(layers), any(k), p.n_microbatches, microbatch, seq, layout.tp, untried
-            )
-            rank_mode = "graphs" if graphs[0] else "compiled"
+        rank_mode = _rank_mode(mode, variant, costs, sum(layers), any(k), layout.tp)
         rank_modes.append(rank_mode)
         f, b = layer_seconds(work, rates, rank_mode)
         tensor_parallel = 2 * all_reduce_seconds(hidden_bytes, layout.tp, rates)  # attention's and the MLP's outputs
@@ -355,6 +319,85 @@ def predict(
         offloaded=offloaded_layers,
         weights=held,
     )
+
+
+@dataclass
+class _RankMemory:
+    """`_rank_memory`'s answer, a list entry per pipeline rank."""
+
+    peaks: list[float]
+    checkpointed: list[list[int]]
+    offloaded: list[list[int]]
+    stage_layers: list[list[int]]
+    longest: list[dict[str, int]]
+    """The longest row each of memory.LAYER_MODES fits."""
+
+
+def _rank_memory(
+    variant: Config,
+    shape: _Shape,
+    ranges: Sequence[range],
+    weights: list[tuple[float, float]],
+    layer: tuple[float, float],
+    budget: float,
+    host: float,
+    vocab: int,
+    costs: StageCosts,
+) -> _RankMemory:
+    """Each pipeline rank's predicted peak, its recomputed and offloaded layers as the run's "auto" would choose
+    them, and its longest rows; `layer`: one layer's activation and input bytes for the microbatch."""
+    p = variant.parallel
+    fsdp = p.sharded and not p.pipelined  # layers gathered one at a time; in a pipeline they stay gathered all step
+    layer_weights = weights[0][0] / sum(len(ranges[s]) for s in p.stage_ids(0))
+    memory = _RankMemory([], [], [], [], [])
+    for rank in range(p.pp):
+        layers = [len(ranges[s]) for s in p.stage_ids(rank)]
+        trainable = sum(layers) * shape.trainable_per_layer / (p.dp if fsdp else 1)
+        stored, root = weights[rank]
+        fixed = (stored / p.dp + 2 * layer_weights if fsdp else stored) + root  # FSDP: this layer and the next
+        fixed += (4 + OPTIMIZER_BYTES) * trainable  # float32 adapters, their gradients and AdamW moments
+        timeline = rank_timeline(p, rank)
+        last = len(ranges) - 1 in p.stage_ids(rank)
+        row = row_costs(variant, shape.config, _layer_memory(variant, shape.resolved, ROW_PROBE), fixed, last, vocab)
+        memory.longest.append(longest_rows(layers, timeline, row, (1 - MARGIN) * budget, host))
+        fixed += loss_bytes(variant, vocab) if last else 0.0
+        k, offloaded = _layer_modes(variant, layers, timeline, layer, fixed, budget, host, costs)
+        memory.peaks.append(fixed + activation_peak(layers, k, timeline, *layer, offloaded)[0])
+        memory.checkpointed.append(k)
+        memory.offloaded.append(list(offloaded or [0] * len(layers)))
+        memory.stage_layers.append(layers)
+    return memory
+
+
+def _layer_work(
+    config: Config, shape: _Shape, costs: StageCosts, hidden: int, microbatch: int, seq: int, tp: int
+) -> LayerWork:
+    """What one decoder layer of width `hidden` computes for a microbatch of `microbatch` x `seq` tokens, split
+    over `tp` ranks."""
+    nf4 = shape.linear_sizes if config.model.quantize == "nf4" else []
+    return LayerWork(
+        costs,
+        hidden,
+        microbatch * seq,
+        microbatch,
+        seq,
+        tp,
+        config.model.name,
+        sum(nf4),
+        len(nf4),
+        shape.masked,
+        shape.widths if config.model.quantize == "fp8" else 0,
+    )
+
+
+def _rank_mode(mode: str, config: Config, costs: StageCosts, layers: int, checkpointed: bool, tp: int) -> str:
+    """How a rank's layers run: with "graphs", the run's own rule rank by rank (checkpointing, recording time)."""
+    if mode != "graphs":
+        return mode
+    untried = graphs_untried(config.model.quantize)
+    microbatch, seq, m = config.microbatch_size, config.data.max_length, config.parallel.n_microbatches
+    graphs = choose_cuda_graphs(costs, layers, checkpointed, m, microbatch, seq, tp, untried)
+    return "graphs" if graphs[0] else "compiled"
 
 
 def _layer_modes(
