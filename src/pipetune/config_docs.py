@@ -3,7 +3,7 @@
     pipetune config show --config qwen3-4b-ami --set train.lr=1e-4
     pipetune config list
 
-The docstrings are read from the dataclasses in config.py (the attribute docstrings under each field),
+The docstrings are read from the dataclasses in config/schema.py (the attribute docstrings under each field),
 so the printed documentation is the code's own.
 """
 
@@ -17,7 +17,7 @@ import textwrap
 from functools import cache
 from pathlib import Path
 
-from pipetune import config as config_module
+from pipetune.config import schema as config_module
 from pipetune.config import Config, _toml_value, shipped_configs
 
 WIDTH = 100
