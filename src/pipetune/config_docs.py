@@ -17,8 +17,8 @@ import textwrap
 from functools import cache
 from pathlib import Path
 
-from pipetune.config import schema as config_module
 from pipetune.config import Config, _toml_value, shipped_configs
+from pipetune.config import schema as config_module
 
 WIDTH = 100
 

@@ -8,7 +8,8 @@ that cannot work, as before. "auto" never produces a refused combination: where 
 parallelism, FSDP, a quantized base, the CPU) it resolves off.
 
 `resolve` is what `pipetune train`, `bench` and `plan` call (through preflight and the planner's layouts) and
-nothing else decides a switch. Two decisions stay with the rank that runs, from what only it measures:
+nothing else decides a switch; the thresholds its rules share with the code that runs them (LONG_DOCUMENT, the
+attention kernel's; MLP_CHUNK_AUTO and `mlp_chunk_tokens`, the MLP chunks') live here too. Two decisions stay with the rank that runs, from what only it measures:
 activation_checkpointing = "auto" (parallel/memory.py plans the layers to recompute from a layer measured on its
 device) and whether CUDA graphs pay off (model/graphs.py). The rules and the measurements behind them
 (benchmarks/journal, one H200 or H100):
@@ -39,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from pipetune.config import Config
+    from pipetune.config import Config, TrainConfig
 
 AUTO = "auto"
 LAYERS_PER_GRAPH = 6
@@ -48,6 +49,16 @@ MICROBATCH_TOKENS = 8192
 """Tokens a microbatch holds at least, without a pipeline, where the batch allows: matmuls that fill the GPU."""
 PIPELINE_MICROBATCH_TOKENS = 2048
 """Tokens a pipeline's microbatch holds at least, where the batch allows one microbatch per stage."""
+LONG_DOCUMENT = 4096
+"""Tokens from which a document's kernels outrun its host calls: on an H200 a 4,096-token document's take ~1 ms,
+forward and backward, against ~0.29 ms of host calls a document (windows, copies, the two operators); a
+~550-token one's ~0.1 ms, so there the GPU waits: the documents kernel ran 6-7x slower than flex's a layer, and
+two streams made it 20-30% slower still, where on whole meetings (~7,400 tokens) they made it 4.5% faster
+(2026-12-02-documents-streams-and-plans-one-h200.md). Shorter documents run on the current stream
+(`_on_streams`), and a run whose samples are shorter on average hears that flex is likely faster
+(`documents_advice`)."""
+MLP_CHUNK_AUTO = (32768, 8192)
+"""train.mlp_chunk = "auto": rows of at least this many tokens run their MLPs in chunks of this many."""
 SWITCHES = (
     ("lora", "fast_path"),
     ("lora", "adapter_in_matmul"),
@@ -213,8 +224,6 @@ def _per_graph(config: Config, compiled: bool) -> tuple[int, str]:
 
 
 def _kernel(config: Config, gpu: bool, lengths: torch.Tensor | None) -> tuple[str, str]:
-    from pipetune.model.attention import LONG_DOCUMENT
-
     if not config.data.packing:
         return "flex", "no packing"
     if not gpu:
@@ -310,3 +319,14 @@ def _phrase(c: Choice) -> str:
         value = {True: "every layer", False: "off"}.get(c.value, c.value)
         return "" if c.value == AUTO else f"checkpointing {value} ({why})"
     return ""
+
+
+def mlp_chunk_tokens(t: TrainConfig, max_length: int, tp: int = 1) -> int:
+    """Tokens per MLP chunk that train.mlp_chunk asks for at rows of `max_length` (0: not chunked). Never under
+    tensor parallelism (`tp` > 1): a chunk needs whole sequences, and a tp rank holds a share of each token."""
+    if tp > 1:
+        return 0
+    if t.mlp_chunk == "auto":
+        threshold, chunk = MLP_CHUNK_AUTO
+        return chunk if max_length >= threshold else 0
+    return int(t.mlp_chunk)

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pipetune.config import ConfigError, apply_override, mlp_chunk_tokens
+from pipetune.config import ConfigError, apply_override
 from pipetune.model.shapes import resolve_model
 from pipetune.model.split import run_split
 from pipetune.parallel.memory import (
@@ -31,6 +31,7 @@ from pipetune.parallel.memory import (
 )
 from pipetune.planner.plan import format_plan, make_plan
 from pipetune.preflight import check_positions, prepare
+from pipetune.switches import mlp_chunk_tokens
 from tests.conftest import tiny_config
 from tests.parity import adapter, assert_same_training, losses, max_relative
 

@@ -9,7 +9,6 @@ from pipetune.config.schema import (
     DTYPES,
     MAX_LENGTH,
     MAX_TIMEOUT_S,
-    MLP_CHUNK_AUTO,
     QUANTIZE,
     RESUME_MODES,
     RUN_STRATEGIES,
@@ -23,7 +22,6 @@ from pipetune.config.schema import (
     OutputConfig,
     ParallelConfig,
     TrainConfig,
-    mlp_chunk_tokens,
 )
 from pipetune.config.toml_io import (
     DATA_SUFFIXES,
@@ -44,7 +42,6 @@ __all__ = [
     "DTYPES",
     "MAX_LENGTH",
     "MAX_TIMEOUT_S",
-    "MLP_CHUNK_AUTO",
     "QUANTIZE",
     "RESUME_MODES",
     "RUN_STRATEGIES",
@@ -66,7 +63,6 @@ __all__ = [
     "config_path",
     "from_dict",
     "load_config",
-    "mlp_chunk_tokens",
     "save_config",
     "shipped_configs",
     "to_toml",

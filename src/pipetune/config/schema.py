@@ -332,18 +332,3 @@ class Config:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
-
-
-MLP_CHUNK_AUTO = (32768, 8192)
-"""train.mlp_chunk = "auto": rows of at least this many tokens run their MLPs in chunks of this many."""
-
-
-def mlp_chunk_tokens(t: TrainConfig, max_length: int, tp: int = 1) -> int:
-    """Tokens per MLP chunk that train.mlp_chunk asks for at rows of `max_length` (0: not chunked). Never under
-    tensor parallelism (`tp` > 1): a chunk needs whole sequences, and a tp rank holds a share of each token."""
-    if tp > 1:
-        return 0
-    if t.mlp_chunk == "auto":
-        threshold, chunk = MLP_CHUNK_AUTO
-        return chunk if max_length >= threshold else 0
-    return int(t.mlp_chunk)

@@ -66,6 +66,7 @@ from pipetune.model.kept_attention import (
     sdpa_backward,
     sdpa_forward,
 )
+from pipetune.switches import LONG_DOCUMENT
 
 DOCUMENT_ATTENTION = "pipetune_document"
 """The attention implementation name a packed run's model config carries."""
@@ -261,14 +262,6 @@ def _row_like(query: torch.Tensor) -> torch.Tensor:
 DOCUMENT_STREAMS = int(os.environ.get("PIPETUNE_DOCUMENT_STREAMS", "2"))
 """CUDA streams a row's long documents alternate over in `document_sdpa` (1: the current stream alone);
 PIPETUNE_DOCUMENT_STREAMS sets it (for diagnosis)."""
-LONG_DOCUMENT = 4096
-"""Tokens from which a document's kernels outrun its host calls: on an H200 a 4,096-token document's take ~1 ms,
-forward and backward, against ~0.29 ms of host calls a document (windows, copies, the two operators); a
-~550-token one's ~0.1 ms, so there the GPU waits: the documents kernel ran 6-7x slower than flex's a layer, and
-two streams made it 20-30% slower still, where on whole meetings (~7,400 tokens) they made it 4.5% faster
-(2026-12-02-documents-streams-and-plans-one-h200.md). Shorter documents run on the current stream
-(`_on_streams`), and a run whose samples are shorter on average hears that flex is likely faster
-(`documents_advice`)."""
 
 
 def documents_advice(lengths: torch.Tensor, gpu: bool = True) -> str | None:

@@ -20,7 +20,7 @@ import torch
 from peft import PeftModel
 from torch.distributed.device_mesh import DeviceMesh
 
-from pipetune.config import Config, LoraConfig, mlp_chunk_tokens
+from pipetune.config import Config, LoraConfig
 from pipetune.model.attention import use_document_attention
 from pipetune.model.chunked import chunk_mlps
 from pipetune.model.load import LoadStats, build_meta, materialize
@@ -31,6 +31,7 @@ from pipetune.model.stage import StageModule
 from pipetune.parallel.fsdp import shard_stages
 from pipetune.parallel.mesh import Mesh
 from pipetune.parallel.tp import apply_tp
+from pipetune.switches import mlp_chunk_tokens
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ class Parallelism:
     keep_attention: bool = False
     """train.keep_attention: checkpointed layers keep attention's output (model/kept_attention.py)."""
     mlp_chunk: int = 0
-    """Tokens per MLP chunk (config.mlp_chunk_tokens: train.mlp_chunk resolved, 0 under tp; 0: whole rows)."""
+    """Tokens per MLP chunk (switches.mlp_chunk_tokens: train.mlp_chunk resolved, 0 under tp; 0: whole rows)."""
     packed_attention: str = "flex"
     """train.packed_attention: packed rows' document attention kernel on a GPU (model/attention.py)."""
     documents_per_row: int = 0

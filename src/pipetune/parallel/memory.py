@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig
 
-from pipetune.config import MLP_CHUNK_AUTO, Config, ConfigError, ParallelConfig, mlp_chunk_tokens
+from pipetune.config import Config, ConfigError, ParallelConfig
 from pipetune.model.families import family_of
 from pipetune.model.load import DTYPES
 from pipetune.model.quantize import linear_shapes, stored_bytes
@@ -41,6 +41,7 @@ from pipetune.model.split import estimate_costs
 from pipetune.model.stage import StageModule, local_part
 from pipetune.parallel.assemble import Parallelism, StagePart, build_stage_modules
 from pipetune.parallel.pipeline import Action, schedule_actions
+from pipetune.switches import MLP_CHUNK_AUTO, mlp_chunk_tokens
 
 GB = 1e9
 MARGIN = 0.07

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from pipetune.config import Config, ConfigError, ParallelConfig, mlp_chunk_tokens
+from pipetune.config import Config, ConfigError, ParallelConfig
 from pipetune.data.inspect import training_attention_share
 from pipetune.model.families import family_of
 from pipetune.model.graphs import choose_cuda_graphs, graphs_untried
@@ -63,6 +63,7 @@ from pipetune.planner.speed import (
     replay_schedule,
 )
 from pipetune.preflight import check_data_source, linear_layer_names
+from pipetune.switches import mlp_chunk_tokens
 
 H200_MEMORY = 143_771 * 2**20
 """Bytes of an H200 as torch reports them: the budget when there is no GPU here and no --gpu-memory."""
