@@ -9,10 +9,10 @@ parallelism, FSDP, a quantized base, the CPU) it resolves off.
 
 `resolve` is what `pipetune train`, `bench` and `plan` call (through preflight and the planner's layouts) and
 nothing else decides a switch; the thresholds its rules share with the code that runs them (LONG_DOCUMENT, the
-attention kernel's; MLP_CHUNK_AUTO and `mlp_chunk_tokens`, the MLP chunks') live here too. Two decisions stay with the rank that runs, from what only it measures:
-activation_checkpointing = "auto" (parallel/memory.py plans the layers to recompute from a layer measured on its
-device) and whether CUDA graphs pay off (model/graphs.py). The rules and the measurements behind them
-(benchmarks/journal, one H200 or H100):
+attention kernel's; MLP_CHUNK_AUTO and `mlp_chunk_tokens`, the MLP chunks') live here too. Two decisions stay
+with the rank that runs, from what only it measures: activation_checkpointing = "auto" (parallel/memory.py plans
+the layers to recompute from a layer measured on its device) and whether CUDA graphs pay off (model/graphs.py).
+The rules and the measurements behind them (benchmarks/journal, one H200 or H100):
 
 - GPU: the fast LoRA path, the adapters inside the base matmuls (plain base, no tp, no FSDP), torch.compile with
   6 decoder layers a graph, the fused loss, CUDA graphs where the host is the bound. Whole meetings, Qwen3-4B in
