@@ -113,7 +113,8 @@ def run_bench(
         result = strategy_result(run, run_dir, strategy, warmup, n_gpus, count)
         if (run_dir / "speed.json").is_file():  # the switches as the run resolved them, and why
             result["resolved_switches"] = json.loads((run_dir / "speed.json").read_text())
-        results.append({**result, "setup": {**setup, "layout": layout_of(variant)}})
+        layout = layout_of(variant, result.get("resolved_switches", {}).get("switches", {}))
+        results.append({**result, "setup": {**setup, "layout": layout}})
         (out_dir / "bench.json").write_text(json.dumps(results, indent=1))  # after each: a later one may fail
     print_table(results, describe_setup(setup))
     plot_bench(results, out_dir / "bench.png", "pipetune bench")
@@ -171,14 +172,15 @@ def bench_setup(config: Config) -> dict:
     }
 
 
-def layout_of(config: Config) -> dict:
-    """A strategy's layout as its run had it."""
+def layout_of(config: Config, resolved: dict | None = None) -> dict:
+    """A strategy's layout as its run had it (`resolved`: the run's switches, speed.json's: its microbatch count
+    where the config left it to "auto")."""
     p = config.parallel
     return {
         "pp": p.pp,
         "dp": p.dp,
         "tp": p.tp,
-        "microbatches": p.n_microbatches,
+        "microbatches": (resolved or {}).get("parallel.n_microbatches", p.n_microbatches),
         "schedule": p.schedule,
         "stages_per_rank": p.stages_per_rank,
         "rows_per_rank_step": config.train.batch_size,
