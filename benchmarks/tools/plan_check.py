@@ -19,6 +19,7 @@ import json
 import operator
 import statistics
 import sys
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -755,7 +756,7 @@ RUNS = [
         "2026-12-02-we-flexE-metrics.csv:2",
     ),
     Run(
-        "packed: 4B, the same epoch (118 steps timed) with train.packed_attention = \"documents\", cuDNN's plans built "
+        'packed: 4B, the same epoch (118 steps timed) with train.packed_attention = "documents", cuDNN\'s plans built '
         "per thread (12-02 sp call 2)",
         B4,
         ["data.packing=true", *WHOLE16K, "parallel.pp=1", "parallel.n_microbatches=1", "lora.dropout=0.0"]
@@ -798,8 +799,28 @@ def measured(run: Run) -> dict:
     }
 
 
+BEFORE_AUTO = {
+    "lora.fast_path": "false",
+    "lora.adapter_in_matmul": "false",
+    "train.compile": "false",
+    "train.cuda_graphs": "false",
+    "train.layers_per_graph": "1",
+    "train.fused_loss": "false",
+    "train.packed_attention": '"flex"',
+    "train.activation_checkpointing": "false",
+    "train.mlp_chunk": "0",
+    "parallel.n_microbatches": "8",
+}
+"""The speed switches' defaults until 2026-12-06, when they became "auto": every run here ran with them wherever
+its config file and its overrides set nothing else."""
+
+
 def rebuild(run: Run):
-    config = load_config(ROOT / run.config, run.overrides)
+    table = tomllib.loads((ROOT / run.config).read_text())
+    written = {f"{section}.{key}" for section, keys in table.items() for key in keys}
+    written |= {item.partition("=")[0].strip() for item in run.overrides}
+    before = [f"{key}={value}" for key, value in BEFORE_AUTO.items() if key not in written]
+    config = load_config(ROOT / run.config, [*before, *run.overrides])
     if run.strategy != config.parallel.strategy or run.strategy in ("ddp", "fsdp"):
         config = strategy_config(config, run.strategy, 1, 1, Path("/tmp/plan-check"))
     return config
