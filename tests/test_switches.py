@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pipetune.config import ConfigError, load_config, validate
-from pipetune.planner.plan import fit_to_gpus
+from pipetune.planner.plan import fit_to_gpus, layout_asked
 from pipetune.switches import AUTO, Hardware, resolve, unresolved
 
 GPU, CPU = Hardware(True, "NVIDIA H100 80GB HBM3"), Hardware(False)
@@ -100,6 +100,7 @@ def test_forced_values_stay_and_their_refusals_stay() -> None:
 
 def test_fewer_gpus_than_the_layout_fit_it_or_refuse_in_one_line() -> None:
     config = _config()
+    assert layout_asked(["train.lr=1e-4", " parallel.pp =2"]) and not layout_asked(["model.name=qwen3-4b"])
     assert fit_to_gpus(config, gpus=2, explicit=False) is config  # enough GPUs: as it is
     with pytest.raises(ConfigError, match=r"is 2 processes, one a GPU, but this machine has 1: use --nproc 2"):
         fit_to_gpus(config, gpus=1, explicit=True)  # asked for on the command line: kept, or the fix named

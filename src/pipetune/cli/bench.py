@@ -70,10 +70,9 @@ def run(args: argparse.Namespace) -> int:
 
         config = resolve_auto(config, available_gpus(config))
     elif args.strategies is None and torch.cuda.is_available():  # what `pipetune train --config C` runs here
-        from pipetune.planner.plan import LAYOUT_KEYS, fit_to_gpus
+        from pipetune.planner.plan import fit_to_gpus, layout_asked
 
-        explicit = any(item.partition("=")[0].strip() in LAYOUT_KEYS for item in args.set)
-        config = fit_to_gpus(config, torch.cuda.device_count(), explicit)
+        config = fit_to_gpus(config, torch.cuda.device_count(), layout_asked(args.set))
     default = config.parallel.strategy
     strategies = [s.strip() for s in (args.strategies or default).split(",") if s.strip()]
     preflight(config, config.parallel.world_size)  # one clear error before any run starts

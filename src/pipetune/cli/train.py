@@ -33,7 +33,6 @@ def run(args: argparse.Namespace) -> int:
         require_run_to_resume(config.output.dir)  # --resume names a run; train.resume = "auto" may start one
         config.train.resume = "auto"
     from pipetune.launch import run_train
-    from pipetune.planner.plan import LAYOUT_KEYS
+    from pipetune.planner.plan import layout_asked
 
-    explicit = any(item.partition("=")[0].strip() in LAYOUT_KEYS for item in args.set)
-    return run_train(config, args.nproc, args.quiet, args.max_restarts, explicit)
+    return run_train(config, args.nproc, args.quiet, args.max_restarts, layout_asked(args.set))

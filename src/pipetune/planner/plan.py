@@ -702,6 +702,11 @@ LAYOUT_KEYS = ("parallel.strategy", "parallel.pp", "parallel.dp", "parallel.tp")
 """The --set keys that ask for a layout explicitly: `fit_to_gpus` keeps such a layout as asked."""
 
 
+def layout_asked(overrides: Sequence[str]) -> bool:
+    """Whether `--set` overrides (section.key=value) set the layout (LAYOUT_KEYS): `fit_to_gpus`'s `explicit`."""
+    return any(item.partition("=")[0].strip() in LAYOUT_KEYS for item in overrides)
+
+
 def fit_to_gpus(config: Config, gpus: int, explicit: bool) -> Config:
     """A config's layout on a machine with fewer GPUs than its processes (`gpus`): as it is where it fits; else,
     where the layout came from the config file (not `explicit`), the layout that fits, said in one line: one
