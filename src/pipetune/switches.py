@@ -202,16 +202,22 @@ def _in_matmul(config: Config, gpu: bool, fast: bool) -> tuple[bool, str]:
 
 
 def _compile(config: Config, gpu: bool) -> tuple[bool, str]:
-    from pipetune.schedules import SCHEDULES
-
     if not gpu:
         return False, "CPU"
-    schedule = SCHEDULES.get(config.parallel.schedule)
-    if config.parallel.pipelined and schedule is not None and schedule.splits_backward:
+    if _splits_backward(config):
         return False, f"{config.parallel.schedule} splits each backward"
     if config.train.keep_attention:
         return False, "train.keep_attention runs eager layers"
     return True, "GPU"
+
+
+def _splits_backward(config: Config) -> bool:
+    """The layout's schedule splits each backward in two, which compiled and checkpointed layers do not support
+    (schedules.py's record; validation refuses either forced there)."""
+    from pipetune.schedules import SCHEDULES
+
+    schedule = SCHEDULES.get(config.parallel.schedule)
+    return config.parallel.pipelined and schedule is not None and schedule.splits_backward
 
 
 def _per_graph(config: Config, compiled: bool) -> tuple[int, str]:
@@ -241,10 +247,7 @@ def _kernel(config: Config, gpu: bool, lengths: torch.Tensor | None) -> tuple[st
 
 
 def _checkpointing(config: Config, gpu: bool) -> tuple[bool | str, str]:
-    from pipetune.schedules import SCHEDULES
-
-    schedule = SCHEDULES.get(config.parallel.schedule)
-    if config.parallel.pipelined and schedule is not None and schedule.splits_backward:
+    if _splits_backward(config):
         return False, f"{config.parallel.schedule} splits each backward"
     if config.train.keep_attention:
         return AUTO, "train.keep_attention keeps attention through it"
