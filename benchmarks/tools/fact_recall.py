@@ -75,8 +75,9 @@ def run_configs(args: argparse.Namespace):
     cut.data.max_summary_tokens = min(whole.data.max_summary_tokens, args.cut_length // 2)
     cut.train.batch_size = whole.train.batch_size * whole.data.max_length // args.cut_length
     cut.output.dir = str(Path(args.out) / "cut")
-    for config in (whole, cut):  # train.max_steps ends both: 1,024 meetings are ~375 packed steps of whole rows
-        config.train.epochs = 10_000  # but only 32 of cut ones, which then come round again
+    if not args.vary:  # --vary runs keep the config's (or --set's) epochs
+        for config in (whole, cut):  # train.max_steps ends both: 1,024 meetings are ~375 packed steps of whole rows
+            config.train.epochs = 10_000  # but only 32 of cut ones, which then come round again
     return whole, cut
 
 
@@ -155,6 +156,12 @@ def main() -> int:
         help="meetings generated together (default: 32 on a GPU, 8 on a CPU)",
     )
     parser.add_argument(
+        "--vary",
+        metavar="KEY=V1,V2[,...]",
+        help="train the whole-meeting run once per value of KEY (e.g. lora.dropout=0.15,0; with --set's epochs and "
+        "steps) and score each on the same held-out meetings: validation loss and fact recall; no cut run",
+    )
+    parser.add_argument(
         "--rescore",
         type=Path,
         metavar="RESULT_JSON",
@@ -175,6 +182,8 @@ def main() -> int:
     from pipetune.launch import run_train
 
     rouge_scorer()  # fail before training when rouge-score is missing
+    if args.vary:
+        return vary(args)
     whole, cut = run_configs(args)
     if not args.reuse:
         shutil.rmtree(args.out, ignore_errors=True)
@@ -233,6 +242,66 @@ def main() -> int:
     }
     (Path(args.out) / "result.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     return 0 if met else 1
+
+
+def vary(args: argparse.Namespace) -> int:
+    """--vary KEY=V1,V2: the whole-meeting run trained once per value, each scored on the same held-out meetings
+    (no base, no cut run); prints a row per value and writes result.json. Exits 1 when a run fails."""
+    from pipetune.evaluate import evaluate
+    from pipetune.launch import run_train
+
+    key, _, values = args.vary.partition("=")
+    if not key or not values:
+        raise SystemExit(f"fact_recall: --vary {args.vary!r}: expected KEY=V1,V2 (e.g. lora.dropout=0.15,0)")
+    if not args.reuse:
+        shutil.rmtree(args.out, ignore_errors=True)
+    rows = {}
+    for value in values.split(","):
+        one = argparse.Namespace(**{**vars(args), "set": [*args.set, f"{key}={value}"]})
+        config = run_configs(one)[0]
+        config.output.dir = str(Path(args.out) / f"{key}={value}")
+        started = time.perf_counter()
+        if args.reuse and (Path(config.output.dir) / "adapter").is_dir():
+            print(f"fact_recall: {key}={value}: reusing {config.output.dir}")
+        elif run_train(config, args.nproc, quiet=True) != 0:
+            return 1
+        trained = time.perf_counter() - started
+        cap = args.max_new_tokens or config.data.max_summary_tokens
+        adapter = Path(config.output.dir) / "adapter"
+        result = evaluate(config, adapter, "validation", args.meetings, cap, args.batch_size, base="skip")
+        result.save(Path(config.output.dir) / "eval.json")
+        rows[value] = {
+            "steps": steps_done(config),
+            "epochs": config.train.epochs,
+            "train_seconds": round(trained, 1),
+            "eval_seconds": round(time.perf_counter() - started - trained, 1),
+            "validation_loss": result.finetuned.loss,
+            "fact_recall": result.finetuned.fact_recall,
+            "rougeLsum": result.finetuned.rougeLsum,
+            "n_examples": result.n_examples,
+            "n_facts": result.n_facts,
+        }
+    lines = [f"{'':<22}{'steps':>7}{'val loss':>10}{'facts':>8}{'ROUGE-Lsum':>11}{'train s':>9}"]
+    for value, row in rows.items():
+        facts = f"{100 * row['fact_recall']:>8.1f}" if row["fact_recall"] is not None else f"{'-':>8}"
+        lines.append(
+            f"{key + '=' + value:<22}{row['steps']:>7}{row['validation_loss']:>10.4f}{facts}"
+            f"{100 * row['rougeLsum']:>11.1f}{row['train_seconds']:>9.0f}"
+        )
+    first = next(iter(rows.values()))
+    print(f"{first['n_examples']} held-out whole meetings ({first['n_facts']} facts), greedy\n" + "\n".join(lines))
+    summary = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(sys.argv),
+        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "model": args.model,
+        "vary": key,
+        "results": rows,
+    }
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "result.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    return 0
 
 
 def table(results: dict, whole, cut, cap: int, in_view: dict[str, float]) -> str:

@@ -47,3 +47,24 @@ def test_fact_recall_benchmark_trains_both_runs_and_compares_them(
     rescored = json.loads((out / "result-rescored.json").read_text())
     assert ended.value.code == 0 and set(rescored) == set(runs)
     assert all(r["now"] == r["stored"] for run in rescored.values() for r in run.values())
+
+
+@pytest.mark.slow
+def test_fact_recall_vary_trains_the_whole_run_once_per_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--vary lora.dropout=0.15,0: two whole-meeting runs, the same held-out meetings scored for each."""
+    out = tmp_path / "vary"
+    args = ["--model", "tiny-qwen3", "--out", str(out), "--steps", "1", "--train-meetings", "4", "--meetings", "2"]
+    args += ["--max-length", "256", "--max-new-tokens", "4", "--vary", "lora.dropout=0.15,0"]
+    with pytest.raises(SystemExit) as ended:
+        run_tool("fact_recall", *args, monkeypatch=monkeypatch)
+    printed = capsys.readouterr()
+    assert ended.value.code == 0, printed.out + printed.err
+    result = json.loads((out / "result.json").read_text())
+    assert result["vary"] == "lora.dropout" and list(result["results"]) == ["0.15", "0"]
+    for value, row in result["results"].items():
+        assert row["steps"] == 1 and row["n_facts"] > 0 and row["validation_loss"] > 0
+        saved = (out / f"lora.dropout={value}" / "config.toml").read_text()
+        assert f"dropout = {float(value)}" in saved
+    assert not (out / "cut").exists() and "lora.dropout=0.15" in printed.out
