@@ -231,3 +231,39 @@ def test_the_demo_evaluation_shows_its_progress(
     for progress in ("eval: loading", "base: 0/2 (", "base: 2/2 (", "fine-tuned: 0/2 (", "fine-tuned: 2/2 ("):
         assert progress in captured.err, captured.err
     assert "validation: 2 meetings" in captured.out and "fine-tuned: 2/2" not in captured.out
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_mean_token_loss_in_chunks_equals_the_full_logits_loss(lora: bool) -> None:
+    """Head and cross-entropy at the supervised positions only, a few rows at a time: the same mean as the whole
+    batch's logits (the memory of which ran an H100 out at 32 x 8,192 tokens x 49,152 vocabulary)."""
+    import torch
+    import torch.nn.functional as F
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pipetune.data.batching import IGNORE, TokenizedSplit
+    from pipetune.generate import mean_token_loss
+
+    torch.manual_seed(0)
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=97, num_key_value_heads=2, **shape)).eval()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    ids = torch.randint(0, 97, (5, 24))
+    labels = torch.full_like(ids, IGNORE)
+    for row, (begin, end) in enumerate([(3, 20), (10, 24), (0, 1), (5, 5), (12, 18)]):
+        labels[row, begin:end] = torch.randint(0, 97, (end - begin,))
+    split = TokenizedSplit(ids, labels, torch.full((5,), 24))
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits
+    full = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    expected = float(full) / int((labels != IGNORE).sum())
+    # batch 2 of 5 rows (a short last batch), 7 positions a chunk: every batch's 6-31 positions split into several
+    head_rows: list[int] = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, out: head_rows.append(out.shape[0]))
+    assert mean_token_loss(model, split, batch_size=2, chunk_rows=7) == pytest.approx(expected, rel=1e-5)
+    hook.remove()
+    assert max(head_rows) == 7 and sum(head_rows) == int((labels != IGNORE).sum()) and len(head_rows) > 3
+    assert mean_token_loss(model, split, batch_size=8) == pytest.approx(expected, rel=1e-5)
