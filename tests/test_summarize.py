@@ -143,6 +143,16 @@ def test_batches_are_left_padded_and_keep_input_order(finetuned, meetings) -> No
     assert any(together)  # some generated text, not only the stop token
 
 
+def test_the_loaded_model_generates_with_its_kv_cache(finetuned, meetings) -> None:
+    """Training builds the base without a KV cache; a model loaded for inference has it back, so transformers'
+    own generate() (what a user's script calls on it) is not quadratic in the prompt."""
+    model, prepared = finetuned
+    assert model.config.use_cache and model.generation_config.use_cache
+    ids = torch.tensor([prepared.prompts.prompt_ids(meetings[0][:200])])
+    out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+    assert out.past_key_values is not None
+
+
 def test_a_summary_ends_at_the_turns_end_or_at_the_end_of_text() -> None:
     """A base model may close its answer with the tokenizer's end of text instead of the turn's closing token:
     generation stops at either, and the summary is what came before the first."""

@@ -40,6 +40,9 @@ def load_finetuned(
     prepared = prepare(config)
     dtype = DTYPES[config.model.dtype]
     base, _ = build_model(prepared.model, dtype, device, seed=config.train.seed, quantize=config.model.quantize)
+    base.config.use_cache = True  # pipetune trains without a KV cache; generate() wants one (quadratic without)
+    if base.generation_config is not None:
+        base.generation_config.use_cache = True
     model = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
     return model, prepared
 
