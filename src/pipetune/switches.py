@@ -17,7 +17,8 @@ The rules and the measurements behind them (benchmarks/journal, one H200 or H100
 - GPU: the fast LoRA path, the adapters inside the base matmuls (plain base, no tp, no FSDP), torch.compile with
   6 decoder layers a graph, the fused loss, CUDA graphs where the host is the bound. Whole meetings, Qwen3-4B in
   rows of 16,384 on one H100: 20,098 real tokens/s with them against 6,450 without (2026-12-06); the seed's job's
-  16 x 512 rows 24,808 against 9,380.
+  16 x 512 rows 24,808 against 9,380. Resolved by these rules (second round, one H100, same call): the
+  whole-meeting config 1.01x that tuned setting over its epoch's rows, the seed's job 1.06x the tuned 16 x 512.
 - Packed rows of long samples (>= 4,096 tokens on average) on one GPU or data-parallel ranks: the "documents"
   attention kernel, 1.13x flex's tokens/s on whole meetings; 6-7x slower than flex a layer on ~550-token samples
   (2026-12-02-documents-streams-and-plans-one-h200.md), and not measured under a GPU pipeline: flex there.
