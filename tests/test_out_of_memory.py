@@ -61,6 +61,36 @@ def _failed(exitcode: int, ending: Ending | None, timestamp: int = 0) -> SimpleN
     return SimpleNamespace(exitcode=exitcode, error_file_data=data, timestamp=timestamp)
 
 
+@pytest.mark.parametrize("command", ["summarize", "eval", "export"])
+def test_a_one_process_command_out_of_memory_is_one_line_with_its_own_advice(
+    command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """eval, summarize and export run in the user's process: an allocation that fails there is one line naming the
+    command, the size and the flag to lower, not a traceback. Any other error still leaves with its traceback."""
+    from pipetune.cli import COMMANDS
+
+    gpu = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 48.00 GiB. GPU 0 has 79 GiB in all")
+    failures = {"summarize": gpu, "eval": gpu, "export": _host_allocation_failure()}
+
+    def fail(args):
+        raise failures[command]
+
+    monkeypatch.setattr(COMMANDS[command], "run", fail)
+    args = {"summarize": ["--adapter", "a", "x.txt"], "eval": ["--run", "r"], "export": ["--run", "r", "--out", "o"]}
+    assert main([command, *args[command]]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert f"`pipetune {command}`" in err and ("48.00 GiB" in err or "1000000.0 GB" in err)
+    assert {"summarize": "--max-batch-tokens", "eval": "--batch-size", "export": "more memory"}[command] in err
+
+    def other(args):
+        raise RuntimeError("not memory")
+
+    monkeypatch.setattr(COMMANDS[command], "run", other)
+    with pytest.raises(RuntimeError, match="not memory"):
+        main([command, *args[command]])
+
+
 def test_the_launcher_names_a_worker_the_kernel_killed_and_an_allocation_that_failed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -36,28 +36,44 @@ _ASKED_GPU = re.compile(r"Tried to allocate ([\d.]+ [KMGT]i?B)")
 _ASKED_HOST = re.compile(r"you tried to allocate (\d+) bytes")
 
 
-def memory_failure(error: BaseException, rank: int, where: str) -> str | None:
+COMMAND_ADVICE = {
+    "eval": "lower --batch-size (meetings generated together) or --max-new-tokens",
+    "summarize": "lower --batch-size or --max-batch-tokens (the KV cache's tokens a batch)",
+    "export": "export on a machine with more memory: the merged model (and a GGUF file's tensors) are held at once",
+}
+"""What to set when a one-process command (not training: its workers have their own line) runs out of memory."""
+
+
+def memory_failure(error: BaseException, rank: int, where: str, who: str = "", advice: str = "") -> str | None:
     """The line for an allocation that failed on the GPU or the host (`error`, or one it was raised from: a
-    pipeline stage wraps its own), without the checkpoints' part; None for any other error."""
+    pipeline stage wraps its own), without the checkpoints' part; None for any other error. `who` (default "rank
+    R") ran out; `advice` replaces training's."""
     seen: BaseException | None = error
     while seen is not None:
-        line = _memory_line(seen, rank, where)
+        line = _memory_line(seen, who or f"rank {rank}", where, advice)
         if line is not None:
             return line
         seen = seen.__cause__ or seen.__context__
     return None
 
 
-def _memory_line(error: BaseException, rank: int, where: str) -> str | None:
+def command_memory_failure(error: BaseException, command: str) -> str | None:
+    """The line for `pipetune COMMAND` (eval, summarize, export: one process) running out of memory, or None."""
+    advice = COMMAND_ADVICE.get(command)
+    return memory_failure(error, 0, f"`pipetune {command}`", who="pipetune", advice=advice) if advice else None
+
+
+def _memory_line(error: BaseException, who: str, where: str, advice: str) -> str | None:
     text = str(error)
     if isinstance(error, torch.OutOfMemoryError):
         asked = _ASKED_GPU.search(text)
         what = f"allocating {asked.group(1)}" if asked else "allocating"
-        return f"rank {rank} ran out of GPU memory in {where}, {what} ({_first_line(text)}); {GPU_ADVICE}"
+        return f"{who} ran out of GPU memory in {where}, {what} ({_first_line(text)}); {advice or GPU_ADVICE}"
     if isinstance(error, MemoryError) or (isinstance(error, RuntimeError) and "DefaultCPUAllocator" in text):
         asked = _ASKED_HOST.search(text)
         what = f"allocating {int(asked.group(1)) / 1e9:.1f} GB" if asked else "allocating"
-        return f"rank {rank} ran out of host memory in {where}, {what} ({_host_detail(error)}); {HOST_ADVICE}"
+        detail = _host_detail(error)
+        return f"{who} ran out of host memory in {where}, {what} ({detail}); {advice or HOST_ADVICE}"
     return None
 
 

@@ -133,6 +133,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"pipetune: error: {message}", file=sys.stderr)
         return 1
+    except (MemoryError, RuntimeError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        from pipetune.out_of_memory import command_memory_failure
+
+        line = command_memory_failure(e, args.command)
+        if line is None:
+            raise
+        print(f"pipetune: error: {line}", file=sys.stderr)
+        return 1
 
 
 def set_without_equals(argv: list[str], unknown: list[str]) -> str | None:
