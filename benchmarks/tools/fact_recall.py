@@ -24,6 +24,13 @@ runs finished under --out with the same steps, trains none, and scores both). Pr
 --out the two runs (whole/, cut/, each with its eval.json) and result.json; exits 1 when the whole model's fact
 recall is not at least --target times the cut one's (2x).
 
+`--vary KEY=V1,V2` trains the whole-meeting run once per value instead (no cut run, no base scores) and scores
+each on the same held-out meetings: validation loss, fact recall, ROUGE-Lsum (result.json). The dropout check of
+2026-12-06 (one H100, ~6 min; 128 meetings seen 3 times, the whole-meeting config's epochs):
+
+    python benchmarks/tools/fact_recall.py --model /tmp/gg/smollm2.gguf --out $OUT/dropout --meetings 32 \
+        --set data.synthetic_train=128 --set train.epochs=3 --set train.max_steps=-1 --vary lora.dropout=0.15,0
+
 A CPU smoke run with the tiny random model (what tests/benchmarks/test_fact_recall.py runs):
 
     PYTHONPATH=src python benchmarks/tools/fact_recall.py --model tiny-qwen3 --out /tmp/fr --steps 1 \\
