@@ -26,7 +26,7 @@ recall is not at least --target times the cut one's (2x).
 
 `--vary KEY=V1,V2` trains the whole-meeting run once per value instead (no cut run, no base scores) and scores
 each on the same held-out meetings: validation loss, fact recall, ROUGE-Lsum (result.json). The dropout check of
-2026-12-06 (one H100, ~6 min; 128 meetings seen 3 times, the whole-meeting config's epochs):
+2026-12-06 (one H100, ~3 min; 128 meetings seen 3 times, the whole-meeting config's epochs):
 
     python benchmarks/tools/fact_recall.py --model /tmp/gg/smollm2.gguf --out $OUT/dropout --meetings 32 \
         --set data.synthetic_train=128 --set train.epochs=3 --set train.max_steps=-1 --vary lora.dropout=0.15,0
