@@ -95,7 +95,7 @@ def _train_listed(request: pytest.FixtureRequest, tmp: Path, kind: str, configs:
     (the runs before them share their workers and must not find anything compiled). The workers log the
     compiler's recompilations (TORCH_LOGS, read when torch is imported); what all the runs printed (stdout, then
     stderr) is written to tmp / "output.log"."""
-    from tests.faults import COPIES_SUFFIX
+    from tests.faults import COPIES_SUFFIX, RESIDENT_ENV
 
     users = {item.module for item in request.session.items if f"{kind}_runs" in getattr(item, "fixturenames", ())}
     copies: dict[str, dict[Path, Path]] = {}
@@ -114,6 +114,7 @@ def _train_listed(request: pytest.FixtureRequest, tmp: Path, kind: str, configs:
         (tmp / f"{name}.toml{COPIES_SUFFIX}").write_text(json.dumps(listed_pairs))
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TORCH_LOGS", "recompiles")
+        patch.setenv(RESIDENT_ENV, "0.5")  # CPU plans that a test's train.memory_gb decides (tests/faults.py)
         result = train_in_turn(*files)
     (tmp / "output.log").write_text(result.stdout + result.stderr)
     return tmp

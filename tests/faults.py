@@ -10,10 +10,12 @@ local workers it starts too. Each fault is read from the environment and off unl
                                           temporary name (this process's) is a link to /dev/full
     PIPETUNE_TEST_TERM_AT=N               every rank sends itself SIGTERM right after optimizer step N
 
-And one that is not a fault: PIPETUNE_TEST_THEN=FILE[:FILE...] has each worker train these configs too, one after
+And two that are not faults: PIPETUNE_TEST_THEN=FILE[:FILE...] has each worker train these configs too, one after
 another, once the command's own run is done: several runs of one world size for one start of the workers
 (tests/conftest.py: train_in_turn). A FILE beside which FILE + COPIES_SUFFIX lists [source, destination] pairs
 (JSON) has them copied first, once every rank is done with the runs before it: a checkpoint to resume from.
+PIPETUNE_TEST_RESIDENT_GB=X has every rank's CPU memory plan read the process's resident memory as X GB, so that a
+test's train.memory_gb decides a plan whatever else the worker holds (earlier runs of its start, the libraries).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pipetune.parallel.process_group import exit_finished, restart_count, under_
 from pipetune.run_lock import TOKEN_ENV
 
 THEN_ENV = "PIPETUNE_TEST_THEN"
+RESIDENT_ENV = "PIPETUNE_TEST_RESIDENT_GB"
 COPIES_SUFFIX = ".copies.json"
 
 
@@ -120,6 +123,10 @@ def _copy_before(config_file: str) -> None:
 
 if __name__ == "__main__":
     train.HOOKS = FaultInjection()
+    if resident := os.environ.get(RESIDENT_ENV):
+        from pipetune.parallel import memory
+
+        memory.resident_bytes = lambda: float(resident) * 1e9
     launch.WORKER_MODULE = "tests.faults"
     then = os.environ.get(THEN_ENV)
     if then and under_launcher():

@@ -297,7 +297,7 @@ def test_seed_job_config_matches_the_seed_script() -> None:
             r"a CUDA graph cannot replay: set train.cuda_graphs = false \(or train.packed_attention = \"flex\"\)",
         ),
         (["train.layers_per_graph=-1"], 2, r"train.layers_per_graph = -1 must be >= 0"),
-        (["train.memory_gb=-1"], 2, r"train.memory_gb = -1.0 must be >= 0 \(0: the GPU's total memory\)"),
+        (["train.memory_gb=-1"], 2, r"train.memory_gb = -1.0 must be >= 0 \(0: the GPU's total memory; on a CPU, this"),
         (["train.loss_chunk=0"], 2, r"train.loss_chunk = 0 must be at least 1"),
         (["parallel.p2p_channels=-1"], 2, r"parallel.p2p_channels = -1 must be >= 0 \(0: NCCL's choice; e.g. 1\)"),
         (

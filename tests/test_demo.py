@@ -35,6 +35,12 @@ def test_demo_runs_end_to_end(demo_run: tuple[Path, subprocess.CompletedProcess]
     cap = float(re.search(r"under ([\d.]+) GB a worker", header).group(1))
     peaks = [float(r[f"peak_gb_rank{rank}"]) for r in rows[1:] for rank in (0, 1)]
     assert 0 < max(peaks) <= cap, (peaks, cap)
+    # Each worker planned for its share of this machine's memory (it says so), and predicted at least its peak.
+    plan = r"rank (\d): activation checkpointing \(auto\): .*; predicted peak ([\d.]+) of [\d.]+ GB \(the host's: "
+    predicted = {int(rank): float(gb) for rank, gb in re.findall(plan, result.stdout)}
+    for rank in (0, 1):
+        measured = max(float(r[f"peak_gb_rank{rank}"]) for r in rows[1:])
+        assert measured <= predicted[rank] <= cap, (rank, measured, predicted, cap)
 
     assert json.loads((out / "adapter" / "adapter_config.json").read_text())["peft_type"] == "LORA"
     assert len(load_file(out / "adapter" / "adapter_model.safetensors")) == 4 * 7 * 2

@@ -51,9 +51,11 @@ def test_the_cpu_runs_the_plain_path() -> None:
     speed = resolve(_config(), CPU, WHOLE)
     c = speed.config
     assert not any((c.lora.fast_path, c.lora.adapter_in_matmul, c.train.compile, c.train.fused_loss))
-    assert (c.train.cuda_graphs, c.train.activation_checkpointing, c.train.layers_per_graph) == (False, False, 1)
+    assert (c.train.cuda_graphs, c.train.layers_per_graph) == (False, 1)
     assert speed.values()["train.compile"] is False and "CPU" in speed.line()
-    # with a memory budget the CPU plans checkpointing as a GPU does
+    # checkpointing is planned on a CPU too: for each rank's share of the host's memory, or train.memory_gb
+    why = {choice.key: choice.why for choice in speed.choices}["train.activation_checkpointing"]
+    assert c.train.activation_checkpointing == AUTO and why.endswith("on a CPU, its share of the host's")
     assert resolve(_config("demo", "train.memory_gb=2"), CPU).config.train.activation_checkpointing == AUTO
 
 

@@ -35,6 +35,7 @@ from pipetune.checkpoint import (
     latest_checkpoint,
 )
 from pipetune.config import Config, ConfigError, save_config
+from pipetune.heap import HeapTrimmer
 from pipetune.out_of_memory import (
     PROGRESS_ENV,
     ProgressFile,
@@ -316,6 +317,7 @@ def run_training(config: Config, quiet: bool = False) -> RunResult:
     env = init_distributed(config.parallel.timeout_s, config.parallel.p2p_channels)
     status = LoopStatus()
     progress = ProgressFile(env.rank, status.where)  # under pipetune's launcher: for its line should a kill come
+    heap = HeapTrimmer() if env.device.type == "cpu" else None  # the heap's free pages given back as it grows
     lock = None
     with contextlib.ExitStack() as log:  # closed after the messages below: they go to train.log too
         try:
@@ -371,6 +373,8 @@ def run_training(config: Config, quiet: bool = False) -> RunResult:
             raise SystemExit(128 + e.signum) from None
         finally:
             progress.close()
+            if heap is not None:
+                heap.close()
             if lock is not None:
                 lock.release()
             close_distributed()

@@ -26,7 +26,9 @@ The rules and the measurements behind them (benchmarks/journal, one H200 or H100
   rows two to a microbatch: 1.23x Unsloth, one to a microbatch: 1.09x; 2026-12-02-packed-attention-one-h200.md);
   in a pipeline, microbatches of PIPELINE_MICROBATCH_TOKENS, at least one per stage (Qwen3-4B at 512 tokens on 2x
   H200: 4 microbatches of 4 rows fastest, wave 8).
-- CPU: the plain path (PEFT's adapters, eager layers, the plain loss), no checkpointing without train.memory_gb.
+- CPU: the plain path (PEFT's adapters, eager layers, the plain loss); checkpointing planned, as on a GPU, for each
+  rank's memory: train.memory_gb, else its share of what the machine has available (parallel/memory.py:
+  cpu_budget), so that a run fits the machine it starts on without a setting.
 """
 
 from __future__ import annotations
@@ -253,7 +255,7 @@ def _checkpointing(config: Config, gpu: bool) -> tuple[bool | str, str]:
     if config.train.keep_attention:
         return AUTO, "train.keep_attention keeps attention through it"
     if not gpu and config.train.memory_gb <= 0:
-        return False, "CPU without train.memory_gb: no memory limit to plan for"
+        return AUTO, "as each rank's memory needs: on a CPU, its share of the host's"
     return AUTO, "as each rank's memory needs"
 
 

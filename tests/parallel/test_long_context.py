@@ -147,18 +147,24 @@ def test_a_row_that_fits_no_layer_mode_is_refused_with_the_longest_that_would(tm
 def test_a_run_whose_own_plan_cannot_fit_its_row_stops_before_step_1(tmp_path: Path, monkeypatch, capsys) -> None:
     """Preflight's count on the meta device can let a row through that the run's "auto" plan, from a layer measured
     on its own device, cannot fit (here preflight's check is switched off, and a CPU plan has no host memory to
-    offload to): the run stops before step 1 with the longest row that would fit, which then trains."""
+    offload to): the run stops before step 1 with the longest row that would fit, which then trains. The CPU plan
+    counts the process's resident memory: read here as 0.5 GB, whatever this test process holds."""
     from pipetune.cli import main
     from tests.conftest import write_config
 
     monkeypatch.setattr("pipetune.parallel.memory.check_row_fits", lambda *args: None)
-    budget = ('train.activation_checkpointing="auto"', "train.memory_gb=0.045", "train.max_steps=1")
+    monkeypatch.setattr("pipetune.parallel.memory.resident_bytes", lambda: 0.5e9)
+    budget = ('train.activation_checkpointing="auto"', "train.memory_gb=0.64", "train.max_steps=1")
     config = tiny_config(tmp_path / "run", "parallel.pp=1", "data.max_length=512", *budget)
     with pytest.raises(SystemExit) as stopped:  # a run in one process: its worker's exit, here
         main(["train", "--config", str(write_config(config, tmp_path / "c.toml")), "--quiet"])
     assert stopped.value.code == 2
     err = capsys.readouterr().err
-    said = re.search(r"data.max_length = 512 does not fit rank 0's 0.045 GB .* about (\d+) tokens", err)
+    said = re.search(
+        r"data.max_length = 512 does not fit rank 0's 0.64 GB \(train.memory_gb, else its share of the memory "
+        r"available on this machine\): .* predicts a peak resident memory of .* about (\d+) tokens",
+        err,
+    )
     assert said, err
     assert not (tmp_path / "run" / "metrics.csv").exists() or losses(tmp_path / "run") == []
     longest = int(said.group(1))

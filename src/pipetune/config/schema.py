@@ -175,7 +175,8 @@ class TrainConfig:
     input kept in pinned host memory (copied on a side stream, back one layer ahead of backward: no layer input
     stays on the GPU; docs/long-context.md); "auto": per layer keep, recompute or recompute-and-offload, only as
     much as each stage's memory needs (measured per layer, with the microbatches the schedule keeps in flight
-    on that stage: the first stages of 1F1B hold more), planned for the GPU's memory or train.memory_gb."""
+    on that stage: the first stages of 1F1B hold more), planned for the GPU's memory or train.memory_gb (on a CPU,
+    of the process's resident memory, for its share of the host's memory or train.memory_gb)."""
     keep_attention: bool = False
     """A checkpointed layer keeps its attention's output and log-sum-exp (as many bytes as its input, and 4 a
     token and head), so its recomputation skips attention, most of a layer's forward at long rows (Qwen3-8B at
@@ -196,8 +197,10 @@ class TrainConfig:
     with the row. 0: off; "auto": 8192 when data.max_length >= 32768 (one more MLP forward per layer: under 10%
     of a layer's time at those lengths, where attention dominates), else off."""
     memory_gb: float = 0.0
-    """Memory per rank that activation_checkpointing = "auto" plans for, in GB; 0: the GPU's total memory
-    (on a CPU, 0 plans no checkpointing)."""
+    """Memory per rank that activation_checkpointing = "auto" plans for, in GB; 0: the GPU's total memory, or on a
+    CPU what the process holds before its first step and 90% of its share of the memory the machine has available
+    then (MemAvailable, split over the run's processes on it); the startup line says which. On a CPU the plan is of
+    the process's peak resident memory."""
     timeline_step: int = 0
     """Record when each stage ran each forward/backward during this optimizer step's first schedule step
     (timeline.json and timeline.png in the run directory, with the measured bubble); 0 = never."""

@@ -223,7 +223,11 @@ def _check_train(t: TrainConfig, d: DataConfig) -> None:
     _check(t.resume in RESUME_MODES, f"train.resume = {t.resume!r} is unknown; use one of {', '.join(RESUME_MODES)}")
     _check(t.eval_every >= 0, f"train.eval_every = {t.eval_every} must be >= 0 (0: at epoch ends only)")
     _check(math.isfinite(t.memory_gb), f"train.memory_gb = {t.memory_gb} must be a finite number of GB (e.g. 80)")
-    _check(t.memory_gb >= 0, f"train.memory_gb = {t.memory_gb} must be >= 0 (0: the GPU's total memory)")
+    _check(
+        t.memory_gb >= 0,
+        f"train.memory_gb = {t.memory_gb} must be >= 0 (0: the GPU's total memory; on a CPU, this process's share of "
+        "the memory available on the machine)",
+    )
     _check(
         t.max_grad_norm >= 0 and math.isfinite(t.max_grad_norm),
         f"train.max_grad_norm = {t.max_grad_norm} must be >= 0 and finite (0 disables clipping)",

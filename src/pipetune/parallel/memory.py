@@ -18,6 +18,12 @@ layer before recomputing another when copying its input takes less time than the
 hides behind it), else only once every layer is recomputed (docs/long-context.md). The microbatches in flight come
 from the schedule's own actions (`schedule_actions`); a layer's activations are measured on a throwaway copy, on
 the run's device or, for `pipetune plan`, on the meta device, which needs no memory.
+
+On a CPU (`cpu_plan`) the peak planned is the process's resident memory, which is what a host runs out of: what
+the rank holds before its first step (measured: Python and the libraries, the data, the stages' weights), then what
+the step adds (its tensors, as above, CPU_HEAP times, and the free heap heap.py's trimmer allows), or validation's
+forward-only step where that holds more. The budget is train.memory_gb, else the rank's share of the memory the
+machine has available (`cpu_budget`). There is no host memory apart to offload to.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import PretrainedConfig
 
 from pipetune.config import Config, ConfigError, ParallelConfig
+from pipetune.heap import TRIM_SLACK, resident_bytes, trim_heap
 from pipetune.model.families import family_of
 from pipetune.model.load import DTYPES
 from pipetune.model.quantize import linear_shapes, stored_bytes
@@ -84,6 +91,30 @@ WEIGHTS_SHARE = 0.9
 layouts too)."""
 HOST_SHARE = 0.5
 """Share of the host's memory a rank's offloaded inputs may take, split over the node's GPUs."""
+CPU_HEAP = 1.1
+"""On a CPU, bytes of resident memory planned per byte of the tensors a step holds at its peak. With the heap
+trimmed as it grows (pipetune/heap.py), a rank's peak RSS less what it held before step 1 and heap.TRIM_SLACK was
+0.57-1.15 of the tensors this model counts, over 13 ranks on a 2-core CPU: the tiny demo at 384 and 1,024 tokens
+(2 stages) and at 384 in one process, SmolLM2-135M at 2 x 512 tokens keeping or recomputing layers, whole
+meetings in 8,192-token rows (2 stages, fused loss, 13 and 11 of 15 layers recomputed), a 6-layer SmolLM2 at
+2,048 and 4,096 tokens; the one over 1.0 is the tiny demo's last stage, 14 MB over (CPU_STEP_FIXED's)."""
+CPU_STEP_FIXED = 0.05
+"""On a CPU, resident memory (GB) a rank's first step adds whatever its shape: autograd's and the pipeline's
+bookkeeping, the communication threads."""
+CPU_LOSS_BYTES = 12
+"""On a CPU, bytes the plain loss holds per logit at its peak, in backward: log-softmax's output, its gradient and
+the logits' gradient, [rows, vocab] in float32 each; 4 more where a pipeline stage keeps its output (the logits)
+until its backward, or where the logits are not float32 (their float32 copy's gradient beside theirs). SmolLM2's
+plain loss over 2 x 512 tokens on a pipeline's last stage peaked at 16.7 bytes a logit (mallinfo2). The GPU's
+count, 10, is what its caching allocator keeps there."""
+CPU_PROBE_TOKENS = 256
+"""On a CPU a layer's activations are measured on a microbatch of one sequence this long (and of twice that) and
+scaled to the run's: what a CPU layer keeps grows in proportion to the tokens (SmolLM2's and the tiny Qwen3's
+layers: the same bytes a token from 128 to 8,192 tokens, their attention keeps no [seq, seq] matrix), where a
+forward at the run's shape would cost its time and, before the heap was trimmed, left its memory in the heap
+(SmolLM2 at 2 x 512 tokens: 0.5 GB more peak RSS)."""
+HOST_MARGIN = 0.1
+"""On a CPU without train.memory_gb, share of the memory available on the machine that a plan leaves free."""
 
 
 @dataclass
@@ -99,6 +130,8 @@ class CheckpointPlan:
     """Predicted peak of the offloaded inputs in host memory."""
     fixed_bytes: float = 0.0
     """The part of `peak_bytes` that does not grow with the row: weights, optimizer, workspaces, the margin."""
+    budget_note: str = ""
+    """Where `budget_bytes` came from, where the startup line says it (a CPU's: the host's memory)."""
 
     @property
     def fits(self) -> bool:
@@ -121,9 +154,10 @@ class CheckpointPlan:
             for stage, k, o, n in zip(stage_ids, self.layers, self.offloaded_layers(), stage_layers, strict=True)
         ]
         if self.budget_bytes == float("inf"):
-            budget = "no memory limit to plan for (a CPU: set train.memory_gb)"
+            budget = "no memory limit to plan for"
         else:
             budget = f"predicted peak {self.peak_bytes / GB:.3g} of {self.budget_bytes / GB:.3g} GB"
+            budget += f" ({self.budget_note})" if self.budget_note else ""
         fits = "" if self.fits else " (does not fit even so: lower the microbatch or data.max_length)"
         host = f", {self.host_bytes / GB:.3g} GB in host memory" if self.host_bytes else ""
         return f"activation checkpointing (auto): {', '.join(parts)}; {budget}{host}{fits}"
@@ -262,6 +296,37 @@ def host_budget(gpus: int | None = None, physical: float | None = None) -> float
     return HOST_SHARE * physical / max(1, gpus)
 
 
+def available_host_memory() -> float:
+    """Memory this machine can give processes now, in bytes: MemAvailable (Linux), else its physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return physical_host_memory()
+
+
+def local_processes() -> int:
+    """The run's processes on this machine (the launcher's LOCAL_WORLD_SIZE; 1 in a process of its own)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))
+
+
+def cpu_budget() -> tuple[float, str]:
+    """A CPU rank's memory without train.memory_gb, and how it was found: what the process holds now and its
+    share of what the machine has available, split over the run's local processes, less HOST_MARGIN. Read once
+    every rank has loaded its stages (what the others hold is no longer available)."""
+    held, available, n = resident_bytes(), available_host_memory(), local_processes()
+    budget = held + (1 - HOST_MARGIN) * available / n
+    over = f" over {n} processes" if n > 1 else ""
+    note = (
+        f"the host's: this process's {held / GB:.2g} GB and {1 - HOST_MARGIN:.0%} of the {available / GB:.3g} GB "
+        f"available{over}; train.memory_gb sets another"
+    )
+    return budget, note
+
+
 def auto_checkpointing(
     modules: Sequence[StageModule],
     stage_ids: Sequence[int],
@@ -273,7 +338,9 @@ def auto_checkpointing(
 ) -> CheckpointPlan:
     """Plan this rank's checkpointed layers for `config`'s microbatch shape and the device's memory (or
     train.memory_gb); measures one layer's activations on a throwaway copy of it (random weights), split over
-    `tp_mesh` as the run's layers are (every rank of it measures)."""
+    `tp_mesh` as the run's layers are (every rank of it measures). A CPU's plan is `cpu_checkpointing`'s."""
+    if device.type != "cuda":
+        return cpu_checkpointing(modules, pp_rank, config, resolved, device, tp_mesh)
     microbatch, seq = config.microbatch_size, config.data.max_length
     layer_bytes, input_bytes = measure_layer_memory(config, resolved, device, microbatch, seq, tp_mesh)
     budget = memory_budget(config, device)
@@ -294,6 +361,115 @@ def auto_checkpointing(
     return plan_checkpointing(stage_layers, timeline, layer_bytes, input_bytes, fixed, budget, host, hides, grows)
 
 
+def cpu_checkpointing(
+    modules: Sequence[StageModule],
+    pp_rank: int,
+    config: Config,
+    resolved: ResolvedModel,
+    device: torch.device,
+    tp_mesh: DeviceMesh | None = None,
+) -> CheckpointPlan:
+    """`auto_checkpointing` on a CPU (`cpu_plan`), from what this process holds now (its heap trimmed: what loading
+    freed is not held) and a layer measured on the CPU; the budget is train.memory_gb, else `cpu_budget`, read once
+    every rank has loaded its stages."""
+    if config.train.memory_gb <= 0 and dist.is_available() and dist.is_initialized():
+        dist.barrier()  # every rank's stages loaded: what they hold is gone from what is available
+    trim_heap()
+    held = resident_bytes()
+    budget, note = (config.train.memory_gb * GB, "") if config.train.memory_gb > 0 else cpu_budget()
+    measured = measure_layer_memory(config, resolved, device, config.microbatch_size, config.data.max_length, tp_mesh)
+    trainable = sum(
+        local_part(param).numel() for module in modules for param in module.parameters() if param.requires_grad
+    )
+    last = next((module for module in modules if module.is_last), None)
+    vocab = last.lm_head.weight.shape[0] if last is not None else 0
+    stage_layers = [len(module.layers) for module in modules]
+    plan = cpu_plan(config, resolved.config, pp_rank, stage_layers, trainable, vocab, measured, held, budget)
+    plan.budget_note = note
+    return plan
+
+
+def cpu_plan(
+    config: Config,
+    model_config: PretrainedConfig,
+    pp_rank: int,
+    stage_layers: Sequence[int],
+    trainable: int,
+    vocab: int,
+    measured: tuple[float, float],
+    held: float,
+    budget: float,
+) -> CheckpointPlan:
+    """A CPU rank's plan, where the peak to plan is the process's resident memory (what train.memory_gb and the
+    host's memory bound): what it `held` before its first step (Python, torch and the other libraries, the data,
+    the tokenizer, the stages' weights), CPU_STEP_FIXED, the free heap the trimmer allows (heap.TRIM_SLACK) and what
+    the step adds, counted CPU_HEAP times: the `trainable` adapter parameters' gradients and AdamW moments, the
+    layers' activations as the schedule holds them (`measured`: one layer's activation and input bytes), the
+    backward's working set and, on the rank with the loss (`vocab` > 0), its workspace (the plain loss:
+    `cpu_loss_bytes` a logit). Validation's forward-only steps peak apart: each microbatch's output of the step
+    held (on the last stage the logits), one layer's forward and the loss of one microbatch. A CPU has no host
+    memory apart to offload to."""
+    layer_bytes, input_bytes = measured
+    last = vocab > 0
+    same, grows = row_extras(config, model_config, config.data.max_length, last, vocab, cpu=True)
+    start = held + CPU_STEP_FIXED * GB + TRIM_SLACK
+    fixed = start + CPU_HEAP * (OPTIMIZER_BYTES * trainable + same)
+    timeline = rank_timeline(config.parallel, pp_rank)
+    heap = CPU_HEAP
+    plan = plan_checkpointing(
+        stage_layers, timeline, heap * layer_bytes, heap * input_bytes, fixed, budget, 0.0, False, heap * grows
+    )
+    validation = start + heap * validation_bytes(config, model_config, last, vocab, layer_bytes)
+    plan.peak_bytes = max(plan.peak_bytes, validation)
+    return plan
+
+
+def predict_cpu_plans(config: Config, resolved: ResolvedModel, held: float, budget: float) -> list[CheckpointPlan]:
+    """Each pipeline rank's `cpu_plan` for `config` without running it: the layers split as the run splits them by
+    default (before its data's lengths are known), the adapters counted per layer, a layer measured on this CPU,
+    each rank holding `held` bytes before its first step."""
+    from pipetune.model.split import run_split
+
+    p = config.parallel
+    ranges = run_split(config, resolved.config)[1]
+    per_layer = _trainable_per_layer(config, resolved)
+    cpu, microbatch, seq = torch.device("cpu"), config.microbatch_size, config.data.max_length
+    measured = measure_layer_memory(config, resolved, cpu, microbatch, seq)
+    plans = []
+    for rank in range(p.pp):
+        stages = p.stage_ids(rank)
+        stage_layers = [len(ranges[s]) for s in stages]
+        vocab = resolved.config.vocab_size if len(ranges) - 1 in stages else 0
+        trainable = per_layer * sum(stage_layers)
+        plans.append(cpu_plan(config, resolved.config, rank, stage_layers, trainable, vocab, measured, held, budget))
+    return plans
+
+
+def cpu_loss_bytes(config: Config) -> float:
+    """The plain loss's bytes a logit on a CPU (CPU_LOSS_BYTES)."""
+    element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
+    return CPU_LOSS_BYTES + (4 if config.parallel.pipelined or element != 4 else 0)
+
+
+def validation_bytes(config: Config, model_config: PretrainedConfig, last: bool, vocab: int, layer: float) -> float:
+    """What a CPU rank's validation step holds at its peak beside what it held before: the outputs of the step's
+    microbatches (a pipeline's forward-only step keeps each until the step ends; on the last stage the logits, or
+    with train.fused_loss the final hidden states), one layer's forward (`layer`: at most what the layer keeps
+    for backward) and the loss of one microbatch (the plain loss: its log-softmax in float32, and a float32 copy
+    of logits of another dtype)."""
+    d, p, microbatch = config.data, config.parallel, config.microbatch_size
+    element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
+    plain = last and config.train.fused_loss is not True
+    width = vocab if plain else model_config.hidden_size
+    outputs = (p.n_microbatches if p.pipelined else 1) * microbatch * d.max_length * width * element
+    loss = 0.0
+    if plain:
+        loss = microbatch * d.max_length * vocab * (4 + (4 if element != 4 else 0))
+    elif last:
+        loss = loss_bytes(config, vocab)
+    return outputs + layer + loss
+
+
 def check_plans_fit(plan: CheckpointPlan, config: Config, device: torch.device) -> None:
     """Stop every rank before step 1 when any rank's "auto" plan, made from a layer measured on its own device,
     predicts more than its budget even with every layer recomputed and offloaded as far as the host holds: each
@@ -307,22 +483,29 @@ def check_plans_fit(plan: CheckpointPlan, config: Config, device: torch.device) 
     if dist.is_available() and dist.is_initialized():
         verdicts = [torch.empty(3, dtype=torch.float64, device=device) for _ in range(dist.get_world_size())]
         dist.all_gather(verdicts, mine.to(device))
-    refuse_unfit([v.tolist() for v in verdicts], config)
+    refuse_unfit([v.tolist() for v in verdicts], config, cpu=device.type != "cuda")
 
 
-def refuse_unfit(verdicts: Sequence[Sequence[float]], config: Config) -> None:
+def refuse_unfit(verdicts: Sequence[Sequence[float]], config: Config, cpu: bool = False) -> None:
     """`check_plans_fit`'s decision from each rank's (predicted peak bytes, budget bytes, tokens of the longest row
-    that fits)."""
+    that fits); `cpu`: the ranks' plans are CPU plans (`cpu_checkpointing`)."""
     unfit = [(rank, v) for rank, v in enumerate(verdicts) if v[0] > v[1]]
     if not unfit:
         return
     rank, (peak, budget, longest) = min(unfit, key=lambda item: item[1][2])
+    if cpu:
+        budget_of = "train.memory_gb, else its share of the memory available on this machine"
+        predicts = "predicts a peak resident memory of"
+        modes = "with every layer recomputed"
+    else:
+        budget_of = "train.memory_gb, else the GPU's"
+        predicts = "predicts"
+        modes = "with the margin even with every layer recomputed and as many inputs in host memory as it holds"
     raise ConfigError(
         f"data.max_length = {config.data.max_length} does not fit rank {rank}'s {budget / GB:.3g} GB "
-        '(train.memory_gb, else the GPU\'s): "auto", with a layer measured on the device, predicts '
-        f"{peak / GB:.3g} GB with the margin even with every layer recomputed and as many inputs in host memory as "
-        f"it holds; the longest row that would fit is about {int(longest)} tokens with {config.microbatch_size} "
-        f"sequence(s) a microbatch; {ROW_REMEDY}"
+        f'({budget_of}): "auto", with a layer measured on the device, {predicts} {peak / GB:.3g} GB '
+        f"{'even ' if cpu else ''}{modes}; the longest row that would fit is about {int(longest)} tokens with "
+        f"{config.microbatch_size} sequence(s) a microbatch; {ROW_REMEDY}"
     )
 
 
@@ -338,25 +521,28 @@ def mlp_workspace_bytes(config: Config, model_config: PretrainedConfig, microbat
 
 def memory_budget(config: Config, device: torch.device | None = None) -> float:
     """Memory per rank to plan for: train.memory_gb, else the GPU's (the first one's when no device is named),
-    else unlimited (a CPU)."""
+    else, for a rank on a CPU (`device`), the host's (`cpu_budget`), else unlimited (the checks before any process
+    starts, on a machine without a GPU)."""
     if config.train.memory_gb > 0:
         return config.train.memory_gb * GB
     if device is None and torch.cuda.is_available():
         device = torch.device("cuda", 0)
     if device is not None and device.type == "cuda":
         return float(torch.cuda.get_device_properties(device).total_memory)
+    if device is not None:
+        return cpu_budget()[0]
     return float("inf")
 
 
-def loss_bytes(config: Config, vocab: int) -> float:
-    """The last stage's loss workspace: [rows, vocab] logits in float32 and their gradient, for a whole microbatch,
-    or (train.fused_loss) for its supervised rows (at most max_summary_tokens + 1 per sequence) a chunk of
-    train.loss_chunk rows at a time."""
+def loss_bytes(config: Config, vocab: int, per_logit: float = 10) -> float:
+    """The last stage's loss workspace: [rows, vocab] logits in float32 and their gradient, for a whole microbatch
+    (`per_logit` bytes each: on a CPU CPU_LOSS_BYTES), or (train.fused_loss) for its supervised rows (at most
+    max_summary_tokens + 1 per sequence) a chunk of train.loss_chunk rows at a time."""
     t, d, microbatch = config.train, config.data, config.microbatch_size
     if t.fused_loss is True:
         rows = min(t.loss_chunk, microbatch * min(d.max_length, d.max_summary_tokens + 1))
         return rows * vocab * 12
-    return microbatch * d.max_length * vocab * 10
+    return microbatch * d.max_length * vocab * per_logit
 
 
 def measure_layer_memory(
@@ -366,11 +552,32 @@ def measure_layer_memory(
     batch: int,
     seq: int,
     tp_mesh: DeviceMesh | None = None,
-) -> tuple[int, int]:
+) -> tuple[float, int]:
     """(activation bytes one decoder layer keeps for backward, bytes of its input) for a microbatch of
     [batch, seq], with the run's dtype, adapters and LoRA path, on a fresh random copy of one layer (this rank's
     part of it when split over `tp_mesh`; on the meta device: a shape-only copy, no memory, what a CUDA run would
-    keep). Measured eagerly; a compiled layer keeps COMPILED_ACTIVATIONS of that."""
+    keep). Measured eagerly; a compiled layer keeps COMPILED_ACTIVATIONS of that. On a CPU, measured on one
+    sequence of CPU_PROBE_TOKENS and of twice that, and scaled to [batch, seq] (a term in the tokens' square
+    where the second keeps more than twice the first: a layer whose attention keeps its [seq, seq] weights)."""
+    probe = CPU_PROBE_TOKENS
+    if device.type == "cpu" and tp_mesh is None and batch * seq > 2 * probe:
+        short, inputs = _measure_layer(config, resolved, device, 1, probe, None)
+        long = _measure_layer(config, resolved, device, 1, 2 * probe, None)[0]
+        square = max(0.0, long - 2 * short) / (2 * probe * probe)  # short = a p + b p², long = 2 a p + 4 b p²
+        linear = (short - square * probe * probe) / probe
+        return batch * (linear * seq + square * seq * seq), batch * seq * inputs // probe
+    return _measure_layer(config, resolved, device, batch, seq, tp_mesh)
+
+
+def _measure_layer(
+    config: Config,
+    resolved: ResolvedModel,
+    device: torch.device,
+    batch: int,
+    seq: int,
+    tp_mesh: DeviceMesh | None,
+) -> tuple[float, int]:
+    """`measure_layer_memory` at [batch, seq] itself."""
     shape_only = dataclasses.replace(resolved, weights_dir=None)  # values do not matter: no checkpoint read
     # MLPs in chunks as the run's layers.
     chunk = mlp_chunk_tokens(config.train, config.data.max_length, config.parallel.tp)
@@ -506,18 +713,20 @@ def row_costs(
     return RowCosts(microbatch * layer / ROW_PROBE, microbatch * inputs / ROW_PROBE, grows / ROW_PROBE, fixed + same)
 
 
-def row_extras(config: Config, model_config: PretrainedConfig, seq: int, last: bool, vocab: int) -> tuple[float, float]:
+def row_extras(
+    config: Config, model_config: PretrainedConfig, seq: int, last: bool, vocab: int, cpu: bool = False
+) -> tuple[float, float]:
     """Besides the layers' activations, the bytes of a microbatch of `seq`-token rows that do not grow with the row
     (first) and those that do (second), the one rule of the run's "auto" plan and of the longest row: the MLP's
     workspace (a chunk's where train.mlp_chunk cuts rows this long, else the whole row's) and, on the rank that
     holds the loss (`last`, `vocab` columns), the loss's (train.fused_loss: a chunk of supervised rows; else the
-    whole microbatch's logits)."""
+    whole microbatch's logits, CPU_LOSS_BYTES each on a `cpu`)."""
     long = _with_rows(config, seq)
     workspace = mlp_workspace_bytes(long, model_config, config.microbatch_size, seq)
     chunked = mlp_chunk_tokens(config.train, seq, config.parallel.tp) > 0
     same, grows = (workspace, 0.0) if chunked else (0.0, workspace)
     if last:
-        loss = loss_bytes(long, vocab)
+        loss = loss_bytes(long, vocab, cpu_loss_bytes(config) if cpu else 10)
         same, grows = (same + loss, grows) if config.train.fused_loss is True else (same, grows + loss)
     return same, grows
 

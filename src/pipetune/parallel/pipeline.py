@@ -147,8 +147,15 @@ class PipelineRunner:
 
     @torch.no_grad()
     def eval_step(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
-        """Forward only (the schedule's eval): the summed loss on the last stage, None elsewhere."""
-        return self._run(self.schedule.eval, input_ids, labels, None)
+        """Forward only (the schedule's eval): the summed loss on the last stage, None elsewhere. A forward-only
+        step keeps every microbatch's output until the next step starts (no backward takes them): on the last
+        stage the logits of the whole batch, which validation's own stages would hold through the training steps
+        that follow (8,192-token rows of SmolLM2: 3.2 GB). They go when the step ends."""
+        try:
+            return self._run(self.schedule.eval, input_ids, labels, None, **self._step_options)
+        finally:
+            for stage in self.stages:
+                stage.clear_runtime_states()
 
     def _run(
         self, run, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None, **options
