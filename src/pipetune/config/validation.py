@@ -214,14 +214,19 @@ def _check_train(t: TrainConfig, d: DataConfig) -> None:
         t.max_steps == -1 or t.max_steps >= 1,
         f"train.max_steps = {t.max_steps} must be -1 (no cap) or at least 1",
     )
+    _check(t.save_every >= 0, f"train.save_every = {t.save_every} must be >= 0 (0: checkpoints at epoch ends only)")
+    _check(t.resume in RESUME_MODES, f"train.resume = {t.resume!r} is unknown; use one of {', '.join(RESUME_MODES)}")
+    _check(t.eval_every >= 0, f"train.eval_every = {t.eval_every} must be >= 0 (0: at epoch ends only)")
+    _check_train_numbers(t)
+
+
+def _check_train_numbers(t: TrainConfig) -> None:
+    """train's real-valued keys: the optimizer's, the memory plan's, the schedule's floor."""
     _check(t.lr > 0 and math.isfinite(t.lr), f"train.lr = {t.lr} must be positive and finite")
     _check(
         t.weight_decay >= 0 and math.isfinite(t.weight_decay),
         f"train.weight_decay = {t.weight_decay} must be >= 0 and finite (e.g. 0.01)",
     )
-    _check(t.save_every >= 0, f"train.save_every = {t.save_every} must be >= 0 (0: checkpoints at epoch ends only)")
-    _check(t.resume in RESUME_MODES, f"train.resume = {t.resume!r} is unknown; use one of {', '.join(RESUME_MODES)}")
-    _check(t.eval_every >= 0, f"train.eval_every = {t.eval_every} must be >= 0 (0: at epoch ends only)")
     _check(math.isfinite(t.memory_gb), f"train.memory_gb = {t.memory_gb} must be a finite number of GB (e.g. 80)")
     _check(
         t.memory_gb >= 0,
