@@ -230,11 +230,7 @@ def main() -> int:
     print(f"\nfact recall: whole {100 * recall['whole']:.1f}% vs cut {100 * recall['cut']:.1f}%: {times} "
           f"(target >= {args.target:g}x): {'met' if met else 'NOT met'}")  # fmt: skip
     summary = {
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": " ".join(sys.argv),
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "model": args.model,
+        **run_header(args),
         "steps": whole.train.max_steps,
         "tokens_per_step": {
             "whole": whole.train.batch_size * whole.data.max_length,
@@ -247,7 +243,7 @@ def main() -> int:
         "ratio": ratio,
         "target_met": met,
     }
-    (Path(args.out) / "result.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    write_result(args, summary)
     return 0 if met else 1
 
 
@@ -298,17 +294,28 @@ def vary(args: argparse.Namespace) -> int:
     first = next(iter(rows.values()))
     print(f"{first['n_examples']} held-out whole meetings ({first['n_facts']} facts), greedy\n" + "\n".join(lines))
     summary = {
+        **run_header(args),
+        "vary": key,
+        "results": rows,
+    }
+    write_result(args, summary)
+    return 0
+
+
+def run_header(args: argparse.Namespace) -> dict:
+    """What every result.json begins with: when, how, on what."""
+    return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": " ".join(sys.argv),
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu",
         "torch": torch.__version__,
         "model": args.model,
-        "vary": key,
-        "results": rows,
     }
+
+
+def write_result(args: argparse.Namespace, summary: dict) -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "result.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
-    return 0
 
 
 def table(results: dict, whole, cut, cap: int, in_view: dict[str, float]) -> str:
