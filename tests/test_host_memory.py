@@ -93,8 +93,8 @@ def test_the_smollm2_cpu_configs_plan_within_what_their_headers_state(name: str,
     """A SmolLM2 step costs 15 s (512-token rows) to several minutes (whole meetings) on 2 cores: their peaks were
     measured by hand (the headers); here each rank's plan for a 16 GB laptop fits, and predicts no more than the
     header states. The plan is an upper bound on the measured peak (the test above, and the demo's test)."""
-    config = resolve(load_config(name), Hardware(False)).config
-    resolved = resolve_model(config.model)
+    resolved = resolve_model(load_config(name).model)
+    config = resolve(load_config(name), Hardware(False), vocab=resolved.config.vocab_size).config
     budget = WORKER_HELD + 0.9 * LAPTOP_AVAILABLE / 2  # cpu_budget on that laptop, for each of the two workers
     plans = predict_cpu_plans(config, resolved, WORKER_HELD, budget)
     cap = _header_gb(name, r"the plan predicts at most ([\d.]+) GB a worker")

@@ -57,6 +57,10 @@ def test_the_cpu_runs_the_plain_path() -> None:
     why = {choice.key: choice.why for choice in speed.choices}["train.activation_checkpointing"]
     assert c.train.activation_checkpointing == AUTO and why.endswith("on a CPU, its share of the host's")
     assert resolve(_config("demo", "train.memory_gb=2"), CPU).config.train.activation_checkpointing == AUTO
+    # the fused loss where a microbatch's float32 logits reach 1 GB: SmolLM2's whole meetings, not its 512-token rows
+    meetings = resolve(_config("demo-smollm2-meetings"), CPU, vocab=49152)
+    assert meetings.config.train.fused_loss is True and "1.6 GB of logits a microbatch >= 1 GB" in meetings.line()
+    assert resolve(_config("demo-smollm2"), CPU, vocab=49152).config.train.fused_loss is False
 
 
 @pytest.mark.parametrize(

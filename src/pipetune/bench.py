@@ -88,8 +88,9 @@ def run_bench(
     unknown = [s for s in strategies if s not in RUN_STRATEGIES]
     if unknown:
         raise ConfigError(f"--strategies {unknown} unknown; available: {', '.join(RUN_STRATEGIES)}")
-    counted = resolve(config, Hardware.here()).config  # the switches the FLOP count depends on (the fused loss)
-    prepared = prepare(counted)
+    prepared = prepare(resolve(config, Hardware.here()).config)
+    vocab = prepared.model.config.vocab_size
+    counted = resolve(config, Hardware.here(), vocab=vocab).config  # the switches the FLOP count depends on (the loss)
     share = training_attention_share(counted, prepared.prompts)  # packed rows attend within their samples
     costs, _ = run_split(counted, prepared.model.config, share)  # with the fused loss: the head on supervised rows
     flops_per_token = prepared.n_layers * costs.layer + costs.head

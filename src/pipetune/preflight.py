@@ -52,12 +52,15 @@ def preflight(config: Config, world_size: int, speak: bool = True, hardware: Har
     """All checks for a training run of world_size processes, of its speed switches resolved for `hardware` (this
     machine's by default), then the resolved model and tokenizer. `speak`: say the checks' warnings and notes (a
     launcher does, for all its workers; they check again in silence)."""
-    speed = resolve(config, hardware or Hardware.here())
-    config = speed.config
+    asked = config
+    hardware = hardware or Hardware.here()
+    config = resolve(config, hardware).config
     check_data_source(config.data)
     check_layout(config, world_size)
     check_loggers(config.output.loggers)
     prepared = prepare(config, speak)
+    speed = resolve(asked, hardware, vocab=prepared.model.config.vocab_size)  # a CPU's loss by its logits' size
+    config = speed.config
     check_packing(config, prepared.model.config)
     if config.model.quantize == "fp8" and not config.train.compile:  # FP8 matmuls this GPU runs: say how they pay
         _say(

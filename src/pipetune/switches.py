@@ -28,7 +28,9 @@ The rules and the measurements behind them (benchmarks/journal, one H200 or H100
   H200: 4 microbatches of 4 rows fastest, wave 8).
 - CPU: the plain path (PEFT's adapters, eager layers, the plain loss); checkpointing planned, as on a GPU, for each
   rank's memory: train.memory_gb, else its share of what the machine has available (parallel/memory.py:
-  cpu_budget), so that a run fits the machine it starts on without a setting.
+  cpu_budget), so that a run fits the machine it starts on without a setting. The fused loss where a microbatch's
+  float32 logits reach CPU_FUSED_LOSS_BYTES: SmolLM2's whole meetings (one 8,192-token row, 49,152 entries) held
+  ~6.4 GB on the last worker for the plain loss's logits, their gradient and log-softmax (2026-12-06).
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ two streams made it 20-30% slower still, where on whole meetings (~7,400 tokens)
 (2026-12-02-documents-streams-and-plans-one-h200.md). Shorter documents run on the current stream
 (`_on_streams`), and a run whose samples are shorter on average hears that flex is likely faster
 (`documents_advice`)."""
+CPU_FUSED_LOSS_BYTES = 1e9
+"""On a CPU, the fused loss from a microbatch's float32 logits of this size (the plain loss holds ~3x them)."""
 MLP_CHUNK_AUTO = (32768, 8192)
 """train.mlp_chunk = "auto": rows of at least this many tokens run their MLPs in chunks of this many."""
 SWITCHES = (
@@ -142,9 +146,10 @@ class Resolution:
         write_atomic(path, json.dumps(record, indent=1) + "\n")
 
 
-def resolve(config: Config, hardware: Hardware, lengths: torch.Tensor | None = None) -> Resolution:
+def resolve(config: Config, hardware: Hardware, lengths: torch.Tensor | None = None, vocab: int = 0) -> Resolution:
     """`config` with every "auto" switch replaced for `hardware` (a copy), in dependency order. `lengths`: the
-    training samples' tokens where known (the packed attention kernel is chosen by them; unknown: "flex")."""
+    training samples' tokens where known (the packed attention kernel is chosen by them; unknown: "flex");
+    `vocab`: the model's vocabulary where known (on a CPU the loss is chosen by its logits' size; unknown: plain)."""
     config = copy.deepcopy(config)
     t, lora, p = config.train, config.lora, config.parallel
     choices: list[Choice] = []
@@ -164,12 +169,12 @@ def resolve(config: Config, hardware: Hardware, lengths: torch.Tensor | None = N
     decide(lora, "adapter_in_matmul", "lora.adapter_in_matmul", _in_matmul(config, gpu, fast is True))
     compiled = decide(t, "compile", "train.compile", _compile(config, gpu))
     decide(t, "layers_per_graph", "train.layers_per_graph", _per_graph(config, compiled is True))
-    decide(t, "fused_loss", "train.fused_loss", (gpu, "GPU") if gpu else (False, "CPU"))
+    m = decide(p, "n_microbatches", "parallel.n_microbatches", _microbatches(config))
+    decide(t, "fused_loss", "train.fused_loss", _fused_loss(config, gpu, m, vocab))
     kernel = decide(t, "packed_attention", "train.packed_attention", _kernel(config, gpu, lengths))
     decide(t, "activation_checkpointing", "train.activation_checkpointing", _checkpointing(config, gpu))
     decide(t, "cuda_graphs", "train.cuda_graphs", _graphs(config, gpu, compiled is True, kernel))
     decide(t, "mlp_chunk", "train.mlp_chunk", (AUTO, "8,192-token chunks at rows of 32,768 or more"))
-    decide(p, "n_microbatches", "parallel.n_microbatches", _microbatches(config))
     return Resolution(config, choices)
 
 
@@ -230,6 +235,16 @@ def _per_graph(config: Config, compiled: bool) -> tuple[int, str]:
     if p.sharded or p.tensor_parallel:
         return 1, "one layer a graph under FSDP / tp"
     return LAYERS_PER_GRAPH, f"{LAYERS_PER_GRAPH} layers a graph"
+
+
+def _fused_loss(config: Config, gpu: bool, microbatches: Any, vocab: int) -> tuple[bool, str]:
+    if gpu:
+        return True, "GPU"
+    if not vocab or not isinstance(microbatches, int) or microbatches < 1:
+        return False, "CPU"
+    logits = max(1, config.train.batch_size // microbatches) * config.data.max_length * vocab * 4
+    big, limit = logits >= CPU_FUSED_LOSS_BYTES, f"{CPU_FUSED_LOSS_BYTES / 1e9:.0f} GB"
+    return big, f"CPU, {logits / 1e9:.1f} GB of logits a microbatch {'>=' if big else '<'} {limit}"
 
 
 def _kernel(config: Config, gpu: bool, lengths: torch.Tensor | None) -> tuple[str, str]:

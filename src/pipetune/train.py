@@ -126,7 +126,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     torch.manual_seed(t.seed + mesh.replica_rank)
 
     data = build_data(prepared.speed.config, env, prepared, run_dir, say)
-    speed = resolve(config, hardware, data.real_tokens)  # the attention kernel by the samples' lengths
+    speed = resolve(config, hardware, data.real_tokens, prepared.model.config.vocab_size)  # kernel: by the lengths
     config, t = speed.config, speed.config.train
     if data.packing and t.packed_attention == "documents":  # cuDNN's plans for them, built in the first step
         expect_document_lengths(data.real_tokens)  # the samples' (pad tails take no attention there)
