@@ -44,3 +44,55 @@ def profiled(step: int, rank: int, device: torch.device) -> Iterator[None]:
     if trace_dir := os.environ.get(TRACE_ENV):
         os.makedirs(trace_dir, exist_ok=True)
         profiler.export_chrome_trace(os.path.join(trace_dir, f"trace-rank{rank}.json.gz"))
+
+
+class CompileLog:
+    """What torch.compile spent since the last `line`: its graphs, its time (dynamo's tracing, the compilers
+    behind it, the backward's compiled at its first call) and what its caches served. A compiled run's first
+    step is mostly this; the line says where it went, and whether a warm cache was found (AOTAutograd's cache,
+    inductor's FX graphs)."""
+
+    KEYS = ("bytecode_tracing", "_compile.compile_inner", "OutputGraph.call_user_compiler", "backward._backward_impl")
+    COUNTS = (
+        ("stats", "unique_graphs"),
+        ("aot_autograd", "autograd_cache_hit"),
+        ("aot_autograd", "autograd_cache_miss"),
+        ("inductor", "fxgraph_cache_hit"),
+        ("inductor", "fxgraph_cache_miss"),
+    )
+
+    def __init__(self) -> None:
+        self.seen = self._read()
+
+    @classmethod
+    def _read(cls) -> dict[str, float]:
+        try:  # torch's own record of its compilations (torch._dynamo.utils): nothing where it is not there
+            from torch._dynamo.utils import compile_times, counters
+
+            names, values = compile_times(repr="csv", aggregate=True)
+            times = dict(zip(names, values, strict=True))
+            read = {key: float(times.get(key, 0.0)) for key in cls.KEYS}
+            read.update({f"{a}.{b}": float(counters[a][b]) for a, b in cls.COUNTS})
+            return read
+        except Exception:  # noqa: BLE001 - a private record: its absence must not stop a run
+            return {}
+
+    def line(self) -> str:
+        """ "compile: ..." for what was compiled since the last call; "" where nothing was."""
+        now = self._read()
+        new = {key: now[key] - self.seen.get(key, 0.0) for key in now}
+        self.seen = now
+        total = new.get("_compile.compile_inner", 0.0) + new.get("backward._backward_impl", 0.0)
+        if total < 0.5:
+            return ""
+        tracing = new["bytecode_tracing"]
+        compilers = new["OutputGraph.call_user_compiler"] + new["backward._backward_impl"]
+        graphs = int(new["stats.unique_graphs"])
+        hits, misses = int(new["inductor.fxgraph_cache_hit"]), int(new["inductor.fxgraph_cache_miss"])
+        aot_hits, aot_misses = int(new["aot_autograd.autograd_cache_hit"]), int(new["aot_autograd.autograd_cache_miss"])
+        return (
+            f"compile: {graphs} graph{'s' if graphs != 1 else ''} in {total:.1f} s (dynamo's tracing {tracing:.1f} s, "
+            f"the compilers {compilers:.1f} s, guards and the rest {total - tracing - compilers:.1f} s); caches: "
+            f"AOTAutograd {aot_hits} hit{'s' if aot_hits != 1 else ''} / {aot_misses} missed, inductor's FX graphs "
+            f"{hits} hit{'s' if hits != 1 else ''} / {misses} missed"
+        )

@@ -64,7 +64,7 @@ from pipetune.parallel.torch_compat import (
 )
 from pipetune.parallel.tp import sum_partial_gradients
 from pipetune.preflight import Prepared, epoch_steps, preflight
-from pipetune.profile import profiled
+from pipetune.profile import CompileLog, profiled
 from pipetune.run_lock import record_launch, restarted_launch
 from pipetune.schedules import SCHEDULES
 from pipetune.switches import Hardware, resolve
@@ -191,12 +191,15 @@ def run_steps(loop: Loop, position: Position, checkpoints: CheckpointSettings) -
     """Every optimizer step from `position` to the run's last, each followed by what the cadence asks: a metrics
     row (with validation), a checkpoint holding the position after it."""
     data, config = loop.data, loop.config
+    compiled = CompileLog()
     for epoch, index, batches, lengths in data.steps_from(position):
         with profiled(loop.step + 1, loop.env.rank, loop.env.device):  # PIPETUNE_PROFILE_STEP, for diagnosis
             lr = run_step(loop, batches, lengths)
         while PLAN_BUILDS:
             count, seconds, passes = PLAN_BUILDS.pop(0)
             loop.say(f"packed attention: cuDNN's {passes} plans for {count} document lengths built in {seconds:.1f} s")
+        if said := compiled.line():
+            loop.say(said)
         loop.hooks.after_step(loop.step, saved=False)
         epoch_end = index == data.epoch_steps[epoch] - 1
         log, evaluate, save = cadence(config, loop.step, data.total_steps, epoch_end, data.validation is not None)
