@@ -24,7 +24,7 @@ def test_the_compile_line_says_where_the_first_steps_time_went(monkeypatch: pyte
     log = CompileLog()
     assert log.line() == (
         "compile: 2 graphs in 41.5 s (dynamo's tracing 6.0 s, the compilers 31.5 s, guards and the rest 4.0 s); "
-        "caches: AOTAutograd 2 hits / 0 missed, inductor's FX graphs 4 hits / 0 missed"
+        "caches: AOTAutograd 2 hits / 0 missed / 0 bypassed, inductor's FX graphs 4 hits / 0 missed"
     )
     assert log.line() == ""  # the next step compiled nothing
 

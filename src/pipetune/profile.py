@@ -57,6 +57,7 @@ class CompileLog:
         ("stats", "unique_graphs"),
         ("aot_autograd", "autograd_cache_hit"),
         ("aot_autograd", "autograd_cache_miss"),
+        ("aot_autograd", "autograd_cache_bypass"),
         ("inductor", "fxgraph_cache_hit"),
         ("inductor", "fxgraph_cache_miss"),
     )
@@ -78,7 +79,7 @@ class CompileLog:
             return {}
 
     def line(self) -> str:
-        """ "compile: ..." for what was compiled since the last call; "" where nothing was."""
+        """The "compile: ..." line for what was compiled since the last call; "" where nothing was."""
         now = self._read()
         new = {key: now[key] - self.seen.get(key, 0.0) for key in now}
         self.seen = now
@@ -89,10 +90,10 @@ class CompileLog:
         compilers = new["OutputGraph.call_user_compiler"] + new["backward._backward_impl"]
         graphs = int(new["stats.unique_graphs"])
         hits, misses = int(new["inductor.fxgraph_cache_hit"]), int(new["inductor.fxgraph_cache_miss"])
-        aot_hits, aot_misses = int(new["aot_autograd.autograd_cache_hit"]), int(new["aot_autograd.autograd_cache_miss"])
+        aot = [int(new[f"aot_autograd.autograd_cache_{k}"]) for k in ("hit", "miss", "bypass")]
         return (
             f"compile: {graphs} graph{'s' if graphs != 1 else ''} in {total:.1f} s (dynamo's tracing {tracing:.1f} s, "
             f"the compilers {compilers:.1f} s, guards and the rest {total - tracing - compilers:.1f} s); caches: "
-            f"AOTAutograd {aot_hits} hit{'s' if aot_hits != 1 else ''} / {aot_misses} missed, inductor's FX graphs "
-            f"{hits} hit{'s' if hits != 1 else ''} / {misses} missed"
+            f"AOTAutograd {aot[0]} hit{'s' if aot[0] != 1 else ''} / {aot[1]} missed / {aot[2]} bypassed, "
+            f"inductor's FX graphs {hits} hit{'s' if hits != 1 else ''} / {misses} missed"
         )

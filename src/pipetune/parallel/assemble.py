@@ -160,6 +160,15 @@ def parallelize(modules: list[StageModule], parallelism: Parallelism) -> None:
 
 def compile_stages(modules: Sequence[StageModule], cuda_graphs: bool = False, per_graph: int = 1) -> None:
     """The assembly's last step, on materialized stages whose checkpointed layers are settled: torch.compile
-    their layers in place (`StageModule.compile_layers`; compilation itself happens at the first forward)."""
+    their layers in place (`StageModule.compile_layers`; compilation itself happens at the first forward).
+
+    AOTAutograd's cache may keep graphs that hold custom autograd functions (lora.adapter_in_matmul's, FP8's):
+    dynamo traces their forward and backward into the graph its cache key is made of. Left at torch's default it
+    bypassed them, and a warm compile cache still traced every joint graph again: Qwen3-4B's whole-meeting run
+    spent 18.8 s of its first step in the compilers with inductor's cache warm (one H100, 2026-12-06)."""
+    from torch._functorch import config as functorch_config
+
+    if hasattr(functorch_config, "autograd_cache_allow_custom_autograd_functions"):
+        functorch_config.autograd_cache_allow_custom_autograd_functions = True
     for module in modules:
         module.compile_layers(cuda_graphs=cuda_graphs, per_graph=per_graph)
