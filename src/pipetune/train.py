@@ -195,11 +195,11 @@ def run_steps(loop: Loop, position: Position, checkpoints: CheckpointSettings) -
     for epoch, index, batches, lengths in data.steps_from(position):
         with profiled(loop.step + 1, loop.env.rank, loop.env.device):  # PIPETUNE_PROFILE_STEP, for diagnosis
             lr = run_step(loop, batches, lengths)
+        # Where a first step's time went, said even when quiet (a bench's log keeps it), by the main rank.
         while PLAN_BUILDS:
             count, seconds, passes = PLAN_BUILDS.pop(0)
-            loop.say(f"packed attention: cuDNN's {passes} plans for {count} document lengths built in {seconds:.1f} s")
-        if said := compiled.line():
-            loop.say(said)
+            _first_steps(loop, f"packed attention: cuDNN's {passes} plans, {count} document lengths, {seconds:.1f} s")
+        _first_steps(loop, compiled.line())
         loop.hooks.after_step(loop.step, saved=False)
         epoch_end = index == data.epoch_steps[epoch] - 1
         log, evaluate, save = cadence(config, loop.step, data.total_steps, epoch_end, data.validation is not None)
@@ -748,6 +748,11 @@ def save_step(loop: Loop, checkpoints: CheckpointSettings, after: Position) -> N
     saved = save_checkpoint(checkpoints, loop.state, after, loop.env.rank, loop.env.world_size)
     loop.say(f"checkpoint {saved} ({loop.metrics.window.exclude_since(started):.1f} s)")
     loop.hooks.after_step(loop.step, saved=True)
+
+
+def _first_steps(loop: Loop, line: str) -> None:
+    if line and loop.env.is_main:
+        print(line, flush=True)
 
 
 def print0(env: DistEnv, quiet: bool, message: str) -> None:
