@@ -14,6 +14,7 @@ import torch
 
 from pipetune.config import config_path, load_config
 from pipetune.heap import resident_bytes, trim_heap
+from pipetune.host_memory import HostMemory, read_host_memory
 from pipetune.model.shapes import resolve_model
 from pipetune.parallel import memory
 from pipetune.parallel.memory import GB, cpu_budget, memory_budget, predict_cpu_plans
@@ -28,7 +29,7 @@ WORKER_HELD = 0.9e9
 
 
 def test_without_memory_gb_a_cpu_rank_plans_for_its_share_of_the_hosts_memory(monkeypatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(memory, "available_host_memory", lambda: 12e9)
+    monkeypatch.setattr(memory, "read_host_memory", lambda: HostMemory(16e9, 12e9))
     monkeypatch.setattr(memory, "resident_bytes", lambda: 0.9e9)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     budget, note = cpu_budget()
@@ -43,6 +44,61 @@ def test_without_memory_gb_a_cpu_rank_plans_for_its_share_of_the_hosts_memory(mo
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert "available;" in cpu_budget()[1]  # one process: nothing to split
+    monkeypatch.setattr(memory, "read_host_memory", lambda: HostMemory(16e9, 12e9, 4e9, 3.2e9))  # a container's
+    assert cpu_budget() == (
+        0.9e9 + 0.9 * 3.2e9,
+        "the host's: this process's 0.9 GB and 90% of the 3.2 GB the cgroup leaves; train.memory_gb sets another",
+    )
+
+
+MEMINFO = "MemTotal:       15625000 kB\nMemFree:         2000000 kB\nMemAvailable:   11718750 kB\n"
+"""A 16 GB machine with 12 GB available (kB are KiB)."""
+
+
+def _host(root: Path, cgroup: str, files: dict[str, str]) -> HostMemory:
+    """read_host_memory under a fake root: /proc/meminfo, /proc/self/cgroup saying `cgroup`, and `files`."""
+    for path, text in {"proc/meminfo": MEMINFO, "proc/self/cgroup": cgroup, **files}.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(text)
+    return read_host_memory(root)
+
+
+V2 = "0::/user.slice/run\n"
+V1 = "12:memory:/docker/run\n1:cpu,cpuacct:/docker/run\n0::/\n"
+
+
+@pytest.mark.parametrize(
+    "cgroup, files",
+    [
+        ("0::/\n", {}),  # no cgroup files: a machine's own processes
+        (V2, {"sys/fs/cgroup/user.slice/run/memory.max": "max\n", "sys/fs/cgroup/memory.max": "max\n"}),
+        (V1, {"sys/fs/cgroup/memory/memory.limit_in_bytes": "9223372036854771712\n"}),  # v1's "unlimited"
+    ],
+    ids=["no cgroup", "v2 max", "v1 unlimited"],
+)
+def test_without_a_cgroup_limit_the_host_memory_is_meminfos(tmp_path: Path, cgroup: str, files: dict) -> None:
+    host = _host(tmp_path, cgroup, files)
+    assert (host.total, host.available, host.cgroup_limit, host.cgroup_bound) == (16e9, 12e9, None, False)
+
+
+def test_a_cgroup_limit_bounds_what_is_available_to_what_it_leaves(tmp_path: Path) -> None:
+    """v2 and v1: the limit less the cgroup's working set (its usage less inactive file cache), where less than
+    MemAvailable; a parent's limit binds its child; a path that the container's mount does not have reads its root."""
+    own = "sys/fs/cgroup/user.slice/run"
+    host = _host(tmp_path / "v2", V2, {f"{own}/memory.max": "4000000000", f"{own}/memory.current": "1000000000"})
+    assert (host.total, host.available, host.cgroup_bound) == (4e9, 3e9, True)
+    stat = {f"{own}/memory.stat": "anon 600000000\ninactive_file 200000000\nactive_file 200000000\n"}
+    assert _host(tmp_path / "v2", V2, stat).available == 3.2e9  # inactive cache is reclaimed before a kill
+    parent = {f"{own}/memory.max": "max", "sys/fs/cgroup/user.slice/memory.max": "3000000000"}
+    parent["sys/fs/cgroup/user.slice/memory.current"] = "2500000000"  # the child's and its siblings'
+    assert _host(tmp_path / "parent", V2, parent).available == 0.5e9
+    # cgroup v1 without a cgroup namespace: /proc/self/cgroup names /docker/run, the mount's root is the container's
+    mount = "sys/fs/cgroup/memory"
+    v1 = {f"{mount}/memory.limit_in_bytes": "6000000000", f"{mount}/memory.usage_in_bytes": "2000000000"}
+    host = _host(tmp_path / "v1", V1, v1)
+    assert (host.total, host.available, host.cgroup_limit) == (6e9, 4e9, 6e9)
+    roomy = _host(tmp_path / "roomy", V2, {f"{own}/memory.max": "64000000000", f"{own}/memory.current": "1000000000"})
+    assert (roomy.total, roomy.available, roomy.cgroup_bound) == (16e9, 12e9, False)  # MemAvailable is less
 
 
 def _run(tmp_path: Path, name: str, *overrides: str) -> tuple[str, float]:
