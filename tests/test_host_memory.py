@@ -1,5 +1,5 @@
 """Memory on a CPU: the plan's budget (train.memory_gb, else the host's share), its prediction an upper bound on the
-measured peak RSS, and the shipped CPU configs within what their headers state."""
+measured peak RSS, a container's cgroup limit respected, and the shipped CPU configs within what their headers state."""
 
 from __future__ import annotations
 
@@ -12,20 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipetune.config import config_path, load_config
+from pipetune.config import load_config
 from pipetune.heap import resident_bytes, trim_heap
 from pipetune.host_memory import HostMemory, read_host_memory
 from pipetune.model.shapes import resolve_model
 from pipetune.parallel import memory
 from pipetune.parallel.memory import GB, cpu_budget, memory_budget, predict_cpu_plans
 from pipetune.switches import Hardware, resolve
-from tests.conftest import tiny_config, write_config
-
-LAPTOP_AVAILABLE = 12e9
-"""What a 16 GB laptop has available (MemAvailable) with a desktop session running: the shipped CPU configs'
-headers state their plans for it."""
-WORKER_HELD = 0.9e9
-"""A SmolLM2 demo worker's resident memory before its first step (0.79-0.85 GB measured on a 2-core CPU)."""
+from tests.conftest import LAPTOP_WORKER_GB, WORKER_HELD, header_gb, tiny_config, write_config
 
 
 def test_without_memory_gb_a_cpu_rank_plans_for_its_share_of_the_hosts_memory(monkeypatch, tmp_path: Path) -> None:
@@ -137,13 +131,6 @@ def test_the_cpu_plan_bounds_the_measured_peak_rss_at_two_lengths(tmp_path: Path
         assert (int(planned.group(1)) > 0) == (name == "long"), line  # the long row recomputes layers to fit
 
 
-def _header_gb(name: str, pattern: str) -> float:
-    header = config_path(name).read_text().split("[model]")[0]
-    found = re.search(pattern, header.replace("\n# ", " "))
-    assert found, (name, pattern)
-    return float(found.group(1))
-
-
 @pytest.mark.parametrize("name", ["demo-smollm2", "demo-smollm2-meetings"])
 def test_the_smollm2_cpu_configs_plan_within_what_their_headers_state(name: str, smollm2: Path) -> None:
     """A SmolLM2 step costs 15 s (512-token rows) to several minutes (whole meetings) on 2 cores: their peaks were
@@ -151,9 +138,8 @@ def test_the_smollm2_cpu_configs_plan_within_what_their_headers_state(name: str,
     header states. The plan is an upper bound on the measured peak (the test above, and the demo's test)."""
     resolved = resolve_model(load_config(name).model)
     config = resolve(load_config(name), Hardware(False), vocab=resolved.config.vocab_size).config
-    budget = WORKER_HELD + 0.9 * LAPTOP_AVAILABLE / 2  # cpu_budget on that laptop, for each of the two workers
-    plans = predict_cpu_plans(config, resolved, WORKER_HELD, budget)
-    cap = _header_gb(name, r"the plan predicts at most ([\d.]+) GB a worker")
+    plans = predict_cpu_plans(config, resolved, WORKER_HELD, LAPTOP_WORKER_GB * GB)
+    (cap,) = header_gb(name, r"the plan predicts at most ([\d.]+) GB a worker")
     assert all(plan.fits for plan in plans) and max(plan.peak_bytes for plan in plans) <= cap * GB, [
         (plan.layers, plan.peak_bytes / GB) for plan in plans
     ]
