@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,20 @@ from pipetune.cli import silence_library_warnings
 from pipetune.config import Config, apply_override, save_config
 
 REPO = Path(__file__).resolve().parents[1]
+
+LAPTOP_AVAILABLE = 12e9
+"""What a 16 GB laptop has available (MemAvailable) with a desktop session running: the shipped CPU configs'
+headers state their plans for it."""
+WORKER_HELD = 0.9e9
+"""A SmolLM2 demo worker's resident memory before its first step (0.79-0.85 GB measured on a 2-core CPU)."""
+LAPTOP_WORKER_GB = (WORKER_HELD + 0.9 * LAPTOP_AVAILABLE / 2) / 1e9
+"""What cpu_budget gives each of a run's two workers on that laptop (6.3 GB): the train.memory_gb the shipped CPU
+configs' tests run under."""
+HEADER_SLACK = 1.1
+"""How far a worker's measured peak RSS may pass what its config's header states. Runs of one config on one
+machine peaked within 2% of each other and of the header (the demo's workers 0.641-0.656 GB against 0.65;
+demo-smollm2's 3.36-3.38 and 2.62-2.63 against 3.4 and 2.7, 2-core CPU); a tenth leaves room for another machine's
+libraries, and a change that grows a worker's memory by more fails."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -167,6 +182,16 @@ def tiny_config(out_dir: Path, *overrides: str) -> Config:
     ):
         apply_override(config, item)
     return config
+
+
+def header_gb(name: str, pattern: str) -> tuple[float, ...]:
+    """The figures (GB) that `pattern`'s groups find in shipped config `name`'s header comment, its lines joined."""
+    from pipetune.config import config_path
+
+    header = config_path(name).read_text().split("[model]")[0]
+    found = re.search(pattern, header.replace("\n# ", " "))
+    assert found, (name, pattern)
+    return tuple(float(group) for group in found.groups())
 
 
 def write_config(config: Config, path: Path) -> Path:

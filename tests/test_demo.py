@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from pipetune.config import config_path, load_config
+from pipetune.config import load_config
 from pipetune.metrics import SEED_COLUMNS
+from tests.conftest import HEADER_SLACK, LAPTOP_WORKER_GB, header_gb
 
 pytestmark = pytest.mark.slow  # multi-process end-to-end runs: pytest -m "not slow" leaves them out
 
@@ -30,11 +31,12 @@ def test_demo_runs_end_to_end(demo_run: tuple[Path, subprocess.CompletedProcess]
     losses = [float(r["loss"]) for r in rows[1:]]
     assert losses[-1] < losses[0]
     assert all(float(r["tokens_per_sec"]) > 0 and float(r["peak_vram_gb"]) > 0 for r in rows[1:])
-    # Each worker's peak RSS (the peak columns on a CPU) under the cap the config's header states.
-    header = (config_path("demo").read_text()).split("[model]")[0]
-    cap = float(re.search(r"under ([\d.]+) GB a worker", header).group(1))
+    # Each worker's peak RSS (the peak columns on a CPU) within what the config's header states it measured, and
+    # within the share a 16 GB laptop gives it; the header's cap bounds each worker's plan.
+    (stated,) = header_gb("demo", r"([\d.]+) GB a worker \(two")
+    (cap,) = header_gb("demo", r"under ([\d.]+) GB a worker")
     peaks = [float(r[f"peak_gb_rank{rank}"]) for r in rows[1:] for rank in (0, 1)]
-    assert 0 < max(peaks) <= cap, (peaks, cap)
+    assert 0 < max(peaks) <= min(HEADER_SLACK * stated, LAPTOP_WORKER_GB), (peaks, stated)
     # Each worker planned for its share of this machine's memory (it says so), and predicted at least its peak.
     plan = r"rank (\d): activation checkpointing \(auto\): .*; predicted peak ([\d.]+) of [\d.]+ GB \(the host's: "
     predicted = {int(rank): float(gb) for rank, gb in re.findall(plan, result.stdout)}

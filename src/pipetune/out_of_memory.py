@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from pipetune.host_memory import total_host_memory
+
 PROGRESS_ENV = "PIPETUNE_PROGRESS_DIR"
 """Set by pipetune's launcher for its workers: where each writes rank<R>.json (ProgressFile)."""
 MEMORY_EVENTS = Path("/sys/fs/cgroup/memory.events")
@@ -85,7 +87,7 @@ def killed_line(rank: int, exitcode: int, progress: dict | None, oom_kills: int 
     peak = (
         f"; its peak RSS was {progress['peak_rss_gb']:.1f} GB or more" if progress and "peak_rss_gb" in progress else ""
     )
-    limit = host_memory_limit_gb()
+    limit = total_host_memory() / 1e9
     of = f" of the {limit:.1f} GB this machine gives the run" if limit and peak else ""
     if oom_kills:
         cause = "killed by the kernel's OOM killer: host memory ran out"
@@ -104,20 +106,6 @@ def oom_kill_count() -> int | None:
     except (OSError, ValueError):
         pass
     return None
-
-
-def host_memory_limit_gb() -> float | None:
-    """The memory this process may use: the cgroup's limit where one is set, else the machine's (GB)."""
-    try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit.isdigit():
-            return int(limit) / 1e9
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    except (OSError, ValueError):
-        return None
 
 
 class ProgressFile:

@@ -199,8 +199,8 @@ class TrainConfig:
     memory_gb: float = 0.0
     """Memory per rank that activation_checkpointing = "auto" plans for, in GB; 0: the GPU's total memory, or on a
     CPU what the process holds before its first step and 90% of its share of the memory the machine has available
-    then (MemAvailable, split over the run's processes on it); the startup line says which. On a CPU the plan is of
-    the process's peak resident memory."""
+    then (MemAvailable, or what a container's cgroup limit leaves where less, split over the run's processes on it);
+    the startup line says which. On a CPU the plan is of the process's peak resident memory."""
     timeline_step: int = 0
     """Record when each stage ran each forward/backward during this optimizer step's first schedule step
     (timeline.json and timeline.png in the run directory, with the measured bubble); 0 = never."""

@@ -23,7 +23,8 @@ On a CPU (`cpu_plan`) the peak planned is the process's resident memory, which i
 the rank holds before its first step (measured: Python and the libraries, the data, the stages' weights), then what
 the step adds (its tensors, as above, CPU_HEAP times, and the free heap heap.py's trimmer allows), or validation's
 forward-only step where that holds more. The budget is train.memory_gb, else the rank's share of the memory the
-machine has available (`cpu_budget`). There is no host memory apart to offload to.
+machine has available, or its cgroup's limit leaves where less (`cpu_budget`). There is no host memory apart to
+offload to.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from transformers import PretrainedConfig
 
 from pipetune.config import Config, ConfigError, ParallelConfig
 from pipetune.heap import TRIM_SLACK, resident_bytes, trim_heap
+from pipetune.host_memory import read_host_memory, total_host_memory
 from pipetune.model.families import family_of
 from pipetune.model.load import DTYPES
 from pipetune.model.quantize import linear_shapes, stored_bytes
@@ -279,33 +281,13 @@ def offload_hides(input_bytes: float, layer_flops: float) -> bool:
     return input_bytes / HOST_BANDWIDTH <= layer_flops / LAYER_FLOPS_PER_SECOND
 
 
-def physical_host_memory() -> float:
-    """This machine's physical memory in bytes (0 where the system does not say)."""
-    try:
-        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 0.0
-
-
 def host_budget(gpus: int | None = None, physical: float | None = None) -> float:
-    """Host memory a rank may fill with offloaded inputs: HOST_SHARE of the machine's (`physical` bytes, else this
-    machine's), split over its GPUs (`gpus`, else the ones here)."""
-    physical = physical_host_memory() if physical is None else physical
+    """Host memory a rank may fill with offloaded inputs: HOST_SHARE of the machine's (`physical` bytes, else what
+    this process may use here: `total_host_memory`), split over its GPUs (`gpus`, else the ones here)."""
+    physical = total_host_memory() if physical is None else physical
     if gpus is None:
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 1
     return HOST_SHARE * physical / max(1, gpus)
-
-
-def available_host_memory() -> float:
-    """Memory this machine can give processes now, in bytes: MemAvailable (Linux), else its physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return physical_host_memory()
 
 
 def local_processes() -> int:
@@ -315,14 +297,16 @@ def local_processes() -> int:
 
 def cpu_budget() -> tuple[float, str]:
     """A CPU rank's memory without train.memory_gb, and how it was found: what the process holds now and its
-    share of what the machine has available, split over the run's local processes, less HOST_MARGIN. Read once
-    every rank has loaded its stages (what the others hold is no longer available)."""
-    held, available, n = resident_bytes(), available_host_memory(), local_processes()
-    budget = held + (1 - HOST_MARGIN) * available / n
+    share of what the machine has available (or its cgroup's limit leaves, where less: host_memory.py), split over
+    the run's local processes, less HOST_MARGIN. Read once every rank has loaded its stages (what the others hold
+    is no longer available)."""
+    held, host, n = resident_bytes(), read_host_memory(), local_processes()
+    budget = held + (1 - HOST_MARGIN) * host.available / n
     over = f" over {n} processes" if n > 1 else ""
+    source = "the cgroup leaves" if host.cgroup_bound else "available"
     note = (
-        f"the host's: this process's {held / GB:.2g} GB and {1 - HOST_MARGIN:.0%} of the {available / GB:.3g} GB "
-        f"available{over}; train.memory_gb sets another"
+        f"the host's: this process's {held / GB:.2g} GB and {1 - HOST_MARGIN:.0%} of the {host.available / GB:.3g} "
+        f"GB {source}{over}; train.memory_gb sets another"
     )
     return budget, note
 

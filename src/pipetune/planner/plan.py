@@ -24,6 +24,7 @@ from transformers import PretrainedConfig
 
 from pipetune.config import Config, ConfigError, ParallelConfig
 from pipetune.data.inspect import training_attention_share
+from pipetune.host_memory import total_host_memory
 from pipetune.model.families import family_of
 from pipetune.model.graphs import choose_cuda_graphs, graphs_untried
 from pipetune.model.shapes import ResolvedModel, one_layer_model, resolve_model
@@ -43,7 +44,6 @@ from pipetune.parallel.memory import (
     measure_layer_memory,
     memory_budget,
     offload_hides,
-    physical_host_memory,
     plan_checkpointing,
     rank_timeline,
     rank_weight_bytes,
@@ -168,7 +168,7 @@ def make_plan(
     train.memory_gb, the GPU's, else an H200's). `search`: when nothing fits, look for the changes that would.
     `attention_share`: a row's attention work against whole-row causal attention (packed rows: less; memory does
     not change, flex attention's is linear in the row like SDPA's). `host_memory`: bytes of host memory of the
-    machine that trains, which offloaded inputs fill (None: this machine's)."""
+    machine that trains, which offloaded inputs fill (None: this machine's, or its cgroup's limit where less)."""
     rates = rates or GpuRates()
     budget = default_budget(config) if budget is None else budget
     resolved = resolve_model(dataclasses.replace(config.model, init="random"))  # its config only, no weights
@@ -187,7 +187,7 @@ def make_plan(
     predictions.sort(key=lambda p: (not p.fits, -p.tokens_per_sec if p.fits else max(p.peaks), _order(p.layout)))
     sequences = config.train.batch_size * config.parallel.dp * config.train.grad_accum
     seq = config.data.max_length
-    host = physical_host_memory() if host_memory is None else host_memory
+    host = total_host_memory() if host_memory is None else host_memory
     plan = Plan(
         config.model.name,
         gpus,
@@ -774,7 +774,7 @@ def no_gpu_line(config: Config, plan: Plan) -> str | None:
     if torch.cuda.is_available():
         return None
     here = available_gpus(config)
-    same = (here, default_budget(config), physical_host_memory(), GpuRates()) == (
+    same = (here, default_budget(config), total_host_memory(), GpuRates()) == (
         plan.gpus,
         plan.budget,
         plan.host_memory,
