@@ -244,7 +244,7 @@ def _fused_loss(config: Config, gpu: bool, microbatches: Any, vocab: int) -> tup
         return False, "CPU"
     logits = max(1, config.train.batch_size // microbatches) * config.data.max_length * vocab * 4
     big, limit = logits >= CPU_FUSED_LOSS_BYTES, f"{CPU_FUSED_LOSS_BYTES / 1e9:.0f} GB"
-    return big, f"CPU, {logits / 1e9:.1f} GB of logits a microbatch {'>=' if big else '<'} {limit}"
+    return big, f"CPU, {logits / 1e9:.2g} GB of logits a microbatch {'>=' if big else '<'} {limit}"
 
 
 def _kernel(config: Config, gpu: bool, lengths: torch.Tensor | None) -> tuple[str, str]:

@@ -485,9 +485,11 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
         plan = auto_checkpointing(modules, stages.ids, mesh.pp_rank, config, prepared.model, device, mesh.tp_mesh)
         for module, count, offloaded in zip(modules, plan.layers, plan.offloaded_layers(), strict=True):
             module.set_layer_modes(count, offloaded)
-        described = plan.describe(stages.ids, [len(m.layers) for m in modules])
-        print(f"rank {env.rank}: {described}", flush=True)
-        decisions.append(described.replace("activation checkpointing (auto)", "checkpointing"))
+        layers = [len(m.layers) for m in modules]
+        print(f"rank {env.rank}: {plan.describe(stages.ids, layers)}", flush=True)
+        decisions.append(
+            plan.describe(stages.ids, layers, why=False).replace("activation checkpointing (auto)", "checkpointing")
+        )
         check_plans_fit(plan, config, device)
     cuda_graphs = t.compile and t.cuda_graphs and device.type == "cuda"
     if cuda_graphs:

@@ -150,7 +150,9 @@ class CheckpointPlan:
     def offloaded_layers(self) -> list[int]:
         return list(self.offloaded) if self.offloaded is not None else [0] * len(self.layers)
 
-    def describe(self, stage_ids: Sequence[int], stage_layers: Sequence[int]) -> str:
+    def describe(self, stage_ids: Sequence[int], stage_layers: Sequence[int], why: bool = True) -> str:
+        """The rank's plan in one line; `why`: with the budget's note (where its figure came from), which the
+        rank's own line says and the speed line, after it, leaves out."""
         parts = [
             f"stage {stage}: {k} of {n} layers" + (f" ({o} offloaded)" if o else "")
             for stage, k, o, n in zip(stage_ids, self.layers, self.offloaded_layers(), stage_layers, strict=True)
@@ -159,7 +161,7 @@ class CheckpointPlan:
             budget = "no memory limit to plan for"
         else:
             budget = f"predicted peak {self.peak_bytes / GB:.3g} of {self.budget_bytes / GB:.3g} GB"
-            budget += f" ({self.budget_note})" if self.budget_note else ""
+            budget += f" ({self.budget_note})" if self.budget_note and why else ""
         fits = "" if self.fits else " (does not fit even so: lower the microbatch or data.max_length)"
         host = f", {self.host_bytes / GB:.3g} GB in host memory" if self.host_bytes else ""
         return f"activation checkpointing (auto): {', '.join(parts)}; {budget}{host}{fits}"
