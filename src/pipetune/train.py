@@ -126,7 +126,8 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     torch.manual_seed(t.seed + mesh.replica_rank)
 
     data = build_data(prepared.speed.config, env, prepared, run_dir, say)
-    speed = resolve(config, hardware, data.real_tokens, prepared.model.config.vocab_size)  # kernel: by the lengths
+    # the attention kernel by the samples' lengths, a CPU's loss by the vocabulary
+    speed = resolve(config, hardware, data.real_tokens, prepared.model.config.vocab_size)
     config, t = speed.config, speed.config.train
     if data.packing and t.packed_attention == "documents":  # cuDNN's plans for them, built in the first step
         expect_document_lengths(data.real_tokens)  # the samples' (pad tails take no attention there)
@@ -753,6 +754,7 @@ def save_step(loop: Loop, checkpoints: CheckpointSettings, after: Position) -> N
 
 
 def _first_steps(loop: Loop, line: str) -> None:
+    """A line on where a first step's time went (cuDNN's plans, compilation), on the main rank, even when quiet."""
     if line and loop.env.is_main:
         print(line, flush=True)
 

@@ -347,7 +347,7 @@ def _build_plans(
     thread (a checkpointed layer's recomputation) builds its own there, at its first call, as any thread's first
     forward does. The backward's builds run no forward where the forward's thread has given the length's
     log-sum-exp shape (it has, before any backward): Qwen3-4B's 166 whole-meeting lengths took 7.1 s forward and
-    15.1 s forward and backward again on one H100 (2026-12-06)."""
+    15.1 s forward and backward again on one H100, then 7.5 s forward and 8.9 s backward alone (2026-12-06)."""
     shape = (backend, query.device, query.dtype, query.shape[1], key.shape[1], query.shape[3], scale)
     built = (threading.get_ident(), backward, *shape)
     if backend != CUDNN or built in _BUILT or not _EXPECTED_LENGTHS:
