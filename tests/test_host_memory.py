@@ -16,7 +16,7 @@ import torch
 from pipetune.config import load_config
 from pipetune.files import read_metrics_rows
 from pipetune.heap import resident_bytes, trim_heap
-from pipetune.host_memory import HostMemory, read_host_memory
+from pipetune.host_memory import HostMemory, oom_kills, read_host_memory
 from pipetune.model.shapes import resolve_model
 from pipetune.parallel import memory
 from pipetune.parallel.memory import GB, cpu_budget, memory_budget, predict_cpu_plans
@@ -95,6 +95,20 @@ def test_a_cgroup_limit_bounds_what_is_available_to_what_it_leaves(tmp_path: Pat
     assert (host.total, host.available, host.cgroup_limit) == (6e9, 4e9, 6e9)
     roomy = _host(tmp_path / "roomy", V2, {f"{own}/memory.max": "64000000000", f"{own}/memory.current": "1000000000"})
     assert (roomy.total, roomy.available, roomy.cgroup_bound) == (16e9, 12e9, False)  # MemAvailable is less
+
+
+def test_the_oom_kills_are_counted_in_this_processs_own_cgroup(tmp_path: Path) -> None:
+    """A launcher tells a worker the OOM killer ended by this count rising: read in the process's own cgroup (v2's
+    memory.events; the root cgroup has none), else a parent's, else v1's memory.oom_control; None where none counts."""
+    events = "low 0\nhigh 0\nmax 3\noom 1\noom_kill 2\n"
+    _host(tmp_path / "v2", V2, {"sys/fs/cgroup/user.slice/run/memory.events": events})
+    assert oom_kills(tmp_path / "v2") == 2
+    _host(tmp_path / "parent", V2, {"sys/fs/cgroup/user.slice/memory.events": events.replace("2", "5")})
+    assert oom_kills(tmp_path / "parent") == 5
+    _host(tmp_path / "v1", V1, {"sys/fs/cgroup/memory/memory.oom_control": "oom_kill_disable 0\noom_kill 1\n"})
+    assert oom_kills(tmp_path / "v1") == 1
+    _host(tmp_path / "none", V2, {})
+    assert oom_kills(tmp_path / "none") is None
 
 
 def _run(tmp_path: Path, name: str, *overrides: str) -> tuple[str, float]:

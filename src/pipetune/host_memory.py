@@ -69,6 +69,26 @@ def total_host_memory(root: str | Path = "/") -> float:
     return read_host_memory(root).total
 
 
+def oom_kills(root: str | Path = "/") -> int | None:
+    """The processes the kernel's OOM killer has ended in this process's cgroup and those below it (the `oom_kill`
+    line of v2's memory.events, or of v1's memory.oom_control), at the nearest of its cgroups that counts them; None
+    where none does. A launcher reads it before and after a worker dies: a rise means the kernel killed it."""
+    root = Path(root)
+    v2, v1 = _own_cgroups(root)
+    mounts = ((root / "sys/fs/cgroup", v2, "memory.events"), (root / "sys/fs/cgroup/memory", v1, "memory.oom_control"))
+    for mount, own, name in mounts:
+        for directory in _levels(mount, own):
+            try:
+                lines = (directory / name).read_text().splitlines()
+            except OSError:
+                continue
+            for line in lines:
+                key, _, value = line.partition(" ")
+                if key == "oom_kill" and value.strip().isdigit():
+                    return int(value)
+    return None
+
+
 def _meminfo(root: Path) -> tuple[float, float]:
     fields: dict[str, float] = {}
     try:

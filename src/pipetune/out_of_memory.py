@@ -19,12 +19,10 @@ from pathlib import Path
 
 import torch
 
-from pipetune.host_memory import total_host_memory
+from pipetune.host_memory import oom_kills, total_host_memory
 
 PROGRESS_ENV = "PIPETUNE_PROGRESS_DIR"
 """Set by pipetune's launcher for its workers: where each writes rank<R>.json (ProgressFile)."""
-MEMORY_EVENTS = Path("/sys/fs/cgroup/memory.events")
-"""cgroup v2: its `oom_kill` line counts the processes the OOM killer ended in this cgroup."""
 GPU_ADVICE = (
     'set train.activation_checkpointing = true (or "offload"), lower train.batch_size (or raise '
     "parallel.n_microbatches) or data.max_length, or set train.memory_gb below the GPU's memory so that the plan "
@@ -97,15 +95,9 @@ def killed_line(rank: int, exitcode: int, progress: dict | None, oom_kills: int 
 
 
 def oom_kill_count() -> int | None:
-    """The cgroup's count of processes its OOM killer ended (cgroup v2), or None where it cannot be read."""
-    try:
-        for line in MEMORY_EVENTS.read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == "oom_kill":
-                return int(value)
-    except (OSError, ValueError):
-        pass
-    return None
+    """The count of processes the OOM killer ended in this process's cgroup (host_memory.oom_kills), or None where
+    it cannot be read."""
+    return oom_kills()
 
 
 class ProgressFile:
