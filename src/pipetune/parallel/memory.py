@@ -330,21 +330,18 @@ def auto_checkpointing(
     microbatch, seq = config.microbatch_size, config.data.max_length
     layer_bytes, input_bytes = measure_layer_memory(config, resolved, device, microbatch, seq, tp_mesh)
     budget = memory_budget(config, device)
-    trainable = sum(
-        local_part(param).numel() for module in modules for param in module.parameters() if param.requires_grad
-    )
+    trainable, vocab = _rank_parameters(modules)
     fixed = _allocated_bytes(modules, device) + OPTIMIZER_BYTES * trainable
     fixed += MARGIN * budget if budget != float("inf") else 0.0
-    last = next((module for module in modules if module.is_last), None)
-    vocab = last.lm_head.weight.shape[0] if last is not None else 0
-    same, grows = row_extras(config, resolved.config, seq, last is not None, vocab)  # grows: scaled with the layers'
+    same, grows = row_extras(config, resolved.config, seq, vocab > 0, vocab)  # grows: scaled with the layers'
     fixed += same
     timeline = rank_timeline(config.parallel, pp_rank)
     stage_layers = [len(module.layers) for module in modules]
     # estimate_costs counts a LoRA layer's forward and input gradient (4 x weights a token): half is the forward.
     hides = offload_hides(input_bytes, estimate_costs(resolved.config, seq).layer / 2 * microbatch * seq)
-    host = host_budget() if device.type == "cuda" else 0.0  # a CPU has no host memory apart to move to
-    return plan_checkpointing(stage_layers, timeline, layer_bytes, input_bytes, fixed, budget, host, hides, grows)
+    return plan_checkpointing(
+        stage_layers, timeline, layer_bytes, input_bytes, fixed, budget, host_budget(), hides, grows
+    )
 
 
 def cpu_checkpointing(
@@ -364,15 +361,20 @@ def cpu_checkpointing(
     held = resident_bytes()
     budget, note = (config.train.memory_gb * GB, "") if config.train.memory_gb > 0 else cpu_budget()
     measured = measure_layer_memory(config, resolved, device, config.microbatch_size, config.data.max_length, tp_mesh)
-    trainable = sum(
-        local_part(param).numel() for module in modules for param in module.parameters() if param.requires_grad
-    )
-    last = next((module for module in modules if module.is_last), None)
-    vocab = last.lm_head.weight.shape[0] if last is not None else 0
+    trainable, vocab = _rank_parameters(modules)
     stage_layers = [len(module.layers) for module in modules]
     plan = cpu_plan(config, resolved.config, pp_rank, stage_layers, trainable, vocab, measured, held, budget)
     plan.budget_note = note
     return plan
+
+
+def _rank_parameters(modules: Sequence[StageModule]) -> tuple[int, int]:
+    """This rank's trainable parameters (its part of each) and the vocabulary of the loss it holds (0: none)."""
+    trainable = sum(
+        local_part(param).numel() for module in modules for param in module.parameters() if param.requires_grad
+    )
+    last = next((module for module in modules if module.is_last), None)
+    return trainable, (last.lm_head.weight.shape[0] if last is not None else 0)
 
 
 def cpu_plan(
