@@ -36,12 +36,12 @@ from pipetune.checkpoint import (
 )
 from pipetune.config import Config, ConfigError, save_config
 from pipetune.heap import HeapTrimmer
+from pipetune.host_memory import oom_kills
 from pipetune.out_of_memory import (
     PROGRESS_ENV,
     ProgressFile,
     killed_line,
     memory_failure,
-    oom_kill_count,
     read_progress,
 )
 from pipetune.parallel.process_group import close_distributed, exit_skipping_teardown, init_distributed, under_launcher
@@ -214,12 +214,12 @@ def launch_local(
     os.environ[LAUNCHER_ENV] = str(os.getpid())  # the workers die with this process and leave stops to it
     os.environ[STARTED_ENV] = f"{started:.3f}"  # the workers' wall time counts from here
     os.environ[PROGRESS_ENV] = progress = tempfile.mkdtemp(prefix="pipetune-progress-")  # for a SIGKILL's line
-    oom_kills = oom_kill_count()
+    kills = oom_kills()
     try:
         elastic_launch(launch, sys.executable)(*argv)
     except ChildFailedError as e:
-        after = oom_kill_count()
-        killed = after - oom_kills if after is not None and oom_kills is not None else None
+        after = oom_kills()
+        killed = after - kills if after is not None and kills is not None else None
         lines, code = failure_report(e.failures, run_dir, progress, killed)
         for line in lines:
             print(line, file=sys.stderr)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from pipetune.host_memory import oom_kills, total_host_memory
+from pipetune.host_memory import total_host_memory
 
 PROGRESS_ENV = "PIPETUNE_PROGRESS_DIR"
 """Set by pipetune's launcher for its workers: where each writes rank<R>.json (ProgressFile)."""
@@ -92,12 +92,6 @@ def killed_line(rank: int, exitcode: int, progress: dict | None, oom_kills: int 
     else:
         cause = "killed by SIGKILL, most likely by the kernel's OOM killer (host memory ran out)"
     return f"rank {rank} was {cause} (exit code {exitcode}){where}{peak}{of}; {HOST_ADVICE}"
-
-
-def oom_kill_count() -> int | None:
-    """The count of processes the OOM killer ended in this process's cgroup (host_memory.oom_kills), or None where
-    it cannot be read."""
-    return oom_kills()
 
 
 class ProgressFile:
