@@ -73,19 +73,10 @@ def oom_kills(root: str | Path = "/") -> int | None:
     """The processes the kernel's OOM killer has ended in this process's cgroup and those below it (the `oom_kill`
     line of v2's memory.events, or of v1's memory.oom_control), at the nearest of its cgroups that counts them; None
     where none does. A launcher reads it before and after a worker dies: a rise means the kernel killed it."""
-    root = Path(root)
-    v2, v1 = _own_cgroups(root)
-    mounts = ((root / "sys/fs/cgroup", v2, "memory.events"), (root / "sys/fs/cgroup/memory", v1, "memory.oom_control"))
-    for mount, own, name in mounts:
+    for (mount, own), name in zip(_hierarchies(Path(root)), ("memory.events", "memory.oom_control"), strict=True):
         for directory in _levels(mount, own):
-            try:
-                lines = (directory / name).read_text().splitlines()
-            except OSError:
-                continue
-            for line in lines:
-                key, _, value = line.partition(" ")
-                if key == "oom_kill" and value.strip().isdigit():
-                    return int(value)
+            if (count := _keyed(directory / name, "oom_kill")) is not None:
+                return int(count)
     return None
 
 
@@ -112,14 +103,21 @@ def _sysconf_memory() -> float:
 def _cgroup_room(root: Path) -> tuple[float | None, float | None]:
     """The smallest cgroup limit over this process's cgroups and those above them, in both hierarchies, and the
     least that any of them leaves; (None, None) where none sets a limit."""
-    v2, v1 = _own_cgroups(root)
-    mounts = ((root / "sys/fs/cgroup", v2, V2_FILES), (root / "sys/fs/cgroup/memory", v1, V1_FILES))
     rooms = [
-        room for mount, own, files in mounts for directory in _levels(mount, own) if (room := _room(directory, *files))
+        room
+        for (mount, own), files in zip(_hierarchies(root), (V2_FILES, V1_FILES), strict=True)
+        for directory in _levels(mount, own)
+        if (room := _room(directory, *files))
     ]
     if not rooms:
         return None, None
     return min(limit for limit, _ in rooms), max(0.0, min(left for _, left in rooms))
+
+
+def _hierarchies(root: Path) -> tuple[tuple[Path, str], tuple[Path, str]]:
+    """(mount, this process's cgroup in it) for cgroup v2's hierarchy, then v1's memory hierarchy."""
+    v2, v1 = _own_cgroups(root)
+    return (root / "sys/fs/cgroup", v2), (root / "sys/fs/cgroup/memory", v1)
 
 
 def _own_cgroups(root: Path) -> tuple[str, str]:
@@ -154,15 +152,21 @@ def _room(directory: Path, limit_file: str, usage_file: str, inactive_line: str)
     if limit is None or limit >= V1_UNLIMITED:
         return None
     usage = _read_bytes(directory / usage_file) or 0.0
-    inactive = 0.0
-    try:
-        for line in (directory / "memory.stat").read_text().splitlines():
-            name, _, value = line.partition(" ")
-            if name == inactive_line:
-                inactive = float(value)
-    except (OSError, ValueError):
-        pass
+    inactive = _keyed(directory / "memory.stat", inactive_line) or 0.0
     return limit, limit - max(0.0, usage - inactive)
+
+
+def _keyed(path: Path, key: str) -> float | None:
+    """The number on `path`'s line "KEY N" (memory.stat, memory.events, memory.oom_control); None where absent."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return float(value)
+    return None
 
 
 def _read_bytes(path: Path) -> float | None:
