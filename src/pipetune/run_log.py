@@ -33,6 +33,7 @@ ENTRIES = {
     "prompt.json": "the prompt settings: system prompt, template tokens, cut rule, caps",
     "report": "pipetune report's charts and index.html",
     "run.json": "wall time and final losses",
+    "speed.json": "every speed switch as the run resolved it, and why",
     "tensorboard": "TensorBoard scalars (tensorboard --logdir <run>/tensorboard)",
     "timeline.json": "one schedule step per rank, with the measured bubble",
     "timeline.png": "that step drawn",
