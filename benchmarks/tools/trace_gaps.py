@@ -3,9 +3,12 @@
 Reads a Chrome trace that PIPETUNE_PROFILE_STEP with PIPETUNE_PROFILE_TRACE=DIR wrote (DIR/trace-rank<R>.json.gz),
 merges the GPU's kernels and copies into busy intervals, and prints the GPU's busy and idle time over the step,
 then the longest gaps with the host operators that cover each gap's start (outermost first) and the host's
-calls during it.
+calls during it. With --launchers, it prints instead where the GPU's time goes by what launched it: each kernel,
+copy and fill's time summed by its kind and the host operators around its launch (the innermost non-aten operator,
+e.g. a custom operator or a compiled graph, then the innermost aten one), which tells, say, whose copies the
+"Memcpy DtoD" rows are.
 
-    python3 benchmarks/tools/trace_gaps.py DIR/trace-rank0.json.gz [--top 12] [--min-us 50]
+    python3 benchmarks/tools/trace_gaps.py DIR/trace-rank0.json.gz [--top 12] [--min-us 50] [--launchers]
 """
 
 from __future__ import annotations
@@ -36,13 +39,49 @@ def busy_intervals(events: list[dict]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in merged]
 
 
+def launchers(events: list[dict]) -> Counter:
+    """GPU µs by (kind: kernel, gpu_memcpy or gpu_memset with the kernel's name cut; the host operators around
+    the runtime call that launched it: innermost non-aten > innermost aten), matched by correlation id."""
+    launched: dict[int, str] = {}
+    by_thread: dict[object, list[dict]] = {}
+    for e in events:
+        if e.get("cat") in ("cpu_op", "cuda_runtime"):
+            by_thread.setdefault(e.get("tid"), []).append(e)
+    for thread in by_thread.values():
+        thread.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[dict] = []
+        for e in thread:
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] <= e["ts"]:
+                stack.pop()
+            if e["cat"] == "cpu_op":
+                stack.append(e)
+                continue
+            aten = next((o["name"] for o in reversed(stack) if o["name"].startswith("aten::")), "")
+            outer = next((o["name"][:48] for o in reversed(stack) if not o["name"].startswith("aten::")), "")
+            launched[e.get("args", {}).get("correlation")] = " > ".join(n for n in (outer, aten) if n) or "?"
+    totals: Counter = Counter()
+    for e in events:
+        if e.get("cat") in GPU_CATEGORIES:
+            kind = e["name"][:40] if e["cat"] == "kernel" else e["cat"]
+            totals[(kind, launched.get(e.get("args", {}).get("correlation"), "?"))] += e["dur"]
+    return totals
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--min-us", type=float, default=50.0, help="gaps shorter than this are counted, not listed")
+    parser.add_argument("--launchers", action="store_true", help="GPU time by what launched it, not the gaps")
     args = parser.parse_args()
     events = load(args.trace)
+    if args.launchers:
+        totals = launchers(events)
+        whole = sum(totals.values()) or 1
+        print(f"GPU time {whole / 1e3:.2f} ms (all streams, summed) by kind and launcher:")
+        for (kind, launcher), us in totals.most_common(args.top):
+            print(f"{us / 1e3:10.2f} ms {us / whole:6.1%}  {kind:<40}  {launcher}")
+        return
     busy = busy_intervals(events)
     if not busy:
         print(f"{args.trace}: no GPU kernels in the trace (a CPU run?)")

@@ -92,6 +92,38 @@ def test_trace_gaps_finds_the_gpu_idle_gap(tmp_path, monkeypatch, capsys):
     run_tool("trace_gaps", str(trace), "--min-us", "100", monkeypatch=monkeypatch)
     out = capsys.readouterr().out
     assert "GPU busy 0.60 ms (60.0%)" in out and "0.40 ms idle at +0.30 ms" in out
+    # --launchers: each GPU event's time under the host operators around the runtime call that launched it
+    events = [
+        {"ph": "X", "cat": "cpu_op", "name": "pipetune::document_sdpa", "tid": 1, "ts": 0, "dur": 100},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "tid": 1, "ts": 10, "dur": 20},
+        {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaMemcpyAsync",
+            "tid": 1,
+            "ts": 12,
+            "dur": 5,
+            "args": {"correlation": 7},
+        },
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "tid": 1, "ts": 200, "dur": 20},
+        {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cuLaunchKernel",
+            "tid": 1,
+            "ts": 205,
+            "dur": 5,
+            "args": {"correlation": 8},
+        },
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 20, "dur": 300, "args": {"correlation": 7}},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 400, "dur": 100, "args": {"correlation": 8}},
+    ]
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    run_tool("trace_gaps", str(trace), "--launchers", monkeypatch=monkeypatch)
+    out = capsys.readouterr().out.splitlines()
+    assert "0.30 ms  75.0%  gpu_memcpy" in out[1] and out[1].endswith("pipetune::document_sdpa > aten::copy_")
+    assert "0.10 ms  25.0%  gemm" in out[2] and out[2].endswith("aten::mm")
 
 
 def test_packed_attention_packs_and_checks_the_cpu_kernel(tmp_path, monkeypatch, capsys):
