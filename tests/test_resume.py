@@ -57,8 +57,10 @@ def test_reference_run_checkpoints_and_keeps_the_last_two(reference: Path) -> No
 
 @pytest.mark.slow
 def test_killed_and_resumed_run_equals_the_uninterrupted_one(
-    reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Killed before step 6's checkpoint is committed, then resumed by hand with --max-restarts 1 and killed again,
+    right after step 6's checkpoint is committed: the restarted group resumes from it and finishes the run."""
     config_file = _config_file(tmp_path, "run")
     run_dir = tmp_path / "run"
     monkeypatch.setenv("PIPETUNE_TEST_KILL_AT_STEP", "6")  # before step 6's checkpoint is committed
@@ -70,33 +72,22 @@ def test_killed_and_resumed_run_equals_the_uninterrupted_one(
     assert [c.step for c in committed_checkpoints(run_dir)] == [3, 4]  # a part-written step-6 does not count
     assert not (run_dir / "adapter").exists()
 
-    monkeypatch.delenv("PIPETUNE_TEST_KILL_AT_STEP")
-    resumed = run_cli("train", "--config", config_file, "--resume")
+    monkeypatch.setenv("PIPETUNE_TEST_KILL_AT_STEP", "6:saved")  # fires in the resumed group's first attempt only
+    agent = logging.getLogger("torch.distributed.elastic")  # the launcher's (this process's) torch agent
+    agent.addHandler(caplog.handler)
+    try:
+        resumed = run_cli("train", "--config", config_file, "--resume", "--max-restarts", "1", faults=True)
+    finally:
+        agent.removeHandler(caplog.handler)
     assert f"resumed from {run_dir / 'checkpoints' / 'step-4'} at step 4" in resumed.stdout
+    # A rank really died (SIGKILL): the agent logs it. (Its peer's own line, "lost a peer", is there only when the
+    # peer sees the closed connection before the launcher's monitor stops it: a race, which failed a full run.)
+    assert "(exitcode: -9) local_rank: 1" in caplog.text, caplog.text
+    assert f"resumed from {run_dir / 'checkpoints' / 'step-6'} at step 6" in resumed.stdout
 
     assert _metrics(run_dir) == _metrics(reference)  # every row once, losses identical
     assert _adapter_bytes(run_dir) == _adapter_bytes(reference)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-6", "step-8"]
-
-
-@pytest.mark.slow
-def test_max_restarts_finishes_a_run_whose_rank_was_killed(
-    reference: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Killed mid-epoch, right after step 3's checkpoint is committed; the restarted group resumes from it."""
-    monkeypatch.setenv("PIPETUNE_TEST_KILL_AT_STEP", "3:saved")  # fires in the first attempt only
-    agent = logging.getLogger("torch.distributed.elastic")  # the launcher's (this process's) torch agent
-    agent.addHandler(caplog.handler)
-    try:
-        result = run_cli("train", "--config", _config_file(tmp_path, "run"), "--max-restarts", "1", faults=True)
-    finally:
-        agent.removeHandler(caplog.handler)
-    # A rank really died (SIGKILL): the agent logs it. (Its peer's own line, "lost a peer", is there only when the
-    # peer sees the closed connection before the launcher's monitor stops it: a race, which failed a full run.)
-    assert "(exitcode: -9) local_rank: 1" in caplog.text, caplog.text
-    assert f"resumed from {tmp_path / 'run' / 'checkpoints' / 'step-3'} at step 3" in result.stdout
-    assert _metrics(tmp_path / "run") == _metrics(reference)
-    assert _adapter_bytes(tmp_path / "run") == _adapter_bytes(reference)
 
 
 INTERLEAVED = ['parallel.schedule="interleaved_1f1b"', "parallel.stages_per_rank=2"]
