@@ -292,8 +292,8 @@ def host_budget(gpus: int | None = None, physical: float | None = None) -> float
     return HOST_SHARE * physical / max(1, gpus)
 
 
-def _element_bytes(config: Config) -> int:
-    """Bytes of one element of the model's dtype (model.dtype)."""
+def element_bytes(config: Config) -> int:
+    """Bytes of one element of the model's dtype (model.dtype): the one place the planners read it."""
     return DTYPES[config.model.dtype].itemsize
 
 
@@ -440,7 +440,7 @@ def predict_cpu_plans(config: Config, resolved: ResolvedModel, held: float, budg
 
 def cpu_loss_bytes(config: Config) -> float:
     """The plain loss's bytes a logit on a CPU (CPU_LOSS_BYTES)."""
-    element = _element_bytes(config)
+    element = element_bytes(config)
     return CPU_LOSS_BYTES + (4 if config.parallel.pipelined or element != 4 else 0)
 
 
@@ -451,7 +451,7 @@ def validation_bytes(config: Config, model_config: PretrainedConfig, last: bool,
     for backward) and the loss of one microbatch (the plain loss: its log-softmax in float32, and a float32 copy
     of logits of another dtype)."""
     d, p, microbatch = config.data, config.parallel, config.microbatch_size
-    element = _element_bytes(config)
+    element = element_bytes(config)
     plain = last and config.train.fused_loss is not True
     width = vocab if plain else model_config.hidden_size
     outputs = (p.n_microbatches if p.pipelined else 1) * microbatch * d.max_length * width * element
@@ -507,7 +507,7 @@ def mlp_workspace_bytes(config: Config, model_config: PretrainedConfig, microbat
     up and their product), or, chunked, of train.mlp_chunk positions of each sequence of the microbatch (a chunk
     is [microbatch, chunk]); split over parallel.tp."""
     chunk = mlp_chunk_tokens(config.train, config.data.max_length, config.parallel.tp)
-    element = _element_bytes(config)
+    element = element_bytes(config)
     rows = microbatch * (min(seq, chunk) if chunk else seq)
     return 3 * model_config.intermediate_size * rows * element / config.parallel.tp
 
@@ -644,7 +644,7 @@ def rank_weight_bytes(
     Every stage owns its embedding or lm_head outright (a copy where the checkpoint ties them)."""
     p = config.parallel
     layer, embedding, head = parameter_counts(model_config)
-    element = _element_bytes(config)
+    element = element_bytes(config)
     linears = linear_shapes(model_config)  # model.quantize stores these smaller
     quantized = sum(rows * columns for _, rows, columns in linears)
     layer_bytes = (layer - quantized) * element

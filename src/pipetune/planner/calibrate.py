@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pipetune.config import Config, ConfigError
+from pipetune.parallel.memory import element_bytes
 from pipetune.parallel.process_group import exit_finished
 from pipetune.planner.speed import GpuRates, LayerWork, layer_seconds
 
@@ -64,7 +65,7 @@ def calibrate(
     link = rates.link_bytes_per_s
     if device.type == "cuda" and torch.cuda.device_count() >= 2 and works:
         work = works[0][0]
-        nbytes = work.tokens * work.hidden * torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
+        nbytes = work.tokens * work.hidden * element_bytes(config)
         link = nbytes / time_transfer(nbytes)
         print(f"calibrate: {nbytes / 1e6:.1f} MB from GPU 0 to GPU 1 at {link / 1e9:.0f} GB/s", flush=True)
     name = f"calibrated on {torch.cuda.get_device_name(device) if device.type == 'cuda' else device.type}"

@@ -38,6 +38,7 @@ from pipetune.parallel.memory import (
     ROW_PROBE,
     WEIGHTS_SHARE,
     activation_peak,
+    element_bytes,
     host_budget,
     longest_rows,
     loss_bytes,
@@ -272,7 +273,7 @@ def predict(
     mode, rank_modes = _mode(variant), []  # time: each stage's work per microbatch
     hidden = resolved.config.hidden_size
     work = _layer_work(config, shape, share_costs, hidden, microbatch, seq, layout.tp)
-    element = torch.empty((), dtype=getattr(torch, config.model.dtype)).element_size()
+    element = element_bytes(config)
     hidden_bytes = microbatch * seq * hidden * element
     forward, backward, gather_seconds = {}, {}, 0.0
     for rank, (layers, k) in enumerate(zip(stage_layers, checkpointed, strict=True)):
