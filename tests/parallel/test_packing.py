@@ -157,10 +157,25 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not(monkeypatch) -> N
     thread = threading.Thread(target=build, args=(True,))  # autograd's backward thread, for one
     thread.start()
     thread.join()
-    # the backward's builds ran no forward: each length's log-sum-exp shape was known from the forward's builds
+    # A backward of zeros through _BackwardPlans builds the backward's plans where autograd runs it (on a GPU, its
+    # device thread: `_prebuild_backward_plans` starts one beside the forward's builds); no forward runs there, the
+    # log-sum-exp's shape of a length no forward has met inferred from one that has.
+    recorded = dict(attention._LSE_SHAPES)
+    monkeypatch.setattr(attention, "_LSE_SHAPES", {k: v for k, v in recorded.items() if k[-1] == 64})
+    rows = [t.detach()[:1] for t in (query, key, value)]
+    zero = torch.zeros(1, requires_grad=True)
+    prebuilt = threading.Thread(
+        target=lambda: attention._BackwardPlans.apply(zero, *rows, 0.25, attention.CUDNN).sum().backward()
+    )
+    prebuilt.start()
+    prebuilt.join()
+    assert zero.grad is not None and attention._LSE_SHAPES.keys() == {k for k in recorded if k[-1] == 64}
+    assert all(attention._lse_shape(*k) == v for k, v in recorded.items())
+    # no backward build ran a forward: each length's log-sum-exp shape was known (or inferred)
     assert sorted(forwards) == sorted(attention._EXPECTED_LENGTHS)
     assert [(count, passes) for count, _, passes in attention.PLAN_BUILDS] == [
         (4, "forward"),
+        (4, "backward"),
         (4, "backward"),
         (4, "backward"),
     ]

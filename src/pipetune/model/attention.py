@@ -222,6 +222,19 @@ _NO_WEIGHT = 1e30
 exp(score - 1e30) = 0, so they add nothing to any gradient, whatever their output gradient."""
 
 
+def _lse_shape(backend: int, device_type: str, heads: int, length: int) -> torch.Size | None:
+    """The log-sum-exp's shape a kernel returns at a padded `length`: as recorded (`_LSE_SHAPES`), else as recorded
+    at another length of the same kernel and heads, that length replaced (the backward's plans, built in a thread
+    where that length's forward has not run yet); None where nothing is recorded."""
+    shape = _LSE_SHAPES.get((backend, device_type, heads, length))
+    if shape is not None:
+        return shape
+    for (b, d, h, n), known in list(_LSE_SHAPES.items()):
+        if (b, d, h) == (backend, device_type, heads) and n != heads and list(known).count(n) == 1:
+            return torch.Size(length if size == n else size for size in known)
+    return None
+
+
 def _lse_slice(row: int, start: int, end: int, heads: int, seq: int) -> slice:
     """Where a document's log-sum-exp ([heads, end - start]) lies in `document_sdpa`'s flat one: rows after each
     other, a row's documents in order."""
@@ -247,7 +260,7 @@ def _document_backward(grad, query, key, value, out, lse, row: int, start: int, 
     pieces = [_window(t, row, start, length) for t in (grad, query, key, value, out)]
     padded = lse.new_full((heads, length), _NO_WEIGHT)
     padded[:, :n] = lse
-    pieces.append(padded.view(_LSE_SHAPES[(backend, query.device.type, heads, length)]))
+    pieces.append(padded.view(_lse_shape(backend, query.device.type, heads, length)))
     grads = sdpa_backward(*pieces, dense_kept(query, backend, length), scale)
     return tuple(g[:, :, :n] for g in grads)
 
@@ -345,9 +358,10 @@ def _build_plans(
     the forward's thread alone, every backward plan was built again in the steps, ~55 ms each: the whole-meeting
     epoch's missing 5%, 2026-12-02-documents-streams-and-plans-one-h200.md). A forward that runs in autograd's
     thread (a checkpointed layer's recomputation) builds its own there, at its first call, as any thread's first
-    forward does. The backward's builds run no forward where the forward's thread has given the length's
-    log-sum-exp shape (it has, before any backward): Qwen3-4B's 166 whole-meeting lengths took 7.1 s forward and
-    15.1 s forward and backward again on one H100, then 7.5 s forward and 8.9 s backward alone (2026-12-06)."""
+    forward does. The backward's builds run no forward where the length's log-sum-exp shape is known
+    (`_lse_shape`: recorded, or inferred from another length's): Qwen3-4B's 166 whole-meeting lengths took 7.1 s
+    forward and 15.1 s forward and backward again on one H100, then 7.5 s forward and 8.9 s backward alone
+    (2026-12-06). They start beside the forward's (`_prebuild_backward_plans`)."""
     shape = (backend, query.device, query.dtype, query.shape[1], key.shape[1], query.shape[3], scale)
     built = (threading.get_ident(), backward, *shape)
     if backend != CUDNN or built in _BUILT or not _EXPECTED_LENGTHS:
@@ -357,7 +371,7 @@ def _build_plans(
     q, k, v, out = (torch.zeros_like(t[:1]) for t in (query, key, value, _row_like(query)))  # the rows' strides
     heads = query.shape[1]
     for length in sorted(_EXPECTED_LENGTHS):  # one document at the row's start: windows as the steps' are
-        known = (backend, query.device.type, heads, length) in _LSE_SHAPES
+        known = _lse_shape(backend, query.device.type, heads, length) is not None
         if backward and known:  # the backward's plan alone: a forward here would build one no step may use
             lse = torch.zeros(heads, length, dtype=torch.float32, device=query.device)
         else:
@@ -368,6 +382,51 @@ def _build_plans(
         torch.cuda.synchronize(query.device)
     passes = "backward" if backward else "forward"  # a backward build runs forwards only for lengths not met yet
     PLAN_BUILDS.append((len(_EXPECTED_LENGTHS), time.perf_counter() - started, passes))
+
+
+class _BackwardPlans(torch.autograd.Function):
+    """The identity, whose backward builds cuDNN's backward plans (`_build_plans`) for zero rows of the given
+    shapes, in the thread autograd runs the device's backward in: the thread the steps' backward plans must be
+    built in (torch keeps them per thread)."""
+
+    @staticmethod
+    def forward(ctx, x, query, key, value, scale, backend):
+        ctx.rows, ctx.scale, ctx.backend = (query, key, value), scale, backend
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _build_plans(*ctx.rows, ctx.scale, ctx.backend, backward=True)
+        ctx.rows = None
+        return grad, None, None, None, None, None
+
+
+_PREBUILDS: set[tuple] = set()
+"""The shapes whose backward plans a thread of `_prebuild_backward_plans` was started for."""
+
+
+def _prebuild_backward_plans(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, backend: int):
+    """Have autograd's thread build the backward's plans now, while this thread builds the forward's and the
+    layers compile, rather than at the first backward: a second thread runs a backward of zeros through
+    `_BackwardPlans` (its own forward holds no plan), the plans it builds are autograd's thread's, and the steps'
+    first backward waits for it in that thread's queue. Once per shape; on cuDNN with expected lengths only. On
+    one H100 the whole-meeting config's first step built 166 lengths' backward plans in 8.9 s after 7.5 s of the
+    forward's (2026-12-06). Should it fail, the steps' backward builds what is missing, as without it."""
+    shape = (backend, query.device, query.dtype, query.shape[1], key.shape[1], query.shape[3], scale)
+    if backend != CUDNN or shape in _PREBUILDS or not _EXPECTED_LENGTHS or query.device.type != "cuda":
+        return
+    _PREBUILDS.add(shape)
+    rows = [torch.zeros_like(t[:1]) for t in (query, key, value)]  # the rows' strides, as the steps' plans take them
+
+    def build() -> None:
+        try:
+            x = torch.zeros(1, device=query.device, requires_grad=True)
+            _BackwardPlans.apply(x, *rows, scale, backend).sum().backward()
+        except Exception:  # noqa: BLE001 - the steps' first backward builds the plans then
+            pass
+        rows.clear()
+
+    threading.Thread(target=build, name="pipetune-backward-plans", daemon=True).start()
 
 
 @torch.library.custom_op("pipetune::document_sdpa", mutates_args=())
@@ -384,6 +443,7 @@ def document_sdpa(
     out = _row_like(query)
     lse = query.new_empty(batch * heads * seq, dtype=torch.float32)
     backend = _documents_backend(query, key, value)
+    _prebuild_backward_plans(query, key, value, scale, backend)  # in autograd's thread, beside the next line's
     _build_plans(query, key, value, scale, backend, backward=False)
     documents, tails = _documents(spans, seq)
     for row, start, end in _on_streams(query.device, documents):
