@@ -331,8 +331,8 @@ def _on_streams(device: torch.device, spans: Iterable[tuple[int, int, int]]) -> 
 _EXPECTED_LENGTHS: set[int] = set()
 """The padded document lengths this process's packed rows hold (`expect_document_lengths`)."""
 _BUILT: set[tuple] = set()
-"""(thread, backward, attention shape: kernel, device, dtype, heads, key-value heads, head size, scale) of each
-build of the plans for every expected length."""
+"""(thread, backward, attention shape: kernel, device, dtype, heads, key-value heads, head size, scale, and the
+query's, key's and value's strides) of each build of the plans for every expected length."""
 PLAN_BUILDS: list[tuple[int, float, str]] = []
 """(lengths, seconds, passes) of each build of cuDNN's plans ahead (`_build_plans`), for the run's log."""
 
@@ -361,9 +361,10 @@ def _build_plans(
     forward does. The backward's builds run no forward where the length's log-sum-exp shape is known
     (`_lse_shape`: recorded, or inferred from another length's): Qwen3-4B's 166 whole-meeting lengths took 7.1 s
     forward and 15.1 s forward and backward again on one H100, then 7.5 s forward and 8.9 s backward alone
-    (2026-12-06). They start beside the forward's (`_prebuild_backward_plans`)."""
+    (2026-12-06). A run starts the backward's before its model compiles (`prebuild_backward_plans`)."""
     shape = (backend, query.device, query.dtype, query.shape[1], key.shape[1], query.shape[3], scale)
-    built = (threading.get_ident(), backward, *shape)
+    layout = tuple(t.stride() for t in (query, key, value))  # cuDNN keys a plan by its strides as well
+    built = (threading.get_ident(), backward, *shape, layout)
     if backend != CUDNN or built in _BUILT or not _EXPECTED_LENGTHS:
         return
     _BUILT.add(built)
@@ -402,31 +403,57 @@ class _BackwardPlans(torch.autograd.Function):
 
 
 _PREBUILDS: set[tuple] = set()
-"""The shapes whose backward plans a thread of `_prebuild_backward_plans` was started for."""
+"""The shapes whose backward plans a thread of `prebuild_backward_plans` was started for."""
 
 
-def _prebuild_backward_plans(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, backend: int):
-    """Have autograd's thread build the backward's plans now, while this thread builds the forward's and the
-    layers compile, rather than at the first backward: a second thread runs a backward of zeros through
-    `_BackwardPlans` (its own forward holds no plan), the plans it builds are autograd's thread's, and the steps'
-    first backward waits for it in that thread's queue. Once per shape; on cuDNN with expected lengths only. On
-    one H100 the whole-meeting config's first step built 166 lengths' backward plans in 8.9 s after 7.5 s of the
-    forward's (2026-12-06). Should it fail, the steps' backward builds what is missing, as without it."""
-    shape = (backend, query.device, query.dtype, query.shape[1], key.shape[1], query.shape[3], scale)
-    if backend != CUDNN or shape in _PREBUILDS or not _EXPECTED_LENGTHS or query.device.type != "cuda":
-        return
+def plan_rows(
+    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, seq: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zero query, key and value of one row of `seq` tokens as `document_sdpa` receives them from a transformers
+    attention layer: [1, heads, seq, head_dim] laid out [1, seq, heads, head_dim] (the projections' layout, then
+    transposed), so that the plans built with them are the steps' (cuDNN keys a plan by the strides too)."""
+    return tuple(
+        torch.zeros(1, seq, n, head_dim, dtype=dtype, device=device).transpose(1, 2)
+        for n in (heads, kv_heads, kv_heads)
+    )
+
+
+def prebuild_backward_plans(
+    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, seq: int, scale: float
+) -> bool:
+    """Have autograd's thread build cuDNN's backward plans for every expected length (`_build_plans`) now, before
+    the model compiles, rather than at the first backward: a second thread runs a backward of zeros through
+    `_BackwardPlans` (its own forward holds no plan); the plans it builds are autograd's thread's, where the steps'
+    backward runs, and the first backward waits for it in that thread's queue. This thread first runs the shortest
+    length's forward, which records the log-sum-exp's shape the backward's builds need (so they run no forward).
+    cuDNN's plan builds do not run side by side: started beside the forward's (at the first `document_sdpa`), both
+    took 2.3x as long, the first step no shorter (17.0 s and 21.8 s against 7.5 s and 8.9 s one after the other;
+    one H100, 2026-12-06); started here they run while the run builds its optimizer and compiles. True where the
+    thread was started (cuDNN's kernel, on a GPU, with expected lengths); should it fail, the steps' backward
+    builds what is missing, as without it."""
+    if device.type != "cuda" or not _EXPECTED_LENGTHS:
+        return False
+    query, key, value = plan_rows(device, dtype, heads, kv_heads, head_dim, seq)
+    try:
+        backend = _documents_backend(query, key, value)
+    except ValueError:  # no fused kernel for this dtype: the steps say so
+        return False
+    shape = (backend, device, dtype, heads, kv_heads, head_dim, scale)
+    if backend != CUDNN or shape in _PREBUILDS:
+        return False
     _PREBUILDS.add(shape)
-    rows = [torch.zeros_like(t[:1]) for t in (query, key, value)]  # the rows' strides, as the steps' plans take them
+    shortest = min(_EXPECTED_LENGTHS)
+    _document_forward(query, key, value, 0, 0, shortest, scale, backend)
 
     def build() -> None:
         try:
-            x = torch.zeros(1, device=query.device, requires_grad=True)
-            _BackwardPlans.apply(x, *rows, scale, backend).sum().backward()
+            x = torch.zeros(1, device=device, requires_grad=True)
+            _BackwardPlans.apply(x, query, key, value, scale, backend).sum().backward()
         except Exception:  # noqa: BLE001 - the steps' first backward builds the plans then
             pass
-        rows.clear()
 
     threading.Thread(target=build, name="pipetune-backward-plans", daemon=True).start()
+    return True
 
 
 @torch.library.custom_op("pipetune::document_sdpa", mutates_args=())
@@ -443,7 +470,6 @@ def document_sdpa(
     out = _row_like(query)
     lse = query.new_empty(batch * heads * seq, dtype=torch.float32)
     backend = _documents_backend(query, key, value)
-    _prebuild_backward_plans(query, key, value, scale, backend)  # in autograd's thread, beside the next line's
     _build_plans(query, key, value, scale, backend, backward=False)
     documents, tails = _documents(spans, seq)
     for row, start, end in _on_streams(query.device, documents):
