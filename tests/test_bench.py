@@ -72,7 +72,8 @@ def test_bench_runs_strategies_and_reports_bubble(tmp_path: Path) -> None:
     assert "real tokens/s" in result.stdout and "tiny-qwen3 (float32, LoRA r16), 8 rows x 128 tokens" in result.stdout
     # It talks while it runs: each strategy's phases with the seconds since its launch, in order.
     said = [line for line in result.stdout.splitlines() if line.startswith("bench: pp: ")]
-    assert said[0] == "bench: pp: launch" and "load" in said[1] and "ready" in said[2], said
+    starting = [line.split(": ")[2].split(" (")[0] for line in said[:6]]
+    assert starting == ["launch", "setup", "data", "load", "ready", "optimizer"], said
     assert any("warm-up step 1/1 (compiles, records graphs)" in line for line in said), said
     assert any("timed step 2" in line for line in said) and "done" in said[-1], said
     assert all(0 < r["load_s"] < r["first_step_s"] and r["load_peak_gb"] > 0 for r in rows)

@@ -120,10 +120,12 @@ def _format(value: object) -> object:
 class PhaseLog:
     """progress.jsonl in the run directory: one line per phase the run enters (rank 0), with the wall-clock time.
 
-    Phases: "load" (building this rank's stages), "ready" (with load_s, the seconds the load took, and peak_gb,
-    rank 0's peak memory after it), "step" (optimizer step `step` begins), "validation", "checkpoint",
-    "adapter", "done". `pipetune bench` follows it to say where each run is, and reads load time and time to
-    the first step from it."""
+    Phases: "setup" (the process imported, checked the config and started its device), "data" (the data read
+    and the speed switches resolved), "load" (building this rank's stages), "ready" (with load_s, the seconds
+    the load took, and peak_gb, rank 0's peak memory after it), "optimizer" (the runners, the optimizer and a
+    resumed state built), "step" (optimizer step `step` begins), "validation", "checkpoint", "adapter",
+    "done". `pipetune bench` follows it to say where each run is (so a run's start before its first step reads
+    in parts), and reads load time and time to the first step from it."""
 
     def __init__(self, path: Path, enabled: bool) -> None:
         self.path = path if enabled else None

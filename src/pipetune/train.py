@@ -121,6 +121,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         save_config(config, run_dir / "config.toml")  # as asked, "auto" kept: a resume resolves it again
         write_prompt_settings(run_dir / PROMPT_FILE, prepared.prompts, config)  # for export and plain-HF use
     phases = PhaseLog(run_dir / "progress.jsonl", enabled=env.is_main)
+    phases.mark("setup")  # the imports, the checks, the GPU's context: what a run pays before its data
     mesh = build_mesh(env, p.pp, p.dp, p.tp)
     # LoRA dropout: a different stream per stage and replica, one per tp group (parallel/tp.py: equal masks).
     torch.manual_seed(t.seed + mesh.replica_rank)
@@ -133,6 +134,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         expect_document_lengths(data.real_tokens)  # the samples' (pad tails take no attention there)
         if advice := documents_advice(data.real_tokens, device.type == "cuda"):
             say(advice)
+    phases.mark("data")
     stages = build_stages(config, env, mesh, prepared, phases, say, quiet)
     runners = build_runners(config, env, mesh, prepared, stages)
     say(speed.line(*runners.decisions))
@@ -141,6 +143,7 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     optimizer, scheduler = build_optimizer(config, stages.params, data.total_steps)
     state = TrainState.of(stages.peft_model, optimizer, scheduler)
     position = resume_position(config, env.rank, mesh, checkpoints, resume_from, state, say)
+    phases.mark("optimizer")
 
     # ------------------------------------------------------------------ loop
     # A resumed run continues metrics.csv from its checkpoint's step.
