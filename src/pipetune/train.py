@@ -130,11 +130,11 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     # the attention kernel by the samples' lengths, a CPU's loss by the vocabulary
     speed = resolve(config, hardware, data.real_tokens, prepared.model.config.vocab_size)
     config, t = speed.config, speed.config.train
+    phases.mark("data")
     if data.packing and t.packed_attention == "documents":  # cuDNN's plans for them, built in the first step
         expect_document_lengths(data.real_tokens)  # the samples' (pad tails take no attention there)
         if advice := documents_advice(data.real_tokens, device.type == "cuda"):
             say(advice)
-    phases.mark("data")
     stages = build_stages(config, env, mesh, prepared, phases, say, quiet)
     runners = build_runners(config, env, mesh, prepared, stages)
     say(speed.line(*runners.decisions))
