@@ -44,7 +44,12 @@ from pipetune.data.packing import batches_of_rows, epoch_rows, members, packed_b
 from pipetune.data.prompt import PROMPT_FILE, write_prompt_settings
 from pipetune.data.sources import chat_lines
 from pipetune.metrics import MetricsLog, PhaseLog, host_peak_gb, peak_memory_gb, reset_peak_memory
-from pipetune.model.attention import PLAN_BUILDS, documents_advice, expect_document_lengths
+from pipetune.model.attention import (
+    PLAN_BUILDS,
+    documents_advice,
+    expect_document_lengths,
+    prebuild_backward_plans,
+)
 from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory, graphs_untried
 from pipetune.model.load import DTYPES
 from pipetune.model.lora import adapter_state, save_adapter
@@ -135,6 +140,12 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         expect_document_lengths(data.real_tokens)  # the samples' (pad tails take no attention there)
         if advice := documents_advice(data.real_tokens, device.type == "cuda"):
             say(advice)
+        if p.tp == 1:  # the backward's plans, in autograd's thread while the model loads and compiles
+            hf = prepared.model.config
+            head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+            heads = (hf.num_attention_heads, hf.num_key_value_heads, head_dim)
+            dtype = DTYPES[config.model.dtype]
+            prebuild_backward_plans(device, dtype, *heads, config.data.max_length, head_dim**-0.5)
     stages = build_stages(config, env, mesh, prepared, phases, say, quiet)
     runners = build_runners(config, env, mesh, prepared, stages)
     say(speed.line(*runners.decisions))

@@ -157,10 +157,25 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not(monkeypatch) -> N
     thread = threading.Thread(target=build, args=(True,))  # autograd's backward thread, for one
     thread.start()
     thread.join()
-    # the backward's builds ran no forward: each length's log-sum-exp shape was known from the forward's builds
+    # A backward of zeros through _BackwardPlans builds the backward's plans where autograd runs it (on a GPU, its
+    # device thread: `prebuild_backward_plans` starts one before the model compiles); no forward runs there, the
+    # log-sum-exp's shape of a length no forward has met inferred from one that has.
+    recorded = dict(attention._LSE_SHAPES)
+    monkeypatch.setattr(attention, "_LSE_SHAPES", {k: v for k, v in recorded.items() if k[-1] == 64})
+    rows = [t.detach()[:1] for t in (query, key, value)]
+    zero = torch.zeros(1, requires_grad=True)
+    prebuilt = threading.Thread(
+        target=lambda: attention._BackwardPlans.apply(zero, *rows, 0.25, attention.CUDNN).sum().backward()
+    )
+    prebuilt.start()
+    prebuilt.join()
+    assert zero.grad is not None and attention._LSE_SHAPES.keys() == {k for k in recorded if k[-1] == 64}
+    assert all(attention._lse_shape(*k) == v for k, v in recorded.items())
+    # no backward build ran a forward: each length's log-sum-exp shape was known (or inferred)
     assert sorted(forwards) == sorted(attention._EXPECTED_LENGTHS)
     assert [(count, passes) for count, _, passes in attention.PLAN_BUILDS] == [
         (4, "forward"),
+        (4, "backward"),
         (4, "backward"),
         (4, "backward"),
     ]
@@ -171,10 +186,11 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not(monkeypatch) -> N
             torch.testing.assert_close(got, want)
 
 
-def test_packed_row_matches_each_sample_alone() -> None:
+def test_packed_row_matches_each_sample_alone(monkeypatch) -> None:
     """A packed row through two pipeline stages (each building its mask from the position ids) gives every sample
     the logits transformers' model gives it alone, and the row's loss the summed per-sample losses, with the same
-    adapter gradients."""
+    adapter gradients. The documents kernel gets its query, key and value in the layout of the rows the backward's
+    plans are built with ahead (`attention.plan_rows`), so those plans are the steps'."""
     resolved = resolve_model(ModelConfig(name="tiny-qwen3", init="random"))
     model, _ = build_model(resolved, torch.float32, torch.device("cpu"), seed=0)
     peft_model = apply_lora(model, LoraConfig(dropout=0.0), "tiny-qwen3", seed=0)
@@ -200,6 +216,10 @@ def test_packed_row_matches_each_sample_alone() -> None:
     peft_model.zero_grad()
 
     use_document_attention(peft_model)
+    layouts, kernel = [], attention.document_sdpa
+    monkeypatch.setattr(
+        attention, "document_sdpa", lambda *a: layouts.append(tuple(t.stride() for t in a[:3])) or kernel(*a)
+    )
     first = StageModule(peft_model, layer_ids=[0, 1], first=True, last=False)
     last = StageModule(peft_model, layer_ids=[2, 3], first=False, last=True)
     pad = row - sum(lengths)
@@ -213,6 +233,11 @@ def test_packed_row_matches_each_sample_alone() -> None:
     for expected, start, end in zip(expected_logits, starts, starts[1:], strict=False):
         torch.testing.assert_close(logits[0, start:end].detach(), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(loss.detach(), expected_loss.detach(), rtol=1e-6, atol=0)
+    hf = model.config
+    rows = attention.plan_rows(
+        torch.device("cpu"), torch.float32, hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, row
+    )
+    assert len(layouts) == hf.num_hidden_layers and set(layouts) == {tuple(t.stride() for t in rows)}
     for param, expected in zip(params, expected_grads, strict=True):  # float32 sums in another order
         assert float((param.grad - expected).norm() / expected.norm()) < 1e-5
 

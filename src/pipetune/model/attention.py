@@ -222,6 +222,19 @@ _NO_WEIGHT = 1e30
 exp(score - 1e30) = 0, so they add nothing to any gradient, whatever their output gradient."""
 
 
+def _lse_shape(backend: int, device_type: str, heads: int, length: int) -> torch.Size | None:
+    """The log-sum-exp's shape a kernel returns at a padded `length`: as recorded (`_LSE_SHAPES`), else as recorded
+    at another length of the same kernel and heads, that length replaced (the backward's plans, built in a thread
+    where that length's forward has not run yet); None where nothing is recorded."""
+    shape = _LSE_SHAPES.get((backend, device_type, heads, length))
+    if shape is not None:
+        return shape
+    for (b, d, h, n), known in list(_LSE_SHAPES.items()):
+        if (b, d, h) == (backend, device_type, heads) and n != heads and list(known).count(n) == 1:
+            return torch.Size(length if size == n else size for size in known)
+    return None
+
+
 def _lse_slice(row: int, start: int, end: int, heads: int, seq: int) -> slice:
     """Where a document's log-sum-exp ([heads, end - start]) lies in `document_sdpa`'s flat one: rows after each
     other, a row's documents in order."""
@@ -247,7 +260,7 @@ def _document_backward(grad, query, key, value, out, lse, row: int, start: int, 
     pieces = [_window(t, row, start, length) for t in (grad, query, key, value, out)]
     padded = lse.new_full((heads, length), _NO_WEIGHT)
     padded[:, :n] = lse
-    pieces.append(padded.view(_LSE_SHAPES[(backend, query.device.type, heads, length)]))
+    pieces.append(padded.view(_lse_shape(backend, query.device.type, heads, length)))
     grads = sdpa_backward(*pieces, dense_kept(query, backend, length), scale)
     return tuple(g[:, :, :n] for g in grads)
 
@@ -318,8 +331,8 @@ def _on_streams(device: torch.device, spans: Iterable[tuple[int, int, int]]) -> 
 _EXPECTED_LENGTHS: set[int] = set()
 """The padded document lengths this process's packed rows hold (`expect_document_lengths`)."""
 _BUILT: set[tuple] = set()
-"""(thread, backward, attention shape: kernel, device, dtype, heads, key-value heads, head size, scale) of each
-build of the plans for every expected length."""
+"""(thread, backward, attention shape: kernel, device, dtype, heads, key-value heads, head size, scale, and the
+query's, key's and value's strides) of each build of the plans for every expected length."""
 PLAN_BUILDS: list[tuple[int, float, str]] = []
 """(lengths, seconds, passes) of each build of cuDNN's plans ahead (`_build_plans`), for the run's log."""
 
@@ -345,11 +358,13 @@ def _build_plans(
     the forward's thread alone, every backward plan was built again in the steps, ~55 ms each: the whole-meeting
     epoch's missing 5%, 2026-12-02-documents-streams-and-plans-one-h200.md). A forward that runs in autograd's
     thread (a checkpointed layer's recomputation) builds its own there, at its first call, as any thread's first
-    forward does. The backward's builds run no forward where the forward's thread has given the length's
-    log-sum-exp shape (it has, before any backward): Qwen3-4B's 166 whole-meeting lengths took 7.1 s forward and
-    15.1 s forward and backward again on one H100, then 7.5 s forward and 8.9 s backward alone (2026-12-06)."""
+    forward does. The backward's builds run no forward where the length's log-sum-exp shape is known
+    (`_lse_shape`: recorded, or inferred from another length's): Qwen3-4B's 166 whole-meeting lengths took 7.1 s
+    forward and 15.1 s forward and backward again on one H100, then 7.5 s forward and 8.9 s backward alone
+    (2026-12-06). A run starts the backward's before its model compiles (`prebuild_backward_plans`)."""
     shape = (backend, query.device, query.dtype, query.shape[1], key.shape[1], query.shape[3], scale)
-    built = (threading.get_ident(), backward, *shape)
+    layout = tuple(t.stride() for t in (query, key, value))  # cuDNN keys a plan by its strides as well
+    built = (threading.get_ident(), backward, *shape, layout)
     if backend != CUDNN or built in _BUILT or not _EXPECTED_LENGTHS:
         return
     _BUILT.add(built)
@@ -357,7 +372,7 @@ def _build_plans(
     q, k, v, out = (torch.zeros_like(t[:1]) for t in (query, key, value, _row_like(query)))  # the rows' strides
     heads = query.shape[1]
     for length in sorted(_EXPECTED_LENGTHS):  # one document at the row's start: windows as the steps' are
-        known = (backend, query.device.type, heads, length) in _LSE_SHAPES
+        known = _lse_shape(backend, query.device.type, heads, length) is not None
         if backward and known:  # the backward's plan alone: a forward here would build one no step may use
             lse = torch.zeros(heads, length, dtype=torch.float32, device=query.device)
         else:
@@ -368,6 +383,79 @@ def _build_plans(
         torch.cuda.synchronize(query.device)
     passes = "backward" if backward else "forward"  # a backward build runs forwards only for lengths not met yet
     PLAN_BUILDS.append((len(_EXPECTED_LENGTHS), time.perf_counter() - started, passes))
+
+
+class _BackwardPlans(torch.autograd.Function):
+    """The identity, whose backward builds cuDNN's backward plans (`_build_plans`) for zero rows of the given
+    shapes, in the thread autograd runs the device's backward in: the thread the steps' backward plans must be
+    built in (torch keeps them per thread)."""
+
+    @staticmethod
+    def forward(ctx, x, query, key, value, scale, backend):
+        ctx.rows, ctx.scale, ctx.backend = (query, key, value), scale, backend
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _build_plans(*ctx.rows, ctx.scale, ctx.backend, backward=True)
+        ctx.rows = None
+        return grad, None, None, None, None, None
+
+
+_PREBUILDS: set[tuple] = set()
+"""The shapes whose backward plans a thread of `prebuild_backward_plans` was started for."""
+
+
+def plan_rows(
+    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, seq: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Zero query, key and value of one row of `seq` tokens as `document_sdpa` receives them from a transformers
+    attention layer: [1, heads, seq, head_dim] laid out [1, seq, heads, head_dim] (the projections' layout, then
+    transposed), so that the plans built with them are the steps' (cuDNN keys a plan by the strides too)."""
+    return tuple(
+        torch.zeros(1, seq, n, head_dim, dtype=dtype, device=device).transpose(1, 2)
+        for n in (heads, kv_heads, kv_heads)
+    )
+
+
+def prebuild_backward_plans(
+    device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, seq: int, scale: float
+) -> bool:
+    """Have autograd's thread build cuDNN's backward plans for every expected length (`_build_plans`) now, before
+    the model compiles, rather than at the first backward: a second thread runs a backward of zeros through
+    `_BackwardPlans` (its own forward holds no plan); the plans it builds are autograd's thread's, where the steps'
+    backward runs, and the first backward waits for it in that thread's queue. This thread first runs the shortest
+    length's forward, which records the log-sum-exp's shape the backward's builds need (so they run no forward).
+    cuDNN's plan builds do not run side by side: started beside the forward's (at the first `document_sdpa`), both
+    took 2.3x as long, the first step no shorter (17.0 s and 21.8 s against 7.5 s and 8.9 s one after the other;
+    one H100, 2026-12-06); started here they run while the run builds its optimizer and compiles. True where the
+    thread was started (cuDNN's kernel, on a GPU, with expected lengths); should it fail, the steps' backward
+    builds what is missing, as without it."""
+    if device.type != "cuda" or not _EXPECTED_LENGTHS:
+        return False
+    query, key, value = plan_rows(device, dtype, heads, kv_heads, head_dim, seq)
+    try:
+        backend = _documents_backend(query, key, value)
+    except ValueError:  # no fused kernel for this dtype: the steps say so
+        return False
+    shape = (backend, device, dtype, heads, kv_heads, head_dim, scale)
+    if backend != CUDNN or shape in _PREBUILDS:
+        return False
+    _PREBUILDS.add(shape)
+    try:
+        _document_forward(query, key, value, 0, 0, min(_EXPECTED_LENGTHS), scale, backend)
+    except RuntimeError:  # the steps' first call meets it again, where its error says which layer
+        return False
+
+    def build() -> None:
+        try:
+            x = torch.zeros(1, device=device, requires_grad=True)
+            _BackwardPlans.apply(x, query, key, value, scale, backend).sum().backward()
+        except Exception:  # noqa: BLE001 - the steps' first backward builds the plans then
+            pass
+
+    threading.Thread(target=build, name="pipetune-backward-plans", daemon=True).start()
+    return True
 
 
 @torch.library.custom_op("pipetune::document_sdpa", mutates_args=())
