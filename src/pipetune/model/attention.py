@@ -428,7 +428,9 @@ def prebuild_backward_plans(
     length's forward, which records the log-sum-exp's shape the backward's builds need (so they run no forward).
     cuDNN's plan builds do not run side by side: started beside the forward's (at the first `document_sdpa`), both
     took 2.3x as long, the first step no shorter (17.0 s and 21.8 s against 7.5 s and 8.9 s one after the other;
-    one H100, 2026-12-06); started here they run while the run builds its optimizer and compiles. True where the
+    one H100, 2026-12-06); started here they run while the run builds its optimizer and compiles, ~2x as long as
+    alone but ended before the first backward: the whole-meeting config's first step 46.5 s from launch against
+    52.2 s without, on one H100 in one call (2026-12-06-fast-by-default-sixth-round-one-h100.md). True where the
     thread was started (cuDNN's kernel, on a GPU, with expected lengths); should it fail, the steps' backward
     builds what is missing, as without it."""
     if device.type != "cuda" or not _EXPECTED_LENGTHS:
