@@ -6,16 +6,29 @@ import csv
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from safetensors.torch import load_file
 
 from pipetune.config import load_config
 from pipetune.metrics import SEED_COLUMNS
+from pipetune.train import print_rank
 from tests.conftest import HEADER_SLACK, LAPTOP_WORKER_GB, header_gb
 
 pytestmark = pytest.mark.slow  # multi-process end-to-end runs: pytest -m "not slow" leaves them out
+
+
+def test_a_ranks_line_is_written_in_one_piece(monkeypatch) -> None:
+    """The demo's workers print their lines to one stdout: under PYTHONUNBUFFERED (as its test runs it), print
+    writes a line and its newline apart, and two ranks' lines printed at once came out joined, one rank's plan lost
+    to the check below. A rank's line goes out in one write."""
+    writes = []
+    monkeypatch.setattr(sys, "stdout", SimpleNamespace(write=writes.append, flush=lambda: None))
+    print_rank(SimpleNamespace(rank=1), "activation checkpointing (auto): stage 1: 0 of 2 layers")
+    assert writes == ["rank 1: activation checkpointing (auto): stage 1: 0 of 2 layers\n"]
 
 
 def test_demo_runs_end_to_end(demo_run: tuple[Path, subprocess.CompletedProcess]) -> None:

@@ -437,8 +437,9 @@ def build_stages(
         )
     )
     if not quiet:
-        print(
-            f"rank {env.rank}: stage{'s' if len(my_stages) > 1 else ''} {', '.join(map(str, my_stages))} "
+        print_rank(
+            env,
+            f"stage{'s' if len(my_stages) > 1 else ''} {', '.join(map(str, my_stages))} "
             + (
                 "random weights (model.init = 'random'); "
                 if config.model.init == "random"
@@ -446,7 +447,6 @@ def build_stages(
             )
             + f"after load: peak host RSS {host_peak_gb():.2f} GB"
             + (f", peak GPU {peak_memory_gb(device):.2f} GB" if device.type == "cuda" else ""),
-            flush=True,
         )
     return Stages(peft_model, modules, my_stages, params, costs)
 
@@ -501,7 +501,7 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
         for module, count, offloaded in zip(modules, plan.layers, plan.offloaded_layers(), strict=True):
             module.set_layer_modes(count, offloaded)
         layers = [len(m.layers) for m in modules]
-        print(f"rank {env.rank}: {plan.describe(stages.ids, layers)}", flush=True)
+        print_rank(env, plan.describe(stages.ids, layers))
         decisions.append(
             plan.describe(stages.ids, layers, why=False).replace("activation checkpointing (auto)", "checkpointing")
         )
@@ -521,7 +521,7 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
             graphs_untried(config.model.quantize),
         )
         if note:
-            print(f"rank {env.rank}: note: {note}", flush=True)
+            print_rank(env, f"note: {note}")
         decisions.append("CUDA graphs recorded" if cuda_graphs else "CUDA graphs off on this rank (note above)")
     if cuda_graphs:
         give_gradients_own_memory(stages.params)
@@ -771,6 +771,13 @@ def _first_steps(loop: Loop, line: str) -> None:
     """A line on where a first step's time went (cuDNN's plans, compilation), on the main rank, even when quiet."""
     if line and loop.env.is_main:
         print(line, flush=True)
+
+
+def print_rank(env: DistEnv, message: str) -> None:
+    """A line of this rank's on stdout, "rank N: message", written in one piece: under PYTHONUNBUFFERED, print writes
+    a line and its newline apart, and lines that two ranks print at once came out joined (a test's demo, once)."""
+    sys.stdout.write(f"rank {env.rank}: {message}\n")
+    sys.stdout.flush()
 
 
 def print0(env: DistEnv, quiet: bool, message: str) -> None:

@@ -141,7 +141,7 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not(monkeypatch) -> N
     padded = [padded_length(n) for n in range(1, 16385)]  # what cuDNN builds plans for: few lengths, little padding
     assert all(0 <= p - n < max(64, n / 64) for n, p in enumerate(padded, 1)) and len(set(padded)) <= 200
     assert all(padded_length(p) == p for p in set(padded))
-    for name, value_ in (("_EXPECTED_LENGTHS", set()), ("_BUILT", set()), ("PLAN_BUILDS", [])):
+    for name, value_ in (("_EXPECTED_LENGTHS", set()), ("_BUILT", threading.local()), ("PLAN_BUILDS", [])):
         monkeypatch.setattr(attention, name, value_)
     attention.expect_document_lengths(torch.tensor([0, 30, 100, 128, 129, 300]))
     assert attention._EXPECTED_LENGTHS == {64, 128, 192, 320}  # 320: past the row of 300, a copy

@@ -330,9 +330,11 @@ def _on_streams(device: torch.device, spans: Iterable[tuple[int, int, int]]) -> 
 
 _EXPECTED_LENGTHS: set[int] = set()
 """The padded document lengths this process's packed rows hold (`expect_document_lengths`)."""
-_BUILT: set[tuple] = set()
-"""(thread, backward, attention shape: kernel, device, dtype, heads, key-value heads, head size, scale, and the
-query's, key's and value's strides) of each build of the plans for every expected length."""
+_BUILT = threading.local()
+"""Per thread (`.shapes`), as torch keeps cuDNN's plans: (backward, attention shape: kernel, device, dtype, heads,
+key-value heads, head size, scale, and the query's, key's and value's strides) of each build of the plans for every
+expected length. Thread-local, not keyed by the thread's ident: a new thread may get an ended one's ident, and
+none of its plans."""
 PLAN_BUILDS: list[tuple[int, float, str]] = []
 """(lengths, seconds, passes) of each build of cuDNN's plans ahead (`_build_plans`), for the run's log."""
 
@@ -364,10 +366,10 @@ def _build_plans(
     (2026-12-06). A run starts the backward's before its model compiles (`prebuild_backward_plans`)."""
     shape = (backend, query.device, query.dtype, query.shape[1], key.shape[1], query.shape[3], scale)
     layout = tuple(t.stride() for t in (query, key, value))  # cuDNN keys a plan by its strides as well
-    built = (threading.get_ident(), backward, *shape, layout)
-    if backend != CUDNN or built in _BUILT or not _EXPECTED_LENGTHS:
+    built, here = (backward, *shape, layout), _BUILT.__dict__.setdefault("shapes", set())
+    if backend != CUDNN or built in here or not _EXPECTED_LENGTHS:
         return
-    _BUILT.add(built)
+    here.add(built)
     started = time.perf_counter()
     q, k, v, out = (torch.zeros_like(t[:1]) for t in (query, key, value, _row_like(query)))  # the rows' strides
     heads = query.shape[1]
