@@ -21,6 +21,7 @@ from typing import Any
 from pipetune.config import Config, ConfigError
 from pipetune.model.families import Family, family_of
 from pipetune.model.gguf import tensor_names
+from pipetune.model.shapes import head_dim as head_size
 
 GGUF_TYPES = {"f32": 0, "f16": 1, "bf16": 32, "q8_0": 7}
 """--gguf TYPE -> llama.cpp's general.file_type (LlamaFileType). Norms and biases are always f32; with q8_0, a
@@ -108,7 +109,7 @@ def write_gguf(path: Path, model: Any, tokenizer: Any, settings: dict[str, Any],
 
 def _add_config(writer: Any, config: Any, architecture: str) -> None:
     """The architecture's hyperparameters, as llama.cpp's converter writes them."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = head_size(config)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_block_count(config.num_hidden_layers)
@@ -225,7 +226,7 @@ def _add_tensors(writer: Any, model: Any, family: Family, gguf_type: str) -> Non
         _add_tensor(writer, name, data.numpy(), gguf_type)
     rope = _rope(config)
     if rope["rope_type"] == "llama3":
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        head_dim = head_size(config)
         _add_tensor(writer, "rope_freqs.weight", llama3_rope_factors(rope, head_dim), "f32")
 
 

@@ -53,6 +53,7 @@ from pipetune.model.attention import (
 from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory, graphs_untried
 from pipetune.model.load import DTYPES
 from pipetune.model.lora import adapter_state, save_adapter
+from pipetune.model.shapes import head_dim
 from pipetune.model.split import StageCosts, run_split, stage_costs
 from pipetune.model.stage import StageModule
 from pipetune.parallel.assemble import StagePart, build_stage_modules, compile_stages, run_parallelism
@@ -136,16 +137,14 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
     speed = resolve(config, hardware, data.real_tokens, prepared.model.config.vocab_size)
     config, t = speed.config, speed.config.train
     phases.mark("data")
-    if data.packing and t.packed_attention == "documents":  # cuDNN's plans for them, built in the first step
+    if data.packing and t.packed_attention == "documents":  # cuDNN's plans for them, built ahead (below, step 1)
         expect_document_lengths(data.real_tokens)  # the samples' (pad tails take no attention there)
         if advice := documents_advice(data.real_tokens, device.type == "cuda"):
             say(advice)
         if p.tp == 1:  # the backward's plans, in autograd's thread while the model loads and compiles
-            hf = prepared.model.config
-            head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-            heads = (hf.num_attention_heads, hf.num_key_value_heads, head_dim)
-            dtype = DTYPES[config.model.dtype]
-            prebuild_backward_plans(device, dtype, *heads, config.data.max_length, head_dim**-0.5)
+            hf, size = prepared.model.config, head_dim(prepared.model.config)
+            heads = (hf.num_attention_heads, hf.num_key_value_heads, size)
+            prebuild_backward_plans(device, DTYPES[config.model.dtype], *heads, config.data.max_length, size**-0.5)
     stages = build_stages(config, env, mesh, prepared, phases, say, quiet)
     runners = build_runners(config, env, mesh, prepared, stages)
     say(speed.line(*runners.decisions))

@@ -199,6 +199,12 @@ BUILTIN_SHAPES: dict[str, dict] = {
 """Published configs by name; `builtin_config` builds the family's config class from one."""
 
 
+def head_dim(config: PretrainedConfig) -> int:
+    """An attention head's size: the config's head_dim where it sets one (Qwen3's 128 at a hidden size of 2,560
+    and 32 heads), else the hidden size over the heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def builtin_config(name: str) -> PretrainedConfig:
     """The transformers config of a built-in shape."""
     values = dict(BUILTIN_SHAPES[name])

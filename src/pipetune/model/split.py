@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from transformers import PretrainedConfig
 
 from pipetune.config import Config
+from pipetune.model.shapes import head_dim as head_size
 
 HEAD_TIME_PER_FLOP = 0.5
 """Time of lm_head + loss per FLOP, relative to a decoder layer's (see the module docstring)."""
@@ -61,7 +62,7 @@ def estimate_costs(
     """
     hidden, inter = config.hidden_size, config.intermediate_size
     heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    head_dim = head_size(config)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     attn_params = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o + k, v
     mlp_params = 3 * hidden * inter

@@ -27,7 +27,7 @@ from pipetune.data.inspect import training_attention_share
 from pipetune.host_memory import total_host_memory
 from pipetune.model.families import family_of
 from pipetune.model.graphs import choose_cuda_graphs, graphs_untried
-from pipetune.model.shapes import ResolvedModel, one_layer_model, resolve_model
+from pipetune.model.shapes import ResolvedModel, head_dim, one_layer_model, resolve_model
 from pipetune.model.split import StageCosts, run_split
 from pipetune.parallel.memory import (
     GB,
@@ -476,9 +476,7 @@ def tensor_parallel_share(model_config: PretrainedConfig, tp: int) -> Pretrained
     if tp == 1:
         return model_config
     share = copy.deepcopy(model_config)
-    share.head_dim = (
-        getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-    )
+    share.head_dim = head_dim(model_config)
     share.num_attention_heads = model_config.num_attention_heads // tp
     share.num_key_value_heads = (
         getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
