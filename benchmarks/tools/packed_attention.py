@@ -55,7 +55,7 @@ from pipetune.data.cache import tokenized_data  # noqa: E402
 from pipetune.data.packing import epoch_rows  # noqa: E402
 from pipetune.model import attention  # noqa: E402
 from pipetune.model.attention import document_block_mask, document_sdpa, span_table  # noqa: E402
-from pipetune.model.kept_attention import sdpa_backend, sdpa_backward, sdpa_forward  # noqa: E402
+from pipetune.model.kept_attention import FLASH, sdpa_backend, sdpa_backward, sdpa_forward  # noqa: E402
 from pipetune.preflight import prepare  # noqa: E402
 
 VARIANTS: dict[str, dict] = {
@@ -195,6 +195,73 @@ def sweep(lengths: list[int], heads: tuple[int, int, int], device, dtype, warmup
     return {"ms": {str(n): ms for n, ms in found.items()}, "fit_a_b_c": fit.tolist()}
 
 
+LAYOUTS = ("as run", "contiguous", "expanded", "flash")
+"""`--layouts`: one document through the fused kernel's operators as the documents kernel calls them ("as run":
+[1, heads, L, d] views of [1, L, heads, d], grouped key-value heads as they are), on contiguous [1, heads, L, d]
+tensors ("contiguous"), with the key-value heads repeated to the query's and their gradients summed back
+("expanded", the repeat and the sum timed with it), and through flash attention's operators ("flash"; the
+CPU's flash attention on a CPU, where all four run one kernel)."""
+
+
+def layouts(lengths: list[int], heads: tuple[int, int, int], device, dtype, warmup: int, repeats: int) -> dict:
+    """Each of LAYOUTS on one document of each length: forward and backward milliseconds apart, their TFLOP/s
+    (causal: 2 L^2 heads d a forward, 2.5x that a backward) and the worst relative difference of the output and
+    the gradients from "as run"'s (a layout that changes the math is not a speed-up)."""
+    n_heads, n_kv, dim = heads
+    scale = dim**-0.5
+    cuda = device.type == "cuda"
+    found: dict = {}
+    for length in lengths:
+        torch.manual_seed(0)
+        made = [torch.randn(1, length, n, dim, device=device, dtype=dtype) for n in (n_heads, n_kv, n_kv, n_heads)]
+        bshd = [t.transpose(1, 2) for t in made]  # [1, heads, L, d] views, as a layer's projections give them
+        flops = 2 * length * length * n_heads * dim
+        results, reference = {}, None
+        for name in LAYOUTS:
+            q, k, v, g = [t.contiguous() for t in bshd] if name == "contiguous" else bshd
+            group = n_heads // n_kv
+            expand = name == "expanded" and group > 1
+            backend = FLASH if name == "flash" else sdpa_backend(q, k, v)
+            if name == "flash" and cuda and sdpa_backend(q, k, v) == FLASH:
+                continue  # "as run" is flash attention already
+            try:
+
+                def forward():
+                    kk, vv = (t.repeat_interleave(group, dim=1) for t in (k, v)) if expand else (k, v)
+                    return sdpa_forward(q, kk, vv, scale, backend), kk, vv
+
+                kept, kk, vv = forward()
+
+                def backward():
+                    dq, dk, dv = sdpa_backward(g, q, kk, vv, kept.out, kept.logsumexp, kept, scale)[:3]
+                    if expand:
+                        dk, dv = (t.unflatten(1, (n_kv, group)).sum(2) for t in (dk, dv))
+                    return dq, dk, dv
+
+                got = [kept.out, *backward()]
+                fwd_ms = timed(forward, warmup, repeats, cuda)
+                bwd_ms = timed(backward, warmup, repeats, cuda)
+            except Exception as error:  # a kernel this torch or GPU refuses: said, the others still measured
+                print(f"one document of {length:6d} tokens {name:10s} failed: {type(error).__name__}: {error}"[:300])
+                results[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+                continue
+            reference = reference or got
+            diff = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(got, reference))
+            results[name] = {
+                "forward_ms": fwd_ms,
+                "backward_ms": bwd_ms,
+                "forward_tflops": flops / fwd_ms / 1e9,
+                "backward_tflops": 2.5 * flops / bwd_ms / 1e9,
+                "difference": diff,
+            }
+            print(
+                f"one document of {length:6d} tokens {name:10s} forward {fwd_ms:7.3f} ms ({flops / fwd_ms / 1e9:4.0f} "
+                f"TFLOP/s)  backward {bwd_ms:7.3f} ms ({2.5 * flops / bwd_ms / 1e9:4.0f})  difference {diff:.1e}"
+            )
+        found[str(length)] = results
+    return found
+
+
 NEW_LENGTH_SHIFT = 1031
 """Tokens `--new-lengths` moves a row's first document boundary by, per call: more than the padding's step
 (`attention.padded_length`: up to 1,024 below 32,768 tokens), so each call's documents run at lengths not seen."""
@@ -285,6 +352,8 @@ def main() -> None:
     parser.add_argument("--autotune", action="store_true", help="also inductor's max-autotune search")
     parser.add_argument("--new-lengths", type=int, default=0, help="time the documents kernel on N unseen lengths")
     parser.add_argument("--sweep", default="", help="comma-separated lengths: `sweep` one document of each")
+    parser.add_argument("--layouts", default="", help="comma-separated lengths: `layouts` of one document of each")
+    parser.add_argument("--only-layouts", action="store_true", help="run `--layouts` alone (no packing, no kernels)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
     names = [name for name in args.variants.split(",") if name]
@@ -298,6 +367,15 @@ def main() -> None:
     hf = prepare(config, speak=False).model.config
     heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
     dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    if args.only_layouts:
+        lengths = [int(n) for n in args.layouts.split(",") if n]
+        found = layouts(lengths, (heads, kv_heads, dim), device, dtype, args.warmup, args.repeats)
+        device_name = torch.cuda.get_device_name(device) if cuda else "cpu"
+        results = {"config": args.config, "device": device_name, "torch": torch.__version__, "layouts": found}
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(results, indent=1) + "\n")
+        return
     position_ids, real = packed_positions(config, args.rows)
     position_ids = position_ids.to(device)
     rows, seq = position_ids.shape
@@ -347,6 +425,9 @@ def main() -> None:
     if args.sweep:
         lengths = [int(n) for n in args.sweep.split(",")]
         results["sweep"] = sweep(lengths, (heads, kv_heads, dim), device, dtype, args.warmup, args.repeats)
+    if args.layouts:
+        lengths = [int(n) for n in args.layouts.split(",")]
+        results["layouts"] = layouts(lengths, (heads, kv_heads, dim), device, dtype, args.warmup, args.repeats)
     if args.new_lengths:  # each call its own new lengths: wall time, plan building included
         calls = []
         for shift in range(1, args.new_lengths + 1):

@@ -129,12 +129,12 @@ def test_trace_gaps_finds_the_gpu_idle_gap(tmp_path, monkeypatch, capsys):
 def test_packed_attention_packs_and_checks_the_cpu_kernel(tmp_path, monkeypatch, capsys):
     """On a CPU the tool packs the demo's samples as a run does and runs the CPU's document attention (the
     documents kernel: the CPU's flash attention on each sample, over a static span table; no flex backward there)
-    forward and backward against the float32 reference, each document's operators alone and the one-document
-    sweep run, and the unseen-lengths calls run (the demo's short samples are not moved: `moved` is timed on the
+    forward and backward against the float32 reference, each document's operators alone, the one-document
+    sweep and layouts run, and the unseen-lengths calls run (the demo's short samples are not moved: `moved` is timed on the
     GPU); the GPU's variants are named and checked before anything runs."""
     out = tmp_path / "packed.json"
     args = ["--config", "configs/demo.toml", "--set", "data.packing=true", "--rows", "2", "--warmup", "0"]
-    timing = ["--repeats", "1", "--new-lengths", "2", "--sweep", "64,128,192"]
+    timing = ["--repeats", "1", "--new-lengths", "2", "--sweep", "64,128,192", "--layouts", "64,128"]
     run_tool("packed_attention", *args, *timing, "--out", str(out), monkeypatch=monkeypatch)
     results = json.loads(out.read_text())
     assert results["rows"] == 2 and results["seq"] == 384
@@ -144,6 +144,10 @@ def test_packed_attention_packs_and_checks_the_cpu_kernel(tmp_path, monkeypatch,
     assert len(results["new_lengths_ms_a_row"]) == 2
     assert results["kernels_alone_ms_a_row"] > 0  # each document's operators alone
     assert set(results["sweep"]["ms"]) == {"64", "128", "192"} and len(results["sweep"]["fit_a_b_c"]) == 3
+    for length in ("64", "128"):  # each layout of one document: the same math as the documents kernel's call
+        found = results["layouts"][length]
+        assert set(found) == {"as run", "contiguous", "expanded", "flash"}
+        assert all(r["difference"] < 1e-5 and r["forward_ms"] > 0 and r["backward_ms"] > 0 for r in found.values())
     for kernel in results["kernels"].values():
         assert max(kernel["relative_errors"].values()) < 1e-5
     assert "as run" in capsys.readouterr().out
