@@ -130,8 +130,8 @@ def test_packed_attention_packs_and_checks_the_cpu_kernel(tmp_path, monkeypatch,
     """On a CPU the tool packs the demo's samples as a run does and runs the CPU's document attention (the
     documents kernel: the CPU's flash attention on each sample, over a static span table; no flex backward there)
     forward and backward against the float32 reference, each document's operators alone, the one-document
-    sweep and layouts run, and the unseen-lengths calls run (the demo's short samples are not moved: `moved` is timed on the
-    GPU); the GPU's variants are named and checked before anything runs."""
+    sweep and layouts run, and the unseen-lengths calls run (the demo's short samples are not moved: `moved` is
+    timed on the GPU); the GPU's variants are named and checked before anything runs."""
     out = tmp_path / "packed.json"
     args = ["--config", "configs/demo.toml", "--set", "data.packing=true", "--rows", "2", "--warmup", "0"]
     timing = ["--repeats", "1", "--new-lengths", "2", "--sweep", "64,128,192", "--layouts", "64,128"]

@@ -13,7 +13,7 @@ from pipetune.model.head_rows import head_rows_pays
 from pipetune.model.load import build_model
 from pipetune.model.lora import apply_lora, extend_base_weights, use_fast_path
 from pipetune.model.shapes import resolve_model
-from pipetune.model.stage import LayerGroup, StageModule
+from pipetune.model.stage import StageModule
 from pipetune.parallel.pipeline import SingleRunner, TokenLoss
 
 ROW = 96
