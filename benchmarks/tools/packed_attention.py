@@ -21,7 +21,10 @@ model's heads go through forward and backward:
 - "kernels alone" (timed, not checked): the fused kernel's forward and backward operators on each document at its
   exact length, on contiguous tensors made beforehand: what the documents kernel's calls would cost with nothing
   around them, and `--sweep L1,L2,...` the same on one document of each length, with the fit ms = a L^2 + b L + c
-  (c: a document's cost whatever its length).
+  (c: a document's cost whatever its length),
+- `--layouts L1,L2,...` (`--only-layouts`: nothing else): one document of each length through the fused kernel's
+  operators as run, on contiguous tensors, with the key-value heads repeated, and through flash attention's,
+  forward and backward timed apart (LAYOUTS; 2026-12-06-fast-by-default-seventh-round-one-h100.md).
 
 Each is checked against causal SDPA on each sample alone in float32 (output and the query / key / value gradients:
 the error's norm over the reference's) and timed (CUDA events around `--repeats` calls after `--warmup`;
@@ -220,33 +223,20 @@ def layouts(lengths: list[int], heads: tuple[int, int, int], device, dtype, warm
         for name in LAYOUTS:
             q, k, v, g = [t.contiguous() for t in bshd] if name == "contiguous" else bshd
             group = n_heads // n_kv
-            expand = name == "expanded" and group > 1
+            expand = name == "expanded"
             backend = FLASH if name == "flash" else sdpa_backend(q, k, v)
             if name == "flash" and cuda and sdpa_backend(q, k, v) == FLASH:
                 continue  # "as run" is flash attention already
             try:
-
-                def forward():
-                    kk, vv = (t.repeat_interleave(group, dim=1) for t in (k, v)) if expand else (k, v)
-                    return sdpa_forward(q, kk, vv, scale, backend), kk, vv
-
-                kept, kk, vv = forward()
-
-                def backward():
-                    dq, dk, dv = sdpa_backward(g, q, kk, vv, kept.out, kept.logsumexp, kept, scale)[:3]
-                    if expand:
-                        dk, dv = (t.unflatten(1, (n_kv, group)).sum(2) for t in (dk, dv))
-                    return dq, dk, dv
-
-                got = [kept.out, *backward()]
-                fwd_ms = timed(forward, warmup, repeats, cuda)
-                bwd_ms = timed(backward, warmup, repeats, cuda)
+                got, fwd_ms, bwd_ms = _time_layout(q, k, v, g, group if expand else 1, backend, scale, warmup, repeats)
             except Exception as error:  # a kernel this torch or GPU refuses: said, the others still measured
                 print(f"one document of {length:6d} tokens {name:10s} failed: {type(error).__name__}: {error}"[:300])
                 results[name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
                 continue
             reference = reference or got
-            diff = max(float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(got, reference))
+            diff = max(
+                float((a.float() - b.float()).norm() / b.float().norm()) for a, b in zip(got, reference, strict=True)
+            )
             results[name] = {
                 "forward_ms": fwd_ms,
                 "backward_ms": bwd_ms,
@@ -260,6 +250,27 @@ def layouts(lengths: list[int], heads: tuple[int, int, int], device, dtype, warm
             )
         found[str(length)] = results
     return found
+
+
+def _time_layout(q, k, v, g, group: int, backend: int, scale: float, warmup: int, repeats: int):
+    """`layouts`' one kernel on one document: ([output, dq, dk, dv], forward ms, backward ms), the key-value heads
+    repeated `group` times for the kernel and their gradients summed back (1: as they are)."""
+
+    def forward():
+        kk, vv = (t.repeat_interleave(group, dim=1) for t in (k, v)) if group > 1 else (k, v)
+        return sdpa_forward(q, kk, vv, scale, backend), kk, vv
+
+    kept, kk, vv = forward()
+
+    def backward():
+        dq, dk, dv = sdpa_backward(g, q, kk, vv, kept.out, kept.logsumexp, kept, scale)[:3]
+        if group > 1:
+            dk, dv = (t.unflatten(1, (t.shape[1] // group, group)).sum(2) for t in (dk, dv))
+        return dq, dk, dv
+
+    got = [kept.out, *backward()]
+    cuda = q.device.type == "cuda"
+    return got, timed(forward, warmup, repeats, cuda), timed(backward, warmup, repeats, cuda)
 
 
 NEW_LENGTH_SHIFT = 1031
