@@ -29,7 +29,7 @@
 #              (`--mode packed`: Unsloth's own padding-free packing); JSON in $OUT/peers-STACK-packed.json. A bench
 #              takes the config's epoch-0 rows in order, R a step, so `--warmup W*R --steps N*R` times exactly the
 #              rows of `bench ... --warmup W --steps N` (the whole-meeting config: R = 16): the same rows, to the
-#              token, which a ratio needs (moving either to the epoch's rows by FLOPs over-credited pipetune ~2-3%).
+#              token, which a ratio needs (moving each to the epoch's rows by FLOPs added 0.7-1.6% to pipetune's).
 #   sh COMMAND...   any shell command (a `pipetune train` or `demo`, a peer script under torchrun, a grep).
 # A step may begin with VAR=value words, its own environment (PIPETUNE_PROFILE_STEP=6, CUDA_VISIBLE_DEVICES=1;
 # PYTHONPATH=DIR is put first on the path: the code of an older commit, e.g. .baselines/pipetune-7da8567/src).
