@@ -1,11 +1,15 @@
 """The compile line: what torch.compile spent between two steps, from torch's own record, and nothing where it
-compiled nothing."""
+compiled nothing; a profiled step's tables, one write each."""
 
 from __future__ import annotations
 
-import pytest
+import sys
+from types import SimpleNamespace
 
-from pipetune.profile import CompileLog
+import pytest
+import torch
+
+from pipetune.profile import PROFILE_ENV, CompileLog, profiled
 
 
 def test_the_compile_line_says_where_the_first_steps_time_went(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -34,3 +38,15 @@ def test_without_torchs_record_the_line_is_empty(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.delattr(torch._dynamo.utils, "compile_times")
     assert CompileLog._read() == {} and CompileLog().line() == ""
+
+
+def test_a_ranks_profile_table_is_written_in_one_piece(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PIPETUNE_PROFILE_STEP's tables, one write each (a rank's text and its newline together: under
+    PYTHONUNBUFFERED print writes them apart, and two ranks' tables ran into each other)."""
+    writes = []
+    monkeypatch.setenv(PROFILE_ENV, "3")
+    monkeypatch.setattr(sys, "stdout", SimpleNamespace(write=writes.append, flush=lambda: None))
+    with profiled(3, 1, torch.device("cpu")):
+        torch.ones(4).sum()
+    assert len(writes) == 1 and writes[0].startswith("rank 1 profile of step 3 by self_cpu_time_total:\n")
+    assert writes[0].endswith("\n") and "aten::" in writes[0]
