@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from collections.abc import Iterator
 
 import torch
+
+from pipetune.run_log import write_whole
 
 PROFILE_ENV = "PIPETUNE_PROFILE_STEP"
 TRACE_ENV = "PIPETUNE_PROFILE_TRACE"
@@ -41,10 +42,7 @@ def profiled(step: int, rank: int, device: torch.device) -> Iterator[None]:
     sorts = ("self_cpu_time_total", "self_device_time_total") if device.type == "cuda" else ("self_cpu_time_total",)
     for sort_by in sorts:
         table = averages.table(sort_by=sort_by, row_limit=ROWS)
-        # One write: under PYTHONUNBUFFERED print writes the text and its newline apart, and the ranks' tables,
-        # printed at once, ran into each other (train.print_rank has the same reason).
-        sys.stdout.write(f"rank {rank} profile of step {step} by {sort_by}:\n{table}\n")
-        sys.stdout.flush()
+        write_whole(f"rank {rank} profile of step {step} by {sort_by}:\n{table}")  # ranks' tables apart
     if trace_dir := os.environ.get(TRACE_ENV):
         os.makedirs(trace_dir, exist_ok=True)
         profiler.export_chrome_trace(os.path.join(trace_dir, f"trace-rank{rank}.json.gz"))

@@ -99,6 +99,13 @@ class RunLog:
         self._file, _active = None, None
 
 
+def write_whole(text: str) -> None:
+    """`text` and its newline on stdout in one write, flushed: under PYTHONUNBUFFERED print writes a text and its
+    newline apart, and what two ranks print at once came out joined (a test's demo, once)."""
+    sys.stdout.write(f"{text}\n")
+    sys.stdout.flush()
+
+
 def log_only(text: str) -> None:
     """Write to the active run log alone (what a terminal shows as a progress bar goes there as plain lines)."""
     if _active is not None and _active._file is not None:

@@ -72,6 +72,7 @@ from pipetune.parallel.tp import sum_partial_gradients
 from pipetune.preflight import Prepared, epoch_steps, preflight
 from pipetune.profile import CompileLog, profiled
 from pipetune.run_lock import record_launch, restarted_launch
+from pipetune.run_log import write_whole
 from pipetune.schedules import SCHEDULES
 from pipetune.switches import Hardware, resolve
 from pipetune.worker import has_launcher, named_cache_error
@@ -773,10 +774,8 @@ def _first_steps(loop: Loop, line: str) -> None:
 
 
 def print_rank(env: DistEnv, message: str) -> None:
-    """A line of this rank's on stdout, "rank N: message", written in one piece: under PYTHONUNBUFFERED, print writes
-    a line and its newline apart, and lines that two ranks print at once came out joined (a test's demo, once)."""
-    sys.stdout.write(f"rank {env.rank}: {message}\n")
-    sys.stdout.flush()
+    """A line of this rank's on stdout, "rank N: message", written in one piece (`run_log.write_whole`)."""
+    write_whole(f"rank {env.rank}: {message}")
 
 
 def print0(env: DistEnv, quiet: bool, message: str) -> None:
