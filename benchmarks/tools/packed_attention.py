@@ -59,6 +59,7 @@ from pipetune.data.packing import epoch_rows  # noqa: E402
 from pipetune.model import attention  # noqa: E402
 from pipetune.model.attention import document_block_mask, document_sdpa, span_table  # noqa: E402
 from pipetune.model.kept_attention import FLASH, sdpa_backend, sdpa_backward, sdpa_forward  # noqa: E402
+from pipetune.model.shapes import head_dim as head_size  # noqa: E402
 from pipetune.preflight import prepare  # noqa: E402
 
 VARIANTS: dict[str, dict] = {
@@ -377,7 +378,7 @@ def main() -> None:
     dtype = torch.bfloat16 if cuda else torch.float32
     hf = prepare(config, speak=False).model.config
     heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
-    dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    dim = head_size(hf)
     if args.only_layouts:
         lengths = [int(n) for n in args.layouts.split(",") if n]
         found = layouts(lengths, (heads, kv_heads, dim), device, dtype, args.warmup, args.repeats)
