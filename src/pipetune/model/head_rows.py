@@ -43,6 +43,12 @@ HEAD_ROWS_SHARE = 1 / 3
 257 of 512: there the whole layer)."""
 
 
+RUNS_STEP = 8
+"""`HeadRows.runs` holds a multiple of this many runs, the last ones empty: a microbatch's runs (~2 a row of whole
+meetings, one a row of single samples) then meet a compiled layer in one or two shapes (a count of 1 would be
+specialized apart from the others)."""
+
+
 @dataclass(frozen=True)
 class HeadRows:
     """The rows a microbatch's loss reads, as the last layer takes them: `runs` [k, 4] int64 on the host, each run
@@ -51,6 +57,7 @@ class HeadRows:
 
     runs: torch.Tensor
     flat: torch.Tensor
+    """`runs` ends in empty ones ((0, 0, 0, 0): `RUNS_STEP`)."""
 
     @classmethod
     def of(cls, chosen: torch.Tensor, positions: torch.Tensor | None, device: torch.device) -> HeadRows | None:
@@ -74,6 +81,7 @@ class HeadRows:
             flat.append(index + row * seq)
         if not runs:
             return None
+        runs += [(0, 0, 0, 0)] * (-len(runs) % RUNS_STEP)  # empty runs: a few shapes for a compiled layer
         return cls(torch.tensor(runs, dtype=torch.int64), torch.cat(flat).to(device, non_blocking=True))
 
 
@@ -137,6 +145,8 @@ def head_rows_sdpa(
     out = _row_like(query)
     lse = query.new_zeros(batch * heads * seq, dtype=torch.float32)
     for row, keys, start, end in runs.tolist():
+        if end == start:
+            continue
         q = query[row : row + 1, :, start:end]
         k, v = (t[row : row + 1, :, keys:end] for t in (key, value))
         if _flash(query):  # its causal diagonal lies at the bottom right where there are fewer queries than keys
@@ -172,6 +182,8 @@ def head_rows_sdpa_backward(
     heads, seq = query.shape[1], query.shape[2]
     grads = [torch.zeros_like(t) for t in (query, key, value)]
     for row, keys, start, end in runs.tolist():
+        if end == start:
+            continue
         q = query[row : row + 1, :, start:end]
         k, v = (t[row : row + 1, :, keys:end] for t in (key, value))
         g = grad[row : row + 1, :, start:end]
@@ -233,7 +245,7 @@ def head_rows_layer(layer: nn.Module, hidden: torch.Tensor, rows: HeadRows, kwar
 class HeadRowsLayer(nn.Module):
     """The stage's last layer as a run of its own (`StageModule.compile_layers`): on the chosen rows where a
     training forward names them (`head_rows_layer`), the whole layer otherwise. Compiled, the chosen rows' count
-    and the runs' are dynamic dimensions (`forward` marks them), so one graph serves every microbatch."""
+    is a dynamic dimension (`mark_dynamic`), so one graph serves every microbatch of as many runs' steps."""
 
     def __init__(self, layer: nn.Module) -> None:
         super().__init__()
@@ -247,10 +259,9 @@ class HeadRowsLayer(nn.Module):
 
 
 def mark_dynamic(rows: HeadRows) -> None:
-    """Mark the chosen rows' count and the runs' as dynamic for a compiled `HeadRowsLayer` (no recompilation as
-    they change from one microbatch to the next)."""
+    """Mark the chosen rows' count as dynamic for a compiled `HeadRowsLayer` (no recompilation as it changes from
+    one microbatch to the next; the runs' count moves in steps of RUNS_STEP)."""
     torch._dynamo.maybe_mark_dynamic(rows.flat, 0)
-    torch._dynamo.maybe_mark_dynamic(rows.runs, 0)
 
 
 def head_rows_share(config: Config) -> float:
