@@ -22,6 +22,8 @@ model's heads go through forward and backward:
   exact length, on contiguous tensors made beforehand: what the documents kernel's calls would cost with nothing
   around them, and `--sweep L1,L2,...` the same on one document of each length, with the fit ms = a L^2 + b L + c
   (c: a document's cost whatever its length),
+- `--head-rows N`: the last layer's attention on the loss's rows (model/head_rows.py, `head_rows_sdpa`) with each
+  document's last N tokens chosen, as a summary's are: checked at those rows and timed,
 - `--layouts L1,L2,...` (`--only-layouts`: nothing else): one document of each length through the fused kernel's
   operators as run, on contiguous tensors, with the key-value heads repeated, and through flash attention's,
   forward and backward timed apart (LAYOUTS; 2026-12-06-fast-by-default-seventh-round-one-h100.md).
@@ -58,6 +60,7 @@ from pipetune.data.cache import tokenized_data  # noqa: E402
 from pipetune.data.packing import epoch_rows  # noqa: E402
 from pipetune.model import attention  # noqa: E402
 from pipetune.model.attention import document_block_mask, document_sdpa, span_table  # noqa: E402
+from pipetune.model.head_rows import HeadRows, head_rows_sdpa  # noqa: E402
 from pipetune.model.kept_attention import FLASH, sdpa_backend, sdpa_backward, sdpa_forward  # noqa: E402
 from pipetune.model.shapes import head_dim as head_size  # noqa: E402
 from pipetune.preflight import prepare  # noqa: E402
@@ -292,6 +295,36 @@ def moved(position_ids: torch.Tensor, shift: int) -> torch.Tensor:
     return moved
 
 
+def head_rows(position_ids: torch.Tensor, inputs, grad: torch.Tensor, want, tail: int, warmup: int, repeats: int):
+    """The last layer's attention on the loss's rows (model/head_rows.py) with each document's last `tail` tokens
+    chosen (a summary's): `head_rows_sdpa` against the reference on those rows, for an output gradient there
+    alone (the reference's gradients for the same: `want` is for the whole gradient, so it is run again), and its
+    milliseconds a row, forward + backward (flash attention's kernel on a GPU, run by run)."""
+    chosen = torch.zeros_like(position_ids, dtype=torch.bool)
+    for row, spans in enumerate(span_table(position_ids).tolist()):
+        for start, end in spans:
+            chosen[row, max(start, end - tail) : end] = True
+    rows = HeadRows.of(chosen, position_ids, position_ids.device)
+    mask = chosen[:, :, None, None]  # [b, s, heads, d]
+    grad = grad * mask
+    scale = inputs[0].shape[-1] ** -0.5
+
+    def kernel(q, k, v):
+        return head_rows_sdpa(q, k, v, rows.runs, scale)[0].transpose(1, 2)
+
+    got = run(kernel, inputs, grad)
+    want = run(reference(position_ids), [t.detach().clone().requires_grad_(True) for t in want], grad.float())
+    got[0], want[0] = got[0] * mask, want[0] * mask  # outputs compared at the chosen rows
+    found = errors(got, want, position_ids)
+    ms = timed(lambda: run(kernel, inputs, grad), warmup, repeats, position_ids.device.type == "cuda")
+    rows_count = position_ids.shape[0]
+    print(
+        f"{'head rows':20s} {ms / rows_count:8.3f} ms a row  worst relative error {max(found.values()):.2e}  "
+        f"({int(chosen.sum()) / rows_count:,.0f} chosen rows a row, {len(rows.runs)} runs)"
+    )
+    return {"ms_a_row": ms / rows_count, "relative_errors": found, "chosen_a_row": int(chosen.sum()) / rows_count}
+
+
 def kernels(position_ids: torch.Tensor, names: list[str], autotune: bool, per_row: int) -> dict:
     """name -> attention(query, key, value) as [b, s, heads, d], for the kernels this device runs."""
     chosen = {"documents": documents(position_ids, per_row)}
@@ -366,6 +399,12 @@ def main() -> None:
     parser.add_argument("--sweep", default="", help="comma-separated lengths: `sweep` one document of each")
     parser.add_argument("--layouts", default="", help="comma-separated lengths: `layouts` of one document of each")
     parser.add_argument("--only-layouts", action="store_true", help="run `--layouts` alone (no packing, no kernels)")
+    parser.add_argument(
+        "--head-rows",
+        type=int,
+        default=0,
+        help="check and time the last layer's attention on each document's last N tokens (model/head_rows.py)",
+    )
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args()
     names = [name for name in args.variants.split(",") if name]
@@ -434,6 +473,10 @@ def main() -> None:
     alone = timed(kernels_alone(position_ids, (heads, kv_heads, dim), dtype), args.warmup, args.repeats, cuda)
     results["kernels_alone_ms_a_row"] = alone / rows
     print(f"{'kernels alone':20s} {alone / rows:8.3f} ms a row  (each document's operators, exact lengths)")
+    if args.head_rows:
+        results["head_rows"] = head_rows(
+            position_ids, inputs, grad, reference_inputs, args.head_rows, args.warmup, args.repeats
+        )
     if args.sweep:
         lengths = [int(n) for n in args.sweep.split(",")]
         results["sweep"] = sweep(lengths, (heads, kv_heads, dim), device, dtype, args.warmup, args.repeats)

@@ -49,8 +49,10 @@ from pipetune.model.attention import (
     documents_advice,
     expect_document_lengths,
     prebuild_backward_plans,
+    use_document_attention,
 )
 from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory, graphs_untried
+from pipetune.model.head_rows import head_rows_pays
 from pipetune.model.load import DTYPES
 from pipetune.model.lora import adapter_state, save_adapter
 from pipetune.model.shapes import head_dim
@@ -477,6 +479,9 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
     if t.fused_loss is True and last_stage is not None:
         last_stage.head_in_loss = True
         loss_fn = TokenLoss(head=last_stage.lm_head, chunk=t.loss_chunk)
+        if head_rows_pays(config, last_stage):  # the last layer on the loss's rows too
+            last_stage.head_rows = True
+            use_document_attention(stages.peft_model)
 
     def runner() -> PipelineRunner | SingleRunner:
         if not p.pipelined:
@@ -496,6 +501,8 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
     # chunk 0 has gradients None", 2x H200), and torch re-infers a stage's shapes after every forward-only step.
     validation = runner() if p.pipelined else runners[max_length]
     decisions = []
+    if last_stage is not None and last_stage.head_rows:
+        decisions.append(f"the last layer on the loss's rows ({config.data.max_summary_tokens + 1:,} a sample at most)")
     if t.activation_checkpointing == "auto":
         plan = auto_checkpointing(modules, stages.ids, mesh.pp_rank, config, prepared.model, device, mesh.tp_mesh)
         for module, count, offloaded in zip(modules, plan.layers, plan.offloaded_layers(), strict=True):

@@ -134,7 +134,18 @@ def test_packed_attention_packs_and_checks_the_cpu_kernel(tmp_path, monkeypatch,
     timed on the GPU); the GPU's variants are named and checked before anything runs."""
     out = tmp_path / "packed.json"
     args = ["--config", "configs/demo.toml", "--set", "data.packing=true", "--rows", "2", "--warmup", "0"]
-    timing = ["--repeats", "1", "--new-lengths", "2", "--sweep", "64,128,192", "--layouts", "64,128"]
+    timing = [
+        "--repeats",
+        "1",
+        "--new-lengths",
+        "2",
+        "--sweep",
+        "64,128,192",
+        "--layouts",
+        "64,128",
+        "--head-rows",
+        "9",
+    ]
     run_tool("packed_attention", *args, *timing, "--out", str(out), monkeypatch=monkeypatch)
     results = json.loads(out.read_text())
     assert results["rows"] == 2 and results["seq"] == 384
@@ -148,8 +159,9 @@ def test_packed_attention_packs_and_checks_the_cpu_kernel(tmp_path, monkeypatch,
         found = results["layouts"][length]
         assert set(found) == {"as run", "contiguous", "expanded", "flash"}
         assert all(r["difference"] < 1e-5 and r["forward_ms"] > 0 and r["backward_ms"] > 0 for r in found.values())
-    for kernel in results["kernels"].values():
+    for kernel in [*results["kernels"].values(), results["head_rows"]]:
         assert max(kernel["relative_errors"].values()) < 1e-5
+    assert 9 <= results["head_rows"]["chosen_a_row"] <= 9 * max(results["documents_a_row"])
     assert "as run" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         run_tool("packed_attention", *args, "--variants", "fwd 1x1", monkeypatch=monkeypatch)

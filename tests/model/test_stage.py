@@ -65,7 +65,9 @@ def test_layer_memory_counts_activations_not_weights(name: str) -> None:
     graphs = _tensors_with_history()
     short, short_input = stage.layer_memory(1, 64)
     gc.collect()
-    assert _tensors_with_history() == graphs
+    # none more (fewer may be: what an earlier test's compilation left in a cycle through autograd's C++ graph
+    # can go while this one runs)
+    assert _tensors_with_history() <= graphs
     long, long_input = stage.layer_memory(2, 64)
     assert torch.equal(torch.get_rng_state(), state)  # the run's dropout stream is untouched
     assert short_input == 64 * 256 * 4 and long_input == 2 * short_input

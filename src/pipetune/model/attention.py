@@ -56,6 +56,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from pipetune.model.head_rows import HeadRows, head_rows_attention
 from pipetune.model.kept_attention import (
     CUDNN,
     KERNELS,
@@ -559,12 +560,17 @@ def document_attention(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """A transformers attention function: within documents under a document mask (flex attention with a
-    BlockMask, `document_sdpa` with a DocumentTable); inside a checkpointed layer that keeps attention
+    BlockMask, `document_sdpa` with a DocumentTable); the chosen rows' queries alone under a HeadRows (the last
+    layer on the rows the loss reads, model/head_rows.py); inside a checkpointed layer that keeps attention
     (train.keep_attention), SDPA's fused kernel with its output kept (model/kept_attention.py); transformers'
     SDPA otherwise."""
     kernel = kept_kernel(module, query, key, value, attention_mask, dropout, kwargs)
     if kernel is not None:
         return kept_attention(query, key, value, scaling, kernel), None
+    if isinstance(attention_mask, HeadRows):  # the last layer, on the rows the loss reads (model/head_rows.py)
+        if dropout > 0:
+            raise ValueError(f"attention dropout {dropout} is not supported on the loss's rows")
+        return head_rows_attention(query, key, value, attention_mask, scaling), None
     if not isinstance(attention_mask, (BlockMask, DocumentTable)):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
@@ -586,6 +592,6 @@ AttentionInterface.register(DOCUMENT_ATTENTION, document_attention)
 
 def use_document_attention(model: nn.Module) -> None:
     """Switch a (PEFT-wrapped) HF model's attention to `document_attention`: packed microbatches, with a mask,
-    or attention kept through recomputation."""
+    attention kept through recomputation, or the last layer on the loss's rows."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.config._attn_implementation = DOCUMENT_ATTENTION

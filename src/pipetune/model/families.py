@@ -120,6 +120,9 @@ class Family:
     """Recompute the buffers, besides the rotary embedding's, that allocating the meta model leaves empty."""
     unsupported: Callable[[PretrainedConfig], str | None] = lambda config: None
     """What a config of the family asks for that the stage does not compute (a refusal), or None."""
+    pre_norm_layers: bool = True
+    """Its decoder layers compute h = x + self_attn(input_layernorm(x)), then h + mlp(post_attention_layernorm(h)),
+    nothing else: the last one may run on the loss's rows alone (model/head_rows.py)."""
 
     @property
     def projections(self) -> tuple[str, ...]:
@@ -160,6 +163,7 @@ FAMILIES = (
         norm_init=0.0,
         restore_buffers=gemma3_buffers,
         unsupported=gemma3_check,
+        pre_norm_layers=False,  # its layers norm the attention's and the MLP's outputs too
     ),
 )
 """Every family pipetune builds pipeline stages for."""

@@ -200,12 +200,12 @@ def sdpa_forward(
     return _Kept(out, lse, backend, (cum_q, cum_k, max_q, max_k, seed, offset))
 
 
-def dense_kept(query: torch.Tensor, backend: int, length: int) -> _Kept:
+def dense_kept(query: torch.Tensor, backend: int, length: int, keys: int | None = None) -> _Kept:
     """What `sdpa_backward` takes of `sdpa_forward`'s results beside the tensors it is given, made anew for causal,
-    dropout-free attention over whole rows of `length` tokens by `backend` (no sequence tables; the random state
-    unused without dropout)."""
+    dropout-free attention over whole rows of `length` queries and `keys` keys (default: as many) by `backend` (no
+    sequence tables; the random state unused without dropout)."""
     zero = query.new_zeros((), dtype=torch.int64)
-    return _Kept(None, None, backend, (None, None, length, length, zero, zero))
+    return _Kept(None, None, backend, (None, None, length, length if keys is None else keys, zero, zero))
 
 
 def sdpa_backward(grad: torch.Tensor, query, key, value, out, lse, kept: _Kept, scale: float | None) -> tuple:

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from pipetune.config import ConfigError
 from pipetune.model.attention import document_mask
 from pipetune.model.families import Family, LayerInputs, family_of
+from pipetune.model.head_rows import HeadRows, HeadRowsLayer, head_rows_layer, mark_dynamic
 from pipetune.model.kept_attention import KeptAttention
 from pipetune.model.lora import ExtendedWeights
 from pipetune.model.offload import ActivationOffload, offloading
@@ -184,6 +185,9 @@ class StageModule(nn.Module):
         """The bound on a packed row's documents for the "documents" kernel's span tables (0: each batch's most)."""
         self.head_in_loss = False
         """The last stage returns normed hidden states; the loss applies lm_head (train.fused_loss)."""
+        self.head_rows = False
+        """The last layer runs on the rows the loss reads, where a training forward names them (`forward`'s
+        `head_rows`) and the layer is not checkpointed; compiled, as a graph of its own (model/head_rows.py)."""
         self.own_boundary_memory = False
         """Hand the pipeline its sent tensors (this stage's output, the gradient of its input) in memory of their
         own, not in the CUDA graphs' pool (set with `compile_layers(cuda_graphs=True)`)."""
@@ -213,13 +217,18 @@ class StageModule(nn.Module):
         mode = "reduce-overhead" if cuda_graphs else None
         layers = list(self.layers)
         alone = self.checkpoint_layers
-        size = per_graph or len(layers)
+        apart = self.head_rows and alone < len(layers)  # the last layer, on the loss's rows (`head_rows`)
+        grouped = layers[:-1] if apart else layers
+        size = per_graph or len(grouped)
         runs: list[nn.Module] = layers[:alone]
-        for start in range(alone, len(layers), size):
-            group = layers[start : start + size]
+        for start in range(alone, len(grouped), size):
+            group = grouped[start : start + size]
             runs.append(group[0] if size == 1 else LayerGroup(group, [self.family.layer_kind(x) for x in group]))
         for run in runs:
             run.compile(mode=mode)
+        if apart:  # a graph of its own, without CUDA graphs: its attention reads its runs on the host
+            runs.append(HeadRowsLayer(layers[-1]))
+            runs[-1].compile()
         self.runs = runs
         self.own_boundary_memory = cuda_graphs
 
@@ -279,12 +288,16 @@ class StageModule(nn.Module):
     def is_last(self) -> bool:
         return self.lm_head is not None
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor | None = None, head_rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """input_ids [b, s] on the first stage, hidden states [b, s, h] elsewhere; logits [b, s, v] on the last
         (normed hidden states with head_in_loss). `position_ids` [b, s]: packed rows' positions, restarting with
         every sample; attention then stays within each sample (the model's attention must be
         model.attention.DOCUMENT_ATTENTION). On the host (pinned) or the device: the "documents" kernel reads them
-        on the host, where a training step leaves them for it (no wait for the device)."""
+        on the host, where a training step leaves them for it (no wait for the device). `head_rows` [b, s] bool,
+        on the host: the rows the loss reads; with `self.head_rows` the last layer computes only those (its output
+        elsewhere is its input: model/head_rows.py)."""
         hidden = self.embed(x) if self.is_first else x
         if self.extended_weights is None:
             self.extended_weights = ExtendedWeights.of(self.layers)
@@ -300,8 +313,20 @@ class StageModule(nn.Module):
             document = document_mask(position_ids, self.packed_attention, self.documents_per_row, host)
         inputs = layer_call_kwargs(self.family, self.rotary, hidden, position_ids, document)
         runs = self.layers if self.runs is None else self.runs
+        rows = None
+        if head_rows is not None and self.head_rows and self.is_last and torch.is_grad_enabled():
+            rows = HeadRows.of(head_rows, None if document is None else host, hidden.device)
         for index, run in enumerate(runs):  # the first checkpoint_layers runs are single layers
-            kwargs = dict(inputs=inputs) if isinstance(run, LayerGroup) else inputs[self.family.layer_kind(run)]
+            layer = run.layer if isinstance(run, HeadRowsLayer) else run
+            kwargs = dict(inputs=inputs) if isinstance(run, LayerGroup) else inputs[self.family.layer_kind(layer)]
+            if rows is not None and index == len(runs) - 1 and layer is self.layers[-1]:
+                if index >= self.checkpoint_layers:  # a checkpointed layer recomputes the whole of it
+                    if isinstance(run, HeadRowsLayer):  # compiled
+                        mark_dynamic(rows)
+                        hidden = run(hidden, rows=rows, **kwargs)
+                    else:
+                        hidden = head_rows_layer(run, hidden, rows, kwargs)
+                    continue
             if index < self.checkpoint_layers and torch.is_grad_enabled():
                 # Non-reentrant, with the RNG state restored for the recomputation: same dropout masks, same math.
                 contexts = {} if self.kept is None else dict(context_fn=functools.partial(self.kept.contexts, index))

@@ -167,6 +167,8 @@ class PipelineRunner:
         losses: list[torch.Tensor] = []
         if self.is_last:
             options.update(target=labels, losses=losses)
+            if run == self.schedule.step and any(getattr(stage.submod, "head_rows", False) for stage in self.stages):
+                options.update(head_rows=labels != IGNORE)  # the last layer on the loss's rows
         if position_ids is not None:
             options.update(position_ids=position_ids)
         run(*((input_ids,) if self.is_first else ()), **options)
@@ -191,7 +193,10 @@ class SingleRunner:
         chunks = zip(input_ids.chunk(self.n_microbatches), labels.chunk(self.n_microbatches), strict=True)
         positions = [None] * self.n_microbatches if position_ids is None else position_ids.chunk(self.n_microbatches)
         for (ids, target), pos in zip(chunks, positions, strict=True):
-            loss = self.loss_fn(self.module(ids) if pos is None else self.module(ids, position_ids=pos), target)
+            inputs = {} if pos is None else dict(position_ids=pos)
+            if getattr(self.module, "head_rows", False):  # the last layer on the loss's rows (model/head_rows.py)
+                inputs.update(head_rows=target != IGNORE)
+            loss = self.loss_fn(self.module(ids, **inputs), target)
             loss.backward()
             total += loss.detach()
         return total
