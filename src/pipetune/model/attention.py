@@ -190,12 +190,13 @@ def _documents_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 def padded_length(length: int) -> int:
-    """The length `document_sdpa` runs a document of `length` tokens at: rounded up to a sixty-fourth of its power
+    """The length `document_sdpa` runs a document of `length` tokens at: rounded up to a thirty-second of its power
     of two (at least 64), so cuDNN, which builds an execution plan (~65 ms, forward and backward) for every shape it
-    has not seen, meets at most 64 lengths an octave (the 256 whole meetings of the bench's runs: 112 plans; with
-    their rows' pad tails, as the measured runs built them, 129), for ~1% more attention work (a sixteenth: 62
-    plans, 3.5% more; 2026-12-02-whole-epoch-documents-one-h200.md)."""
-    step = max(64, 1 << max(length.bit_length() - 7, 0))
+    has not seen, meets at most 32 lengths an octave: `qwen3-4b-meetings`' epoch, 107 lengths (a sixty-fourth: 166),
+    for ~1.9% more attention work (a sixty-fourth: 1.0%). Measured on one H200 (2026-12-07-head-rows-and-pad32-
+    one-h200.md): the first step's plan builds 13 s against 29-30 s, the first step 39 s against 50-57 s, real
+    tokens/s 0.2% lower."""
+    step = max(64, 1 << max(length.bit_length() - 6, 0))
     return -(-length // step) * step
 
 
