@@ -25,7 +25,8 @@ that layer is not checkpointed (`StageModule.forward`); validation runs the whol
 
 History: a first version (2026-12-06, E7) ran this layer eagerly with a dense [chosen x keys] mask and the
 key-value heads repeated for SDPA's masked kernel: 2.6% slower than the whole layer compiled
-(benchmarks/journal/2026-12-06-fast-by-default-eighth-round-one-h200.md).
+(benchmarks/journal/2026-12-06-fast-by-default-eighth-round-one-h200.md). This one, on the same 64 whole-meeting
+rows on one H200: 1.5% faster, every step 1.3-1.8% shorter (2026-12-07-head-rows-and-pad32-one-h200.md).
 """
 
 from __future__ import annotations
