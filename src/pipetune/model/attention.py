@@ -194,7 +194,7 @@ def padded_length(length: int) -> int:
     of two (at least 64), so cuDNN, which builds an execution plan (~65 ms, forward and backward) for every shape it
     has not seen, meets at most 32 lengths an octave: `qwen3-4b-meetings`' epoch, 107 lengths (a sixty-fourth: 166),
     for ~1.9% more attention work (a sixty-fourth: 1.0%). Measured on one H200 (2026-12-07-head-rows-and-pad32-
-    one-h200.md): the first step's plan builds 13 s against 29-30 s, the first step 39 s against 50-57 s, real
+    one-h200.md): the first step's plan builds 13 s against 27-31 s, the first step 39 s against 50-57 s, real
     tokens/s 0.2% lower."""
     step = max(64, 1 << max(length.bit_length() - 6, 0))
     return -(-length // step) * step
