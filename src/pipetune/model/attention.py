@@ -63,6 +63,7 @@ from pipetune.model.kept_attention import (
     dense_kept,
     kept_attention,
     kept_kernel,
+    register_table_autograd,
     sdpa_backend,
     sdpa_backward,
     sdpa_forward,
@@ -525,24 +526,7 @@ def document_sdpa_backward(
     return tuple(grads)
 
 
-@document_sdpa_backward.register_fake
-def _(grad, query, key, value, out, lse, spans, scale):
-    return tuple(torch.empty_like(t) for t in (query, key, value))
-
-
-def _document_sdpa_setup(ctx, inputs, output) -> None:
-    query, key, value, spans, scale = inputs
-    ctx.save_for_backward(query, key, value, *output, spans)
-    ctx.scale = scale
-
-
-def _document_sdpa_grads(ctx, grad, _lse_grad):
-    query, key, value, out, lse, spans = ctx.saved_tensors
-    grad = grad.contiguous() if grad.stride(-1) != 1 else grad
-    return *document_sdpa_backward(grad, query, key, value, out, lse, spans, ctx.scale), None, None
-
-
-document_sdpa.register_autograd(_document_sdpa_grads, setup_context=_document_sdpa_setup)
+register_table_autograd(document_sdpa, document_sdpa_backward)
 
 
 @functools.cache

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from pipetune.config import Config
-from pipetune.model.kept_attention import FLASH, dense_kept, sdpa_backward
+from pipetune.model.kept_attention import FLASH, dense_kept, register_table_autograd, sdpa_backward
 
 HEAD_ROWS_SHARE = 1 / 3
 """The most of a row the loss may read for the last layer to run on those rows alone (the seed's job reads up to
@@ -200,24 +200,7 @@ def head_rows_sdpa_backward(
     return tuple(grads)
 
 
-@head_rows_sdpa_backward.register_fake
-def _(grad, query, key, value, out, lse, runs, scale):
-    return tuple(torch.empty_like(t) for t in (query, key, value))
-
-
-def _setup(ctx, inputs, output) -> None:
-    query, key, value, runs, scale = inputs
-    ctx.save_for_backward(query, key, value, *output, runs)
-    ctx.scale = scale
-
-
-def _grads(ctx, grad, _lse_grad):
-    query, key, value, out, lse, runs = ctx.saved_tensors
-    grad = grad.contiguous() if grad.stride(-1) != 1 else grad
-    return *head_rows_sdpa_backward(grad, query, key, value, out, lse, runs, ctx.scale), None, None
-
-
-head_rows_sdpa.register_autograd(_grads, setup_context=_setup)
+register_table_autograd(head_rows_sdpa, head_rows_sdpa_backward)
 
 
 def head_rows_attention(

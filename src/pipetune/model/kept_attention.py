@@ -225,6 +225,29 @@ def sdpa_backward(grad: torch.Tensor, query, key, value, out, lse, kept: _Kept, 
     )
 
 
+def register_table_autograd(forward, backward) -> None:
+    """Autograd for an attention operator `forward(query, key, value, table, scale) -> (out, lse)` whose gradients
+    are the operator `backward(grad, query, key, value, out, lse, table, scale) -> (dq, dk, dv)` (the table: a
+    tensor that says which queries attend to which keys), and `backward`'s fake: the documents kernel's
+    (model/attention.py) and the last layer's on the loss's rows (model/head_rows.py)."""
+
+    @backward.register_fake
+    def _(grad, query, key, value, out, lse, table, scale):
+        return tuple(torch.empty_like(t) for t in (query, key, value))
+
+    def setup(ctx, inputs, output) -> None:
+        query, key, value, table, scale = inputs
+        ctx.save_for_backward(query, key, value, *output, table)
+        ctx.scale = scale
+
+    def grads(ctx, grad, _lse_grad):
+        query, key, value, out, lse, table = ctx.saved_tensors
+        grad = grad.contiguous() if grad.stride(-1) != 1 else grad
+        return *backward(grad, query, key, value, out, lse, table, ctx.scale), None, None
+
+    forward.register_autograd(grads, setup_context=setup)
+
+
 class _KeptAttention(torch.autograd.Function):
     """Fused attention that computes (first forward) or takes back (recomputation) its output; its backward is
     its kernel's backward operator."""
