@@ -469,19 +469,26 @@ class Runners:
     """This rank's own decisions for the startup line: its checkpointed layers, its CUDA graphs."""
 
 
+def build_loss(config: Config, stages: Stages) -> tuple[TokenLoss, StageModule | None]:
+    """The loss, and this rank's last stage if it holds it. With train.fused_loss the loss applies lm_head (the
+    last stage returns normed hidden states) and, where that pays, the last layer runs on the loss's rows alone
+    (model/head_rows.py)."""
+    last_stage = next((module for module in stages.modules if module.is_last), None)
+    if config.train.fused_loss is not True or last_stage is None:
+        return TokenLoss(), last_stage
+    last_stage.head_in_loss = True
+    if head_rows_pays(config, last_stage):
+        last_stage.head_rows = True
+        use_document_attention(stages.peft_model)
+    return TokenLoss(head=last_stage.lm_head, chunk=config.train.loss_chunk), last_stage
+
+
 def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, stages: Stages) -> Runners:
     """The loss and the runners of every padded length; then checkpointing ("auto": planned for the longest shape,
     with the schedule's microbatches), CUDA graphs and compilation (which happens at the first forward)."""
     t, p = config.train, config.parallel
     device, modules, max_length = env.device, stages.modules, config.data.max_length
-    loss_fn = TokenLoss()
-    last_stage = next((module for module in modules if module.is_last), None)
-    if t.fused_loss is True and last_stage is not None:
-        last_stage.head_in_loss = True
-        loss_fn = TokenLoss(head=last_stage.lm_head, chunk=t.loss_chunk)
-        if head_rows_pays(config, last_stage):  # the last layer on the loss's rows too
-            last_stage.head_rows = True
-            use_document_attention(stages.peft_model)
+    loss_fn, last_stage = build_loss(config, stages)
 
     def runner() -> PipelineRunner | SingleRunner:
         if not p.pipelined:
