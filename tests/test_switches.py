@@ -104,6 +104,49 @@ def test_forced_values_stay_and_their_refusals_stay() -> None:
         validate(resolve(refused, GPU).config, 2)
 
 
+def test_the_last_layer_runs_on_the_loss_rows_where_the_loss_reads_a_small_share() -> None:
+    """train.head_rows: "auto" on with the fused loss where the loss reads at most a third of a row, of a family
+    whose layers norm only their inputs, without tp or FSDP; forced on, it takes the fused loss along, and is
+    refused where it cannot run."""
+    whole = resolve(fit_to_gpus(_config(), 1, explicit=False), GPU, WHOLE)
+    assert whole.config.train.head_rows is True and whole.values()["train.head_rows"] is True
+    assert "last layer on the loss's rows (the loss reads up to 513 of 16,384 tokens a row)" in whole.line()
+    seed = resolve(fit_to_gpus(_config("qwen3-4b-ami"), 1, explicit=False), GPU)  # up to 257 of 512
+    assert (
+        seed.config.train.head_rows is False
+        and "last layer on every row (the loss reads up to 257 of 512" in seed.line()
+    )
+    off = {
+        "parallel.tp = 2 splits the layer": resolve(
+            _config("qwen3-4b-meetings", "parallel.pp=1", "parallel.tp=2"), GPU
+        ),
+        "FSDP gathers": resolve(
+            _config("qwen3-4b-meetings", "parallel.pp=1", "parallel.dp=2", 'parallel.strategy="fsdp"'), GPU
+        ),
+        "norm their outputs": resolve(_config(), GPU, WHOLE, pre_norm=False),  # Gemma 3's layers
+        "no fused loss": resolve(_config("demo-smollm2"), CPU, vocab=49152),
+    }
+    for why, speed in off.items():
+        assert speed.config.train.head_rows is False and why in {c.key: c.why for c in speed.choices}["train.head_rows"]
+    assert "loss's rows" not in off["no fused loss"].line()  # nothing to say where the loss is the plain one
+    forced = resolve(_config("demo", "train.head_rows=true"), CPU)
+    assert forced.config.train.fused_loss is True and "last layer on the loss's rows (set)" in forced.line()
+    refusals = {
+        "set train.fused_loss = true, or set train.head_rows = false": ["train.fused_loss=false"],
+        "set parallel.tp = 1, or set train.head_rows = false": ["parallel.pp=1", "parallel.tp=2"],
+    }
+    for message, extra in refusals.items():
+        with pytest.raises(ConfigError, match=message):
+            validate(resolve(_config("demo", "train.head_rows=true", *extra), GPU).config, 2)
+    from pipetune.model.families import FAMILIES
+    from pipetune.preflight import check_head_rows
+
+    gemma3 = next(family for family in FAMILIES if not family.pre_norm_layers)
+    with pytest.raises(ConfigError, match="Gemma 3's layers norm .* set train.head_rows = false"):
+        check_head_rows(forced.config, gemma3)
+    check_head_rows(forced.config, FAMILIES[0])
+
+
 def test_fewer_gpus_than_the_layout_fit_it_or_refuse_in_one_line() -> None:
     config = _config()
     assert layout_asked(["train.lr=1e-4", " parallel.pp =2"]) and not layout_asked(["model.name=qwen3-4b"])

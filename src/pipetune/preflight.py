@@ -24,6 +24,7 @@ from pipetune.data.packing import epoch_rows
 from pipetune.data.prompt import PromptBuilder
 from pipetune.data.sources import require_local_source
 from pipetune.loggers import check_loggers
+from pipetune.model.families import Family, family_of
 from pipetune.model.gguf import gguf_source
 from pipetune.model.quantize import check_quantize
 from pipetune.model.shapes import BUILTIN_SHAPES, ResolvedModel, one_layer_model, resolve_model
@@ -59,9 +60,12 @@ def preflight(config: Config, world_size: int, speak: bool = True, hardware: Har
     check_layout(config, world_size)
     check_loggers(config.output.loggers)
     prepared = prepare(config, speak)
-    speed = resolve(asked, hardware, vocab=prepared.model.config.vocab_size)  # a CPU's loss by its logits' size
+    family = family_of(prepared.model.config)
+    # a CPU's loss by its logits' size; the last layer on the loss's rows by the family's norms
+    speed = resolve(asked, hardware, vocab=prepared.model.config.vocab_size, pre_norm=family.pre_norm_layers)
     config = speed.config
     check_packing(config, prepared.model.config)
+    check_head_rows(config, family)
     if config.model.quantize == "fp8" and not config.train.compile:  # FP8 matmuls this GPU runs: say how they pay
         _say(
             'note: model.quantize = "fp8" pays compiled: with train.compile = false the quantization around each FP8 '
@@ -237,7 +241,6 @@ def check_packing(config: Config, model_config: PretrainedConfig) -> None:
     after the weights are loaded."""
     if not config.data.packing:
         return
-    from pipetune.model.families import family_of
     from pipetune.model.stage import layer_call_kwargs
 
     class NoRotary:  # the layers' inputs are built for their masks only: no position embeddings
@@ -250,6 +253,17 @@ def check_packing(config: Config, model_config: PretrainedConfig) -> None:
     hidden = torch.empty((1, length, 1), device="meta")
     positions = torch.zeros((1, length), dtype=torch.long, device="meta")
     layer_call_kwargs(family_of(model_config), NoRotary(), hidden, positions, document=True)
+
+
+def check_head_rows(config: Config, family: Family) -> None:
+    """train.head_rows = true on a family whose layers norm their sublayers' outputs too: the last layer's output
+    at a row is then not its input plus the sublayers' (model/head_rows.py)."""
+    if config.train.head_rows is True and not family.pre_norm_layers:
+        raise ConfigError(
+            f"train.head_rows = true runs the last layer on the loss's rows of a layer x + attn(norm(x)), but "
+            f"{family.name}'s layers norm their attention's and MLP's outputs too; set train.head_rows = false "
+            '(or "auto")'
+        )
 
 
 def load_tokenizer(config: Config, resolved: ResolvedModel) -> PreTrainedTokenizerBase:

@@ -2,7 +2,8 @@
 
 A speed switch changes how fast a run goes and how much memory it takes, never its math: lora.fast_path,
 lora.adapter_in_matmul, train.compile, train.cuda_graphs, train.layers_per_graph, train.fused_loss,
-train.packed_attention, train.activation_checkpointing, train.mlp_chunk and parallel.n_microbatches. Each
+train.head_rows, train.packed_attention, train.activation_checkpointing, train.mlp_chunk and
+parallel.n_microbatches. Each
 defaults to "auto"; a value (true / false, a number, a kernel) forces it, and validation refuses a forced value
 that cannot work, as before. "auto" never produces a refused combination: where a switch cannot work (tensor
 parallelism, FSDP, a quantized base, the CPU) it resolves off.
@@ -19,6 +20,9 @@ The rules and the measurements behind them (benchmarks/journal, one H200 or H100
   rows of 16,384 on one H100: 20,098 real tokens/s with them against 6,450 without (2026-12-06); the seed's job's
   16 x 512 rows 24,808 against 9,380. Resolved by these rules (second round, one H100, same call): the
   whole-meeting config 1.01x that tuned setting over its epoch's rows, the seed's job 1.06x the tuned 16 x 512.
+- The last layer on the loss's rows (train.head_rows), with the fused loss where the loss reads at most
+  HEAD_ROWS_SHARE of a row: whole meetings on one H200, 1.52% more real tokens/s, every step 1.3-1.8% shorter
+  (2026-12-07-head-rows-and-pad32-one-h200.md); the seed's job reads up to half a row, so there the whole layer.
 - Packed rows of long samples (>= 4,096 tokens on average) on one GPU or data-parallel ranks: the "documents"
   attention kernel, 1.13x flex's tokens/s on whole meetings; 6-7x slower than flex a layer on ~550-token samples
   (2026-12-02-documents-streams-and-plans-one-h200.md), and not measured under a GPU pipeline: flex there.
@@ -64,6 +68,8 @@ two streams made it 20-30% slower still, where on whole meetings (~7,400 tokens)
 (`documents_advice`)."""
 CPU_FUSED_LOSS_BYTES = 1e9
 """On a CPU, the fused loss from a microbatch's float32 logits of this size (the plain loss holds ~3x them)."""
+HEAD_ROWS_SHARE = 1 / 3
+"""train.head_rows = "auto": the most of a row the loss may read for the last layer to run on those rows alone."""
 MLP_CHUNK_AUTO = (32768, 8192)
 """train.mlp_chunk = "auto": rows of at least this many tokens run their MLPs in chunks of this many."""
 SWITCHES = (
@@ -73,6 +79,7 @@ SWITCHES = (
     ("train", "cuda_graphs"),
     ("train", "layers_per_graph"),
     ("train", "fused_loss"),
+    ("train", "head_rows"),
     ("train", "packed_attention"),
     ("train", "activation_checkpointing"),
     ("train", "mlp_chunk"),
@@ -146,10 +153,17 @@ class Resolution:
         write_atomic(path, json.dumps(record, indent=1) + "\n")
 
 
-def resolve(config: Config, hardware: Hardware, lengths: torch.Tensor | None = None, vocab: int = 0) -> Resolution:
+def resolve(
+    config: Config,
+    hardware: Hardware,
+    lengths: torch.Tensor | None = None,
+    vocab: int = 0,
+    pre_norm: bool = True,
+) -> Resolution:
     """`config` with every "auto" switch replaced for `hardware` (a copy), in dependency order. `lengths`: the
     training samples' tokens where known (the packed attention kernel is chosen by them; unknown: "flex");
-    `vocab`: the model's vocabulary where known (on a CPU the loss is chosen by its logits' size; unknown: plain)."""
+    `vocab`: the model's vocabulary where known (on a CPU the loss is chosen by its logits' size; unknown: plain);
+    `pre_norm`: the model's family norms only its layers' inputs (`Family.pre_norm_layers`; train.head_rows)."""
     config = copy.deepcopy(config)
     t, lora, p = config.train, config.lora, config.parallel
     choices: list[Choice] = []
@@ -170,7 +184,8 @@ def resolve(config: Config, hardware: Hardware, lengths: torch.Tensor | None = N
     compiled = decide(t, "compile", "train.compile", _compile(config, gpu))
     decide(t, "layers_per_graph", "train.layers_per_graph", _per_graph(config, compiled is True))
     m = decide(p, "n_microbatches", "parallel.n_microbatches", _microbatches(config))
-    decide(t, "fused_loss", "train.fused_loss", _fused_loss(config, gpu, m, vocab))
+    fused = decide(t, "fused_loss", "train.fused_loss", _fused_loss(config, gpu, m, vocab))
+    decide(t, "head_rows", "train.head_rows", _head_rows(config, fused is True, pre_norm))
     kernel = decide(t, "packed_attention", "train.packed_attention", _kernel(config, gpu, lengths))
     decide(t, "activation_checkpointing", "train.activation_checkpointing", _checkpointing(config, gpu))
     decide(t, "cuda_graphs", "train.cuda_graphs", _graphs(config, gpu, compiled is True, kernel))
@@ -238,6 +253,8 @@ def _per_graph(config: Config, compiled: bool) -> tuple[int, str]:
 
 
 def _fused_loss(config: Config, gpu: bool, microbatches: Any, vocab: int) -> tuple[bool, str]:
+    if config.train.head_rows is True:
+        return True, "train.head_rows runs on it"
     if gpu:
         return True, "GPU"
     if not vocab or not isinstance(microbatches, int) or microbatches < 1:
@@ -245,6 +262,28 @@ def _fused_loss(config: Config, gpu: bool, microbatches: Any, vocab: int) -> tup
     logits = max(1, config.train.batch_size // microbatches) * config.data.max_length * vocab * 4
     big, limit = logits >= CPU_FUSED_LOSS_BYTES, f"{CPU_FUSED_LOSS_BYTES / 1e9:.0f} GB"
     return big, f"CPU, {logits / 1e9:.2g} GB of logits a microbatch {'>=' if big else '<'} {limit}"
+
+
+def head_rows_share(config: Config) -> float:
+    """The most of a row the loss reads: a sample's supervised tokens, data.max_summary_tokens + 1, of
+    data.max_length (a packed row's samples share it)."""
+    return min(1.0, (config.data.max_summary_tokens + 1) / config.data.max_length)
+
+
+def _head_rows(config: Config, fused: bool, pre_norm: bool) -> tuple[bool, str]:
+    p, d = config.parallel, config.data
+    if not fused:
+        return False, "no fused loss"
+    if p.tensor_parallel:
+        return False, f"parallel.tp = {p.tp} splits the layer"
+    if p.sharded:
+        return False, "FSDP gathers the layer's weights around its call"
+    if not pre_norm:
+        return False, "the model's layers norm their outputs too"
+    reads = f"the loss reads up to {min(d.max_length, d.max_summary_tokens + 1):,} of {d.max_length:,} tokens a row"
+    if head_rows_share(config) > HEAD_ROWS_SHARE:
+        return False, f"{reads}, over a third"
+    return True, reads
 
 
 def _kernel(config: Config, gpu: bool, lengths: torch.Tensor | None) -> tuple[str, str]:
@@ -328,6 +367,9 @@ _NAMES = {
 def _phrase(c: Choice) -> str:
     """One switch's part of the startup line ("" where it says nothing new)."""
     why = "set" if c.forced else c.why
+    if c.key == "train.head_rows":
+        rows = "the loss's rows" if c.value is True else "every row"
+        return "" if why == "no fused loss" else f"last layer on {rows} ({why})"
     if c.key in _NAMES:
         return f"{_NAMES[c.key]} {'on' if c.value is True else 'off' if c.value is False else c.value} ({why})"
     if c.key == "train.layers_per_graph":

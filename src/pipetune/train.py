@@ -52,7 +52,6 @@ from pipetune.model.attention import (
     use_document_attention,
 )
 from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory, graphs_untried
-from pipetune.model.head_rows import head_rows_pays
 from pipetune.model.load import DTYPES
 from pipetune.model.lora import adapter_state, save_adapter
 from pipetune.model.shapes import head_dim
@@ -471,13 +470,13 @@ class Runners:
 
 def build_loss(config: Config, stages: Stages) -> tuple[TokenLoss, StageModule | None]:
     """The loss, and this rank's last stage if it holds it. With train.fused_loss the loss applies lm_head (the
-    last stage returns normed hidden states) and, where that pays, the last layer runs on the loss's rows alone
+    last stage returns normed hidden states); with train.head_rows the last layer runs on the loss's rows alone
     (model/head_rows.py)."""
     last_stage = next((module for module in stages.modules if module.is_last), None)
     if config.train.fused_loss is not True or last_stage is None:
         return TokenLoss(), last_stage
     last_stage.head_in_loss = True
-    if head_rows_pays(config, last_stage):
+    if config.train.head_rows is True:
         last_stage.head_rows = True
         use_document_attention(stages.peft_model)
     return TokenLoss(head=last_stage.lm_head, chunk=config.train.loss_chunk), last_stage
@@ -508,8 +507,6 @@ def build_runners(config: Config, env: DistEnv, mesh: Mesh, prepared: Prepared, 
     # chunk 0 has gradients None", 2x H200), and torch re-infers a stage's shapes after every forward-only step.
     validation = runner() if p.pipelined else runners[max_length]
     decisions = []
-    if last_stage is not None and last_stage.head_rows:
-        decisions.append(f"the last layer on the loss's rows ({config.data.max_summary_tokens + 1:,} a sample at most)")
     if t.activation_checkpointing == "auto":
         plan = auto_checkpointing(modules, stages.ids, mesh.pp_rank, config, prepared.model, device, mesh.tp_mesh)
         for module, count, offloaded in zip(modules, plan.layers, plan.offloaded_layers(), strict=True):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipetune.config import Config, LoraConfig, ModelConfig
+from pipetune.config import LoraConfig, ModelConfig
 from pipetune.data.batching import IGNORE
 from pipetune.model.attention import document_mask, use_document_attention
 from pipetune.model.head_rows import (
@@ -18,7 +18,6 @@ from pipetune.model.head_rows import (
     HeadRows,
     HeadRowsLayer,
     head_rows_layer,
-    head_rows_pays,
     head_rows_sdpa,
     mark_dynamic,
 )
@@ -227,20 +226,3 @@ def test_the_runs_attention_is_each_documents_causal_attention_at_the_chosen_row
     want = torch.autograd.grad(expected, (query, key, value), grad)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-
-
-def test_head_rows_pay_where_the_loss_reads_a_small_share_of_a_plain_layer() -> None:
-    qwen3 = StageModule(_model("qwen3", in_matmul=False))
-    config = Config()
-    config.data.max_length, config.data.max_summary_tokens = 16384, 256
-    assert head_rows_pays(config, qwen3)
-    config.data.max_length = 512  # the seed's job: up to half a row supervised
-    assert not head_rows_pays(config, qwen3)
-    config.data.max_length = 16384
-    config.parallel.tp = 2  # tensor parallelism splits the layer's modules
-    assert not head_rows_pays(config, qwen3)
-    config.parallel.tp = 1
-    gemma3, _ = build_model(
-        resolve_model(ModelConfig(name="tiny-gemma3", init="random")), torch.float32, torch.device("cpu"), seed=0
-    )
-    assert not head_rows_pays(config, StageModule(gemma3))  # its layers norm their sublayers' outputs too

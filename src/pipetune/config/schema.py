@@ -169,6 +169,13 @@ class TrainConfig:
     are made, so the loss never waits for the GPU (validation's, on the device, sync once a batch)."""
     loss_chunk: int = 2048
     """Rows (tokens) per chunk of train.fused_loss: peak extra memory ~ loss_chunk x vocab x 12 bytes."""
+    head_rows: bool | str = field(default="auto", metadata={"also": ("auto",)})
+    """"auto" (with train.fused_loss, where the loss reads at most a third of a row: data.max_summary_tokens + 1 of
+    data.max_length; not with parallel.tp > 1 or FSDP, nor on a family whose layers norm their outputs, Gemma 3),
+    or true / false. The last decoder layer computes its keys and values on every row, but attention's queries,
+    the residual and the MLP only on the rows the loss reads (the summary): the same output there, where a
+    whole-meeting row of 16,384 tokens holds ~500 such rows. Whole meetings on one H200: 1.5% more tokens/s
+    (model/head_rows.py)."""
     activation_checkpointing: bool | str = field(default="auto", metadata={"also": ("auto", "offload")})
     """Keep only a decoder layer's input during forward and recompute the layer in backward: less activation
     memory (long contexts) for about one more forward of the layer. true: every layer; "offload": every layer, its

@@ -37,7 +37,7 @@ def validate(config: Config, world_size: int) -> None:
     _check_model(config.model, config.parallel)
     _check_data(config.data)
     _check_lora(config.lora, config.parallel, config.model.quantize)
-    _check_train(config.train, config.data)
+    _check_train(config.train, config.data, config.parallel)
     _check_parallel(config.parallel, config.train, config.data, world_size)
     _check_output(config.output)
 
@@ -150,7 +150,7 @@ def _check_lora(lora: LoraConfig, p: ParallelConfig, quantize: str = "none") -> 
         )
 
 
-def _check_train(t: TrainConfig, d: DataConfig) -> None:
+def _check_train(t: TrainConfig, d: DataConfig, p: ParallelConfig) -> None:
     _at_least_one(
         ("train.batch_size", t.batch_size),
         ("train.grad_accum", t.grad_accum),
@@ -196,6 +196,23 @@ def _check_train(t: TrainConfig, d: DataConfig) -> None:
             not d.packing,
             "train.keep_attention = true keeps causal, unmasked attention, but data.packing = true masks each "
             "row's samples (flex attention): set one of them to false",
+        )
+    if t.head_rows is True:
+        where = "set train.head_rows = false"
+        _check(
+            t.fused_loss is not False,
+            "train.head_rows = true runs the last layer on the rows the fused loss reads: set train.fused_loss = "
+            f"true, or {where}",
+        )
+        _check(
+            not p.tensor_parallel,
+            f"train.head_rows = true with parallel.tp = {p.tp}: tensor parallelism splits the last layer's modules; "
+            f"set parallel.tp = 1, or {where}",
+        )
+        _check(
+            not p.sharded,
+            'train.head_rows = true with FSDP (parallel.dp_shard or strategy "fsdp"): FSDP gathers the last '
+            f"layer's weights around its own call; use ddp, or {where}",
         )
     _check(
         t.packed_attention in ("flex", "documents", "auto"),

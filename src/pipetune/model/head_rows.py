@@ -1,4 +1,5 @@
-"""The last decoder layer on the rows the loss reads (with train.fused_loss, where the summary is a small share).
+"""The last decoder layer on the rows the loss reads (train.head_rows, with train.fused_loss; "auto" resolves it on
+where the summary is a small share of a row: pipetune/switches.py).
 
 The loss reads the last layer's output only at the supervised positions (the summary's tokens): the fused loss
 applies the head to those rows alone (model/loss.py), and a row the loss does not read gets no gradient. The last
@@ -36,13 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipetune.config import Config
 from pipetune.model.kept_attention import FLASH, dense_kept, register_table_autograd, sdpa_backward
-
-HEAD_ROWS_SHARE = 1 / 3
-"""The most of a row the loss may read for the last layer to run on those rows alone (the seed's job reads up to
-257 of 512: there the whole layer)."""
-
 
 RUNS_STEP = 8
 """`HeadRows.runs` holds a multiple of this many runs, the last ones empty: a microbatch's runs (~2 a row of whole
@@ -246,19 +241,3 @@ def mark_dynamic(rows: HeadRows) -> None:
     """Mark the chosen rows' count as dynamic for a compiled `HeadRowsLayer` (no recompilation as it changes from
     one microbatch to the next; the runs' count moves in steps of RUNS_STEP)."""
     torch._dynamo.maybe_mark_dynamic(rows.flat, 0)
-
-
-def head_rows_share(config: Config) -> float:
-    """The most of a row the loss reads: a sample's supervised tokens, data.max_summary_tokens + 1, of
-    data.max_length (a packed row's samples share it)."""
-    return min(1.0, (config.data.max_summary_tokens + 1) / config.data.max_length)
-
-
-def head_rows_pays(config: Config, stage: nn.Module) -> bool:
-    """Whether a run with the fused loss runs its last stage's last layer on the loss's rows alone: a pre-norm
-    family (`Family.pre_norm_layers`), the layer whole and plain on this rank (no tensor parallelism, which splits
-    its modules, nor FSDP, which gathers its weights around the layer's own call), and the loss reading at most
-    HEAD_ROWS_SHARE of a row."""
-    p = config.parallel
-    whole = not p.tensor_parallel and not p.sharded and stage.sequence_shards == 1
-    return stage.family.pre_norm_layers and whole and head_rows_share(config) <= HEAD_ROWS_SHARE
