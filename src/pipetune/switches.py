@@ -3,10 +3,9 @@
 A speed switch changes how fast a run goes and how much memory it takes, never its math: lora.fast_path,
 lora.adapter_in_matmul, train.compile, train.cuda_graphs, train.layers_per_graph, train.fused_loss,
 train.head_rows, train.packed_attention, train.activation_checkpointing, train.mlp_chunk and
-parallel.n_microbatches. Each
-defaults to "auto"; a value (true / false, a number, a kernel) forces it, and validation refuses a forced value
-that cannot work, as before. "auto" never produces a refused combination: where a switch cannot work (tensor
-parallelism, FSDP, a quantized base, the CPU) it resolves off.
+parallel.n_microbatches. Each defaults to "auto"; a value (true / false, a number, a kernel) forces it, and
+validation refuses a forced value that cannot work, as before. "auto" never produces a refused combination: where
+a switch cannot work (tensor parallelism, FSDP, a quantized base, the CPU) it resolves off.
 
 `resolve` is what `pipetune train`, `bench` and `plan` call (through preflight and the planner's layouts) and
 nothing else decides a switch; the thresholds its rules share with the code that runs them (LONG_DOCUMENT, the
