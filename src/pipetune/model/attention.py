@@ -63,7 +63,9 @@ from pipetune.model.kept_attention import (
     dense_kept,
     kept_attention,
     kept_kernel,
+    lse_slice,
     register_table_autograd,
+    row_like,
     sdpa_backend,
     sdpa_backward,
     sdpa_forward,
@@ -238,12 +240,6 @@ def _lse_shape(backend: int, device_type: str, heads: int, length: int) -> torch
     return None
 
 
-def _lse_slice(row: int, start: int, end: int, heads: int, seq: int) -> slice:
-    """Where a document's log-sum-exp ([heads, end - start]) lies in `document_sdpa`'s flat one: rows after each
-    other, a row's documents in order."""
-    return slice((row * seq + start) * heads, (row * seq + end) * heads)
-
-
 def _document_forward(query, key, value, row: int, start: int, end: int, scale: float, backend: int) -> tuple:
     """Causal attention of the document at [start, end) of a row, run over a window of its `padded_length` from
     its start (causal: the tokens past the document change none of its outputs): its [1, heads, n, d] output and
@@ -266,13 +262,6 @@ def _document_backward(grad, query, key, value, out, lse, row: int, start: int, 
     pieces.append(padded.view(_lse_shape(backend, query.device.type, heads, length)))
     grads = sdpa_backward(*pieces, dense_kept(query, backend, length), scale)
     return tuple(g[:, :, :n] for g in grads)
-
-
-def _row_like(query: torch.Tensor) -> torch.Tensor:
-    """An empty [b, heads, s, d] laid out [b, s, heads, d]: `document_sdpa`'s output, and the layout its backward
-    takes the output's gradient in."""
-    batch, heads, seq, dim = query.shape
-    return query.new_empty(batch, seq, heads, dim).transpose(1, 2)
 
 
 DOCUMENT_STREAMS = int(os.environ.get("PIPETUNE_DOCUMENT_STREAMS", "2"))
@@ -374,7 +363,7 @@ def _build_plans(
         return
     here.add(built)
     started = time.perf_counter()
-    q, k, v, out = (torch.zeros_like(t[:1]) for t in (query, key, value, _row_like(query)))  # the rows' strides
+    q, k, v, out = (torch.zeros_like(t[:1]) for t in (query, key, value, row_like(query)))  # the rows' strides
     heads = query.shape[1]
     for length in sorted(_EXPECTED_LENGTHS):  # one document at the row's start: windows as the steps' are
         known = _lse_shape(backend, query.device.type, heads, length) is not None
@@ -473,10 +462,10 @@ def document_sdpa(
     `spans` (a `span_table`), each span through SDPA's fused kernel (kept_attention's operators: cuDNN's on an H200,
     flash attention's elsewhere and on the CPU) over a window of its `padded_length` from its start (a view of the
     row; causal attention keeps the document's outputs exact whatever follows it): the [b, heads, s, d] output
-    (laid out as [b, s, heads, d]) and the documents' float32 log-sum-exps, flat ([b x heads x s], `_lse_slice`),
+    (laid out as [b, s, heads, d]) and the documents' float32 log-sum-exps, flat ([b x heads x s], `lse_slice`),
     for the backward."""
     batch, heads, seq, dim = query.shape
-    out = _row_like(query)
+    out = row_like(query)
     lse = query.new_empty(batch * heads * seq, dtype=torch.float32)
     backend = _documents_backend(query, key, value)
     _build_plans(query, key, value, scale, backend, backward=False)
@@ -484,16 +473,10 @@ def document_sdpa(
     for row, start, end in _on_streams(query.device, documents):
         doc_out, doc_lse = _document_forward(query, key, value, row, start, end, scale, backend)
         out[row : row + 1, :, start:end] = doc_out
-        lse[_lse_slice(row, start, end, heads, seq)] = doc_lse.flatten()
+        lse[lse_slice(row, start, end, heads, seq)] = doc_lse.flatten()
     for row, start in tails:  # a pad tail: zeros, and no gradient to or through it
         out[row : row + 1, :, start:] = 0
     return out, lse
-
-
-@document_sdpa.register_fake
-def _(query, key, value, spans, scale):
-    batch, heads, seq, dim = query.shape
-    return _row_like(query), query.new_empty(batch * heads * seq, dtype=torch.float32)
 
 
 @torch.library.custom_op("pipetune::document_sdpa_backward", mutates_args=())
@@ -510,13 +493,13 @@ def document_sdpa_backward(
     """`document_sdpa`'s query, key and value gradients: each span through `_document_backward`."""
     heads, seq = query.shape[1], query.shape[2]
     if grad.stride() != out.stride():  # the output's layout, as the plans built ahead take it
-        grad = _row_like(query).copy_(grad)
+        grad = row_like(query).copy_(grad)
     grads = [torch.empty_like(t) for t in (query, key, value)]
     backend = _documents_backend(query, key, value)
     _build_plans(query, key, value, scale, backend, backward=True)
     documents, tails = _documents(spans, seq)
     for row, start, end in _on_streams(query.device, documents):
-        doc_lse = lse[_lse_slice(row, start, end, heads, seq)].view(heads, end - start)
+        doc_lse = lse[lse_slice(row, start, end, heads, seq)].view(heads, end - start)
         pieces = _document_backward(grad, query, key, value, out, doc_lse, row, start, end, scale, backend)
         for whole, piece in zip(grads, pieces, strict=True):
             whole[row : row + 1, :, start:end] = piece

@@ -37,7 +37,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from pipetune.model.kept_attention import FLASH, dense_kept, register_table_autograd, sdpa_backward
+from pipetune.model.kept_attention import (
+    FLASH,
+    dense_kept,
+    lse_slice,
+    register_table_autograd,
+    row_like,
+    sdpa_backward,
+)
 
 RUNS_STEP = 8
 """`HeadRows.runs` holds a multiple of this many runs, the last ones empty: a microbatch's runs (~2 a row of whole
@@ -81,11 +88,6 @@ class HeadRows:
         return cls(torch.tensor(runs, dtype=torch.int64), torch.cat(flat).to(device, non_blocking=True))
 
 
-def _lse_slice(row: int, start: int, end: int, heads: int, seq: int) -> slice:
-    """Where a run's log-sum-exp ([heads, end - start]) lies in `head_rows_sdpa`'s flat one."""
-    return slice((row * seq + start) * heads, (row * seq + end) * heads)
-
-
 def _flash(query: torch.Tensor) -> bool:
     """Whether a GPU runs these runs by flash attention's kernel (half precision on CUDA); else the reference."""
     return query.device.type == "cuda" and query.dtype in (torch.float16, torch.bfloat16)
@@ -126,19 +128,14 @@ def _reference_backward(g, q, k, v, scale: float) -> tuple[torch.Tensor, torch.T
     return dq.to(q.dtype), fold(dk).to(k.dtype), fold(dv).to(v.dtype)
 
 
-def _row_like(query: torch.Tensor) -> torch.Tensor:
-    batch, heads, seq, dim = query.shape
-    return query.new_zeros(batch, seq, heads, dim).transpose(1, 2)
-
-
 @torch.library.custom_op("pipetune::head_rows_sdpa", mutates_args=())
 def head_rows_sdpa(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, runs: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chosen rows' attention (see the module's doc): [b, heads, s, d] output laid out [b, s, heads, d], zeros
-    past the runs, and the runs' float32 log-sum-exps, flat ([b x heads x s], `_lse_slice`), for the backward."""
+    past the runs, and the runs' float32 log-sum-exps, flat ([b x heads x s], `lse_slice`), for the backward."""
     batch, heads, seq, _ = query.shape
-    out = _row_like(query)
+    out = row_like(query, zeros=True)
     lse = query.new_zeros(batch * heads * seq, dtype=torch.float32)
     for row, keys, start, end in runs.tolist():
         if end == start:
@@ -149,17 +146,11 @@ def head_rows_sdpa(
             flash = torch.ops.aten._scaled_dot_product_flash_attention
             run_out, run_lse = flash(q, k, v, 0.0, True, False, scale=scale)[:2]
             run_lse = run_lse.reshape(heads, end - start)
-            lse[_lse_slice(row, start, end, heads, seq)] = run_lse.flatten()
+            lse[lse_slice(row, start, end, heads, seq)] = run_lse.flatten()
         else:  # its backward recomputes the weights: no log-sum-exp kept
             run_out = _reference(q, k, v, scale)
         out[row : row + 1, :, start:end] = run_out
     return out, lse
-
-
-@head_rows_sdpa.register_fake
-def _(query, key, value, runs, scale):
-    batch, heads, seq, _ = query.shape
-    return _row_like(query), query.new_empty(batch * heads * seq, dtype=torch.float32)
 
 
 @torch.library.custom_op("pipetune::head_rows_sdpa_backward", mutates_args=())
@@ -184,7 +175,7 @@ def head_rows_sdpa_backward(
         k, v = (t[row : row + 1, :, keys:end] for t in (key, value))
         g = grad[row : row + 1, :, start:end]
         if _flash(query):
-            run_lse = lse[_lse_slice(row, start, end, heads, seq)].view(1, heads, end - start)
+            run_lse = lse[lse_slice(row, start, end, heads, seq)].view(1, heads, end - start)
             kept = dense_kept(query, FLASH, end - start, end - keys)
             dq, dk, dv = sdpa_backward(g, q, k, v, out[row : row + 1, :, start:end], run_lse, kept, scale)
         else:

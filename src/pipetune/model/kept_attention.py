@@ -225,11 +225,31 @@ def sdpa_backward(grad: torch.Tensor, query, key, value, out, lse, kept: _Kept, 
     )
 
 
+def row_like(query: torch.Tensor, zeros: bool = False) -> torch.Tensor:
+    """An [b, heads, s, d] tensor like `query` laid out [b, s, heads, d] (empty, or `zeros`): a table-driven
+    operator's output, and the layout its backward takes the output's gradient in."""
+    batch, heads, seq, dim = query.shape
+    make = query.new_zeros if zeros else query.new_empty
+    return make(batch, seq, heads, dim).transpose(1, 2)
+
+
+def lse_slice(row: int, start: int, end: int, heads: int, seq: int) -> slice:
+    """Where the log-sum-exp ([heads, end - start]) of the queries at [start, end) of a row lies in a table-driven
+    operator's flat one ([b x heads x s]): rows after each other, a row's queries in order."""
+    return slice((row * seq + start) * heads, (row * seq + end) * heads)
+
+
 def register_table_autograd(forward, backward) -> None:
     """Autograd for an attention operator `forward(query, key, value, table, scale) -> (out, lse)` whose gradients
     are the operator `backward(grad, query, key, value, out, lse, table, scale) -> (dq, dk, dv)` (the table: a
-    tensor that says which queries attend to which keys), and `backward`'s fake: the documents kernel's
-    (model/attention.py) and the last layer's on the loss's rows (model/head_rows.py)."""
+    tensor that says which queries attend to which keys), and both operators' fakes (`out` as `row_like`, `lse`
+    flat as `lse_slice` reads it): the documents kernel's (model/attention.py) and the last layer's on the loss's
+    rows (model/head_rows.py)."""
+
+    @forward.register_fake
+    def _(query, key, value, table, scale):
+        batch, heads, seq, _ = query.shape
+        return row_like(query), query.new_empty(batch * heads * seq, dtype=torch.float32)
 
     @backward.register_fake
     def _(grad, query, key, value, out, lse, table, scale):
