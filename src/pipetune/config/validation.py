@@ -197,23 +197,7 @@ def _check_train(t: TrainConfig, d: DataConfig, p: ParallelConfig) -> None:
             "train.keep_attention = true keeps causal, unmasked attention, but data.packing = true masks each "
             "row's samples (flex attention): set one of them to false",
         )
-    if t.head_rows is True:
-        where = "set train.head_rows = false"
-        _check(
-            t.fused_loss is not False,
-            "train.head_rows = true runs the last layer on the rows the fused loss reads: set train.fused_loss = "
-            f"true, or {where}",
-        )
-        _check(
-            not p.tensor_parallel,
-            f"train.head_rows = true with parallel.tp = {p.tp}: tensor parallelism splits the last layer's modules; "
-            f"set parallel.tp = 1, or {where}",
-        )
-        _check(
-            not p.sharded,
-            'train.head_rows = true with FSDP (parallel.dp_shard or strategy "fsdp"): FSDP gathers the last '
-            f"layer's weights around its own call; use ddp, or {where}",
-        )
+    _check_head_rows(t, p)
     _check(
         t.packed_attention in ("flex", "documents", "auto"),
         f'train.packed_attention = {t.packed_attention!r} is unknown; use "flex", "documents" or "auto"',
@@ -235,6 +219,29 @@ def _check_train(t: TrainConfig, d: DataConfig, p: ParallelConfig) -> None:
     _check(t.resume in RESUME_MODES, f"train.resume = {t.resume!r} is unknown; use one of {', '.join(RESUME_MODES)}")
     _check(t.eval_every >= 0, f"train.eval_every = {t.eval_every} must be >= 0 (0: at epoch ends only)")
     _check_train_numbers(t)
+
+
+def _check_head_rows(t: TrainConfig, p: ParallelConfig) -> None:
+    """train.head_rows forced on: the fused loss's rows, the last layer whole on its rank (Gemma 3's norms are
+    checked with the model: preflight.check_head_rows)."""
+    if t.head_rows is not True:
+        return
+    where = "set train.head_rows = false"
+    _check(
+        t.fused_loss is not False,
+        "train.head_rows = true runs the last layer on the rows the fused loss reads: set train.fused_loss = "
+        f"true, or {where}",
+    )
+    _check(
+        not p.tensor_parallel,
+        f"train.head_rows = true with parallel.tp = {p.tp}: tensor parallelism splits the last layer's modules; "
+        f"set parallel.tp = 1, or {where}",
+    )
+    _check(
+        not p.sharded,
+        'train.head_rows = true with FSDP (parallel.dp_shard or strategy "fsdp"): FSDP gathers the last '
+        f"layer's weights around its own call; use ddp, or {where}",
+    )
 
 
 def _check_train_numbers(t: TrainConfig) -> None:
