@@ -184,6 +184,20 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not(monkeypatch) -> N
         torch.testing.assert_close(out, expected)
         for got, want in zip(torch.autograd.grad(out, inputs, grad), expected_grads, strict=True):
             torch.testing.assert_close(got, want)
+    # A value as the adapters' stacked q/k/v matmul hands it over (model/lora.py): a view, its tokens 64 apart, taken
+    # in the projections' layout (`projection_layout`: the plans built ahead are for that layout).
+    wide = torch.zeros(4, row, 64)
+    wide[..., 32:] = value.detach().transpose(1, 2).reshape(4, row, 32)
+    wide.requires_grad_(True)
+    strided = wide[..., 32:].view(4, row, 2, 16).transpose(1, 2)
+    assert attention.projection_layout(strided) is not strided
+    rows_layout = query.detach().transpose(1, 2).contiguous().transpose(1, 2)
+    assert attention.projection_layout(rows_layout) is rows_layout
+    out = attend(query, key, strided, mask)
+    torch.testing.assert_close(out, expected)
+    (got,) = torch.autograd.grad(out, [wide], grad)
+    assert not got[..., :32].any()
+    torch.testing.assert_close(got[..., 32:].view(4, row, 2, 16).transpose(1, 2), expected_grads[2])
 
 
 def test_packed_row_matches_each_sample_alone(monkeypatch) -> None:

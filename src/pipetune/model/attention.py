@@ -192,6 +192,17 @@ def _documents_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     )
 
 
+def projection_layout(t: torch.Tensor) -> torch.Tensor:
+    """[b, heads, s, d] laid out [b, s, heads, d] (`plan_rows`' layout: one projection's output, transposed): `t`
+    itself where it is, else a copy. The plans built ahead take the rows in that layout (cuDNN keys a plan by the
+    strides too): a value that is a view of the adapters' stacked q/k/v output (its tokens 6,144 apart on
+    Qwen3-4B, model/lora.py) met no plan built ahead, and its steps built them (3-9% slower steps, one H100)."""
+    batch, heads, seq, dim = t.shape
+    if t.stride(3) == 1 and t.stride(1) == dim and (seq == 1 or t.stride(2) == heads * dim):
+        return t
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
 def padded_length(length: int) -> int:
     """The length `document_sdpa` runs a document of `length` tokens at: rounded up to a thirty-second of its power
     of two (at least 64), so cuDNN, which builds an execution plan (~65 ms, forward and backward) for every shape it
@@ -465,6 +476,7 @@ def document_sdpa(
     (laid out as [b, s, heads, d]) and the documents' float32 log-sum-exps, flat ([b x heads x s], `lse_slice`),
     for the backward."""
     batch, heads, seq, dim = query.shape
+    query, key, value = (projection_layout(t) for t in (query, key, value))
     out = row_like(query)
     lse = query.new_empty(batch * heads * seq, dtype=torch.float32)
     backend = _documents_backend(query, key, value)
@@ -495,6 +507,7 @@ def document_sdpa_backward(
     if grad.stride() != out.stride():  # the output's layout, as the plans built ahead take it
         grad = row_like(query).copy_(grad)
     grads = [torch.empty_like(t) for t in (query, key, value)]
+    query, key, value = (projection_layout(t) for t in (query, key, value))
     backend = _documents_backend(query, key, value)
     _build_plans(query, key, value, scale, backend, backward=True)
     documents, tails = _documents(spans, seq)
