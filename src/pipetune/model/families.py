@@ -104,10 +104,6 @@ class Family:
     kernel_inputs: tuple[str, ...] = ("o_proj",)
     """Decoder-layer linears whose input an attention kernel writes and keeps for its backward (model/lora.py:
     with lora.adapter_in_matmul, their backward reads it there, not in a kept extended input)."""
-    kept_apart: tuple[str, ...] = ("v_proj",)
-    """Linears whose output attention keeps for its backward while nothing keeps their group's other outputs (no
-    q/k norms): with lora.adapter_in_matmul a compiled layer copies it out of the group's output, so that what is
-    kept is its own (model/lora.py)."""
     block_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     """A decoder layer's norms whose outputs are the attention's and the MLP's inputs: sequence parallelism runs
     them on this rank's positions and gathers their outputs (parallel/tp.py)."""
@@ -159,7 +155,7 @@ FAMILIES = (
     Family("Llama", ("llama",), "llama"),
     Family("Mistral", ("mistral",), "llama"),  # llama.cpp writes Mistral files as "llama"
     Family("Qwen2", ("qwen2",), "qwen2"),
-    Family("Qwen3", ("qwen3",), "qwen3", kept_apart=()),  # q_norm and k_norm keep q and k
+    Family("Qwen3", ("qwen3",), "qwen3"),
     Family(
         "Gemma 3",
         ("gemma3_text",),
@@ -171,7 +167,6 @@ FAMILIES = (
         restore_buffers=gemma3_buffers,
         unsupported=gemma3_check,
         pre_norm_layers=False,  # its layers norm the attention's and the MLP's outputs too
-        kept_apart=(),  # q_norm and k_norm keep q and k
     ),
 )
 """Every family pipetune builds pipeline stages for."""

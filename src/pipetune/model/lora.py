@@ -135,11 +135,8 @@ def use_fast_path(
     if in_matmul:  # every LoRA linear: its input's group, or alone (IN_MATMUL_ALONE)
         accept = lambda m: len(m.lora_A) == 1  # noqa: E731
         kernels = {id(getattr(m, n)) for m in peft_model.modules() for n in family.kernel_inputs if hasattr(m, n)}
-        apart = {id(getattr(m, n)) for m in peft_model.modules() for n in family.kept_apart if hasattr(m, n)}
         for members in _input_groups(peft_model, shared_inputs, accept, alone=IN_MATMUL_ALONE):
-            group = ExtendedInput(members, shared_dropout, any(id(m) in kernels for m in members))
-            group.apart = [i for i, m in enumerate(members) if id(m) in apart]
-            _share(group, members)
+            _share(ExtendedInput(members, shared_dropout, any(id(m) in kernels for m in members)), members)
         return switched
     if grouped and tp == 1:
         for members in _input_groups(peft_model, shared_inputs, lambda m: _groupable(m, shared_dropout)):
@@ -277,8 +274,6 @@ class ExtendedInput(SharedInput):
         self.kernel_input = kernel_input
         """Its input is a kernel's output (Family.kernel_inputs: o_proj's, attention's), which the kernel keeps for
         its own backward: backward reads it there, not in a kept extended input (a second copy of it)."""
-        self.apart: list[int] = []
-        """The members whose output a compiled layer copies out of the group's (Family.kept_apart)."""
 
     def ranks(self, name: str) -> list[int]:
         return [member.lora_A[name].weight.shape[0] for member in self.members]
@@ -300,14 +295,7 @@ class ExtendedInput(SharedInput):
         )
         tensors = [*(m.lora_A[name].weight for m in members), *(m.lora_B[name].weight for m in members), *dropped]
         out = _AdapterInMatmul.apply(x, members[0].group_weight, spec, *tensors)
-        # A member's output is a view of the group's: where a later operator keeps it for backward, it keeps all of
-        # the group's. A compiled layer keeps q's and k's anyway (before their norms, Qwen3's and Gemma 3's), so
-        # only the members of Family.kept_apart get their own copy there; an eager one keeps float32 copies of
-        # q and k instead, so there each member gets its own (and keeps what it kept before the group's matmul).
-        outs = out.split(spec.sizes, dim=-1)
-        if torch.compiler.is_compiling():
-            return [o.contiguous() if i in self.apart else o for i, o in enumerate(outs)]
-        return [o.contiguous() for o in outs]
+        return list(out.split(spec.sizes, dim=-1))
 
 
 def _padding(ranks: int) -> int:
