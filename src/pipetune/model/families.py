@@ -101,9 +101,6 @@ class Family:
     """Decoder-layer linears split by input columns under tensor parallelism (their output summed)."""
     shared_inputs: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
     """Linears of one module that read one input: the attention's q/k/v, the MLP's gate/up (model/lora.py)."""
-    kernel_inputs: tuple[str, ...] = ("o_proj",)
-    """Decoder-layer linears whose input an attention kernel writes and keeps for its backward (model/lora.py:
-    with lora.adapter_in_matmul, their backward reads it there, not in a kept extended input)."""
     block_norms: tuple[str, ...] = ("input_layernorm", "post_attention_layernorm")
     """A decoder layer's norms whose outputs are the attention's and the MLP's inputs: sequence parallelism runs
     them on this rank's positions and gathers their outputs (parallel/tp.py)."""

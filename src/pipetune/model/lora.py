@@ -130,13 +130,11 @@ def use_fast_path(
             for adapter in (*module.lora_A.values(), *module.lora_B.values()):
                 adapter.forward = types.MethodType(_linear_in_input_dtype, adapter)
             switched += 1
-    family = family_of(peft_model.get_base_model().config)
-    shared_inputs = family.shared_inputs
+    shared_inputs = family_of(peft_model.get_base_model().config).shared_inputs
     if in_matmul:  # every LoRA linear: its input's group, or alone (IN_MATMUL_ALONE)
         accept = lambda m: len(m.lora_A) == 1  # noqa: E731
-        kernels = {id(getattr(m, n)) for m in peft_model.modules() for n in family.kernel_inputs if hasattr(m, n)}
         for members in _input_groups(peft_model, shared_inputs, accept, alone=IN_MATMUL_ALONE):
-            _share(ExtendedInput(members, shared_dropout, any(id(m) in kernels for m in members)), members)
+            _share(ExtendedInput(members, shared_dropout), members)
         return switched
     if grouped and tp == 1:
         for members in _input_groups(peft_model, shared_inputs, lambda m: _groupable(m, shared_dropout)):
@@ -268,12 +266,9 @@ class ExtendedInput(SharedInput):
     is written once. Held and handed out as SharedInput holds its down-projections: `take` gives a member its
     output."""
 
-    def __init__(self, members: list[nn.Module], shared_dropout: bool, kernel_input: bool = False) -> None:
+    def __init__(self, members: list[nn.Module], shared_dropout: bool) -> None:
         super().__init__(members)
         self.one_mask = all(_groupable(m, shared_dropout) for m in members)
-        self.kernel_input = kernel_input
-        """Its input is a kernel's output (Family.kernel_inputs: o_proj's, attention's), which the kernel keeps for
-        its own backward: backward reads it there, not in a kept extended input (a second copy of it)."""
 
     def ranks(self, name: str) -> list[int]:
         return [member.lora_A[name].weight.shape[0] for member in self.members]
@@ -291,7 +286,6 @@ class ExtendedInput(SharedInput):
             ranks=tuple(self.ranks(name)),
             scalings=tuple(float(m.scaling[name]) for m in members),
             masks=len(dropped),
-            in_place=not dropped and not self.kernel_input,
         )
         tensors = [*(m.lora_A[name].weight for m in members), *(m.lora_B[name].weight for m in members), *dropped]
         out = _AdapterInMatmul.apply(x, members[0].group_weight, spec, *tensors)
@@ -311,9 +305,6 @@ class _GroupSpec:
     ranks: tuple[int, ...]
     scalings: tuple[float, ...]
     masks: int
-    in_place: bool
-    """The down-projections written into the extended input in place (`extend_with_downs`), which backward keeps;
-    else computed apart, and backward keeps them and what they read (x, or the dropped-out inputs)."""
 
 
 class _AdapterInMatmul(torch.autograd.Function):
@@ -330,24 +321,17 @@ class _AdapterInMatmul(torch.autograd.Function):
         a_weights, b_weights, dropped = tensors[:count], tensors[count : 2 * count], tensors[2 * count :]
         width, ranks = x.shape[-1], sum(spec.ranks)
         a_cast = [a.to(x.dtype) for a in a_weights]
-        if spec.in_place:
+        if spec.masks == 0:
             extended = torch.cat([x, x.new_zeros(*x.shape[:-1], weight.shape[1] - width)], dim=-1)
             extend_with_downs(extended, torch.cat(a_cast), list(spec.ranks), list(spec.scalings))
-            kept = [extended]
         else:
-            sources = list(dropped) or [x]
-            if len(sources) == 1:
-                raw = [F.linear(sources[0], torch.cat(a_cast))]
-                downs = raw[0].split(spec.ranks, dim=-1)
+            if spec.masks == 1:
+                downs = F.linear(dropped[0], torch.cat(a_cast)).split(spec.ranks, dim=-1)
             else:
-                raw = downs = [F.linear(d, a) for d, a in zip(sources, a_cast, strict=True)]
-            scaled = [d * s for d, s in zip(downs, spec.scalings, strict=True)]
+                downs = [F.linear(d, a) for d, a in zip(dropped, a_cast, strict=True)]
             zeros = x.new_zeros(*x.shape[:-1], weight.shape[1] - width - ranks)
-            extended = torch.cat([x, *scaled, zeros], dim=-1)
-            # the matmuls' own outputs, not the scaled ones: a compiled layer writes those straight into the
-            # extended input, and keeping a view of it would keep all of it
-            kept = [*raw, *sources]
-        ctx.save_for_backward(weight, *a_cast, *kept)
+            extended = torch.cat([x, *(d * s for d, s in zip(downs, spec.scalings)), zeros], dim=-1)
+        ctx.save_for_backward(extended, weight, *a_cast, *dropped)
         ctx.spec, ctx.width = spec, width
         ctx.dtypes = [t.dtype for t in (*a_weights, *b_weights)]
         return F.linear(extended, weight)
@@ -355,34 +339,29 @@ class _AdapterInMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         spec, width, count = ctx.spec, ctx.width, len(ctx.spec.sizes)
-        weight, *rest = ctx.saved_tensors
-        a_cast, kept = rest[:count], rest[count:]
+        extended, weight, *rest = ctx.saved_tensors
+        a_cast, dropped = rest[:count], rest[count:]
         ranks = sum(spec.ranks)
-        if spec.in_place:  # x and the scaled down-projections inside the kept extended input
-            flat = kept[0].flatten(0, -2)
-            downs, sources = flat[:, width : width + ranks].split(spec.ranks, dim=-1), [flat[:, :width]]
-        else:
-            raw = 1 if spec.masks <= 1 else count
-            sources = [t.flatten(0, -2) for t in kept[raw:]]
-            unscaled = torch.cat([t.flatten(0, -2) for t in kept[:raw]], dim=-1).split(spec.ranks, dim=-1)
-            downs = [d * s for d, s in zip(unscaled, spec.scalings, strict=True)]
         grad_extended = grad @ weight
-        pieces = grad_extended[..., width : width + ranks].split(spec.ranks, dim=-1)
-        grad_downs = [g * s for g, s in zip(pieces, spec.scalings, strict=True)]
-        outputs = grad.flatten(0, -2).split(spec.sizes, dim=-1)
-        grad_b = [piece.t() @ down for piece, down in zip(outputs, downs, strict=True)]
-        if len(sources) == 1:
-            joined = torch.cat(grad_downs, dim=-1)
-            grad_a = list((joined.flatten(0, -2).t() @ sources[0]).split(spec.ranks))
-            grad_sources = [joined @ torch.cat(a_cast)]
-        else:
-            grad_a = [g.flatten(0, -2).t() @ d for g, d in zip(grad_downs, sources, strict=True)]
-            grad_sources = [g @ a for g, a in zip(grad_downs, a_cast, strict=True)]
+        grad_downs = [
+            g * s for g, s in zip(grad_extended[..., width : width + ranks].split(spec.ranks, dim=-1), spec.scalings)
+        ]
+        flat = extended.flatten(0, -2)
+        pieces = zip(grad.flatten(0, -2).split(spec.sizes, dim=-1), flat[:, width : width + ranks].split(spec.ranks, -1))
+        grad_b = [piece.t() @ down for piece, down in pieces]
         grad_x = grad_extended[..., :width]
-        if spec.masks == 0:  # the down-projections read x itself
-            grad_x, grad_sources = grad_x + grad_sources[0], []
+        if spec.masks <= 1:
+            source = flat[:, :width] if spec.masks == 0 else dropped[0].flatten(0, -2)
+            joined = torch.cat(grad_downs, dim=-1)
+            grad_a = list((joined.flatten(0, -2).t() @ source).split(spec.ranks))
+            grad_source = [joined @ torch.cat(a_cast)]
+        else:
+            grad_a = [g.flatten(0, -2).t() @ d.flatten(0, -2) for g, d in zip(grad_downs, dropped, strict=True)]
+            grad_source = [g @ a for g, a in zip(grad_downs, a_cast, strict=True)]
+        if spec.masks == 0:
+            grad_x, grad_source = grad_x + grad_source[0], []
         grads = [g.to(dtype) for g, dtype in zip([*grad_a, *grad_b], ctx.dtypes, strict=True)]
-        return grad_x, None, None, *grads, *grad_sources
+        return grad_x, None, None, *grads, *grad_source
 
 
 @torch.library.custom_op("pipetune::extend_with_downs", mutates_args=("extended",))
