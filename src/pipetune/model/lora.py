@@ -6,7 +6,6 @@ import math
 import types
 import weakref
 import zlib
-from dataclasses import dataclass
 from pathlib import Path
 
 import peft
@@ -262,9 +261,8 @@ class ExtendedInput(SharedInput):
     at once: no member's input gradient is written, read and added apart (with separate q, k and v matmuls, three
     [tokens, in + R] gradients; the k and v ones from matmuls of inner size 1,024 on Qwen3-4B). The
     down-projections are one matmul where the members' dropout allows it (none, or lora.shared_dropout), else one
-    per member on its own mask; without dropout they read x inside the extended input (`extend_with_downs`), so x
-    is written once. Held and handed out as SharedInput holds its down-projections: `take` gives a member its
-    output."""
+    per member on its own mask. Held and handed out as SharedInput holds its down-projections: `take` gives a
+    member its output."""
 
     def __init__(self, members: list[nn.Module], shared_dropout: bool) -> None:
         super().__init__(members)
@@ -274,117 +272,45 @@ class ExtendedInput(SharedInput):
         return [member.lora_A[name].weight.shape[0] for member in self.members]
 
     def _compute(self, x: torch.Tensor, name: str) -> list[torch.Tensor]:
-        members = self.members
-        if all(isinstance(m.lora_dropout[name], nn.Identity) for m in members):
-            dropped = []  # the down-projections read x where the extended input holds it
-        elif self.one_mask:
-            dropped = [members[0].lora_dropout[name](x)]
+        if self.one_mask and len(self.members) > 1:
+            downs = grouped_downs(self.members, x, name)
         else:
-            dropped = [m.lora_dropout[name](x) for m in members]
-        spec = _GroupSpec(
-            sizes=tuple(m.extended_weight.shape[0] for m in members),
-            ranks=tuple(self.ranks(name)),
-            scalings=tuple(float(m.scaling[name]) for m in members),
-            masks=len(dropped),
-        )
-        tensors = [*(m.lora_A[name].weight for m in members), *(m.lora_B[name].weight for m in members), *dropped]
-        out = _AdapterInMatmul.apply(x, members[0].group_weight, spec, *tensors)
-        return list(out.split(spec.sizes, dim=-1))
+            downs = [m.lora_A[name](m.lora_dropout[name](x)) * m.scaling[name] for m in self.members]
+        pad = _padding(sum(self.ranks(name)))
+        extra = [x.new_zeros(*x.shape[:-1], pad)] if pad else []
+        extended = torch.cat([x, *downs, *extra], dim=-1)
+        weights = [member.lora_B[name].weight for member in self.members]
+        sizes = tuple(member.extended_weight.shape[0] for member in self.members)
+        out = _AdapterInMatmul.apply(extended, self.members[0].group_weight, sizes, *downs, *weights)
+        return list(out.split(sizes, dim=-1))
 
 
 def _padding(ranks: int) -> int:
     return -ranks % EXTENDED_MULTIPLE
 
 
-@dataclass(frozen=True)
-class _GroupSpec:
-    """What `_AdapterInMatmul` needs of a group besides tensors: each member's output size, rank and scaling, and
-    how many dropped-out inputs its down-projections read (0: x itself; 1: one mask for all; else one a member)."""
-
-    sizes: tuple[int, ...]
-    ranks: tuple[int, ...]
-    scalings: tuple[float, ...]
-    masks: int
-
-
 class _AdapterInMatmul(torch.autograd.Function):
-    """A group's LoRA linears in one matmul (`ExtendedInput`): forward builds the extended input [x | the scaled
-    down-projections | zeros], the down-projections reading x from the extended input itself where no dropout
-    applies (x is written once, and kept once for backward), and returns extended @ weight^T: every member's base
-    output with its LoRA term, side by side. `weight` is frozen; backward's one matmul (grad @ weight) gives the
-    input's gradient and the down-projections'; lora_B's gradients come from the kept extended input's columns
-    (grad^T @ down, as the fast path's up-projection would), lora_A's from the down-projections' gradients."""
+    """out = extended @ weight^T: every member's base output with its LoRA term, side by side (`sizes` columns
+    each); `weight` is frozen, so backward gives the extended input its gradient (grad @ weight: the input's and
+    the down-projections') and each member's lora_B its own from its saved down-projection (grad^T @ down, on its
+    columns of grad, as the fast path's up-projection would)."""
 
     @staticmethod
-    def forward(ctx, x, weight, spec: _GroupSpec, *tensors):
-        count = len(spec.sizes)
-        a_weights, b_weights, dropped = tensors[:count], tensors[count : 2 * count], tensors[2 * count :]
-        width, ranks = x.shape[-1], sum(spec.ranks)
-        a_cast = [a.to(x.dtype) for a in a_weights]
-        if spec.masks == 0:
-            extended = torch.cat([x, x.new_zeros(*x.shape[:-1], weight.shape[1] - width)], dim=-1)
-            extend_with_downs(extended, torch.cat(a_cast), list(spec.ranks), list(spec.scalings))
-        else:
-            if spec.masks == 1:
-                downs = F.linear(dropped[0], torch.cat(a_cast)).split(spec.ranks, dim=-1)
-            else:
-                downs = [F.linear(d, a) for d, a in zip(dropped, a_cast, strict=True)]
-            zeros = x.new_zeros(*x.shape[:-1], weight.shape[1] - width - ranks)
-            extended = torch.cat([x, *(d * s for d, s in zip(downs, spec.scalings)), zeros], dim=-1)
-        ctx.save_for_backward(extended, weight, *a_cast, *dropped)
-        ctx.spec, ctx.width = spec, width
-        ctx.dtypes = [t.dtype for t in (*a_weights, *b_weights)]
+    def forward(ctx, extended, weight, sizes, *downs_and_bs):
+        downs, lora_bs = downs_and_bs[: len(sizes)], downs_and_bs[len(sizes) :]
+        ctx.save_for_backward(weight, *downs)
+        ctx.sizes, ctx.b_dtypes = sizes, [b.dtype for b in lora_bs]
         return F.linear(extended, weight)
 
     @staticmethod
     def backward(ctx, grad):
-        spec, width, count = ctx.spec, ctx.width, len(ctx.spec.sizes)
-        extended, weight, *rest = ctx.saved_tensors
-        a_cast, dropped = rest[:count], rest[count:]
-        ranks = sum(spec.ranks)
-        grad_extended = grad @ weight
-        grad_downs = [
-            g * s for g, s in zip(grad_extended[..., width : width + ranks].split(spec.ranks, dim=-1), spec.scalings)
+        weight, *downs = ctx.saved_tensors
+        pieces = grad.flatten(0, -2).split(ctx.sizes, dim=-1)
+        grad_bs = [
+            (piece.t() @ down.flatten(0, -2)).to(dtype)
+            for piece, down, dtype in zip(pieces, downs, ctx.b_dtypes, strict=True)
         ]
-        flat = extended.flatten(0, -2)
-        pieces = zip(grad.flatten(0, -2).split(spec.sizes, dim=-1), flat[:, width : width + ranks].split(spec.ranks, -1))
-        grad_b = [piece.t() @ down for piece, down in pieces]
-        grad_x = grad_extended[..., :width]
-        if spec.masks <= 1:
-            source = flat[:, :width] if spec.masks == 0 else dropped[0].flatten(0, -2)
-            joined = torch.cat(grad_downs, dim=-1)
-            grad_a = list((joined.flatten(0, -2).t() @ source).split(spec.ranks))
-            grad_source = [joined @ torch.cat(a_cast)]
-        else:
-            grad_a = [g.flatten(0, -2).t() @ d.flatten(0, -2) for g, d in zip(grad_downs, dropped, strict=True)]
-            grad_source = [g @ a for g, a in zip(grad_downs, a_cast, strict=True)]
-        if spec.masks == 0:
-            grad_x, grad_source = grad_x + grad_source[0], []
-        grads = [g.to(dtype) for g, dtype in zip([*grad_a, *grad_b], ctx.dtypes, strict=True)]
-        return grad_x, None, None, *grads, *grad_source
-
-
-@torch.library.custom_op("pipetune::extend_with_downs", mutates_args=("extended",))
-def extend_with_downs(extended: torch.Tensor, a: torch.Tensor, ranks: list[int], scalings: list[float]) -> None:
-    """Write the scaled down-projections of x (extended's first columns) into the columns after it, in place: as an
-    operator of its own, so that a compiled layer's norm writes x straight into the extended input and the
-    down-projections' matmul reads it there (inductor keeps an operator's in-place write; an in-place slice
-    assignment it turns into a pass over the whole tensor, and x computed apart into a second write of x)."""
-    total = sum(ranks)
-    rows = extended.view(-1, extended.shape[-1])
-    width = rows.shape[1] - _padding(total) - total
-    downs = rows[:, width : width + total]
-    torch.mm(rows[:, :width], a.t(), out=downs)  # cuBLAS writes the columns in place (their row stride: the row's)
-    if len(set(scalings)) == 1:
-        downs.mul_(scalings[0])
-    else:
-        for down, scaling in zip(downs.split(ranks, dim=1), scalings, strict=True):
-            down.mul_(scaling)
-
-
-@extend_with_downs.register_fake
-def _(extended: torch.Tensor, a: torch.Tensor, ranks: list[int], scalings: list[float]) -> None:
-    return None
+        return grad @ weight, None, None, *[None] * len(downs), *grad_bs
 
 
 def extend_base_weights(peft_model: peft.PeftModel) -> ExtendedWeights:
