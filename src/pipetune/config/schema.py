@@ -118,8 +118,7 @@ class LoraConfig:
     computes its LoRA term inside its base matmul. The frozen weight is stored as [W | lora_B] (lora_B's bf16 copy
     refreshed before each forward) and the input as [x | the scaled down-projections], so the up-projection's output is
     never written and read on its own, and backward's one matmul gives the input's gradient and the down-projections'.
-    The linears that read one input (q, k and v; gate and up) stack their extended weights: one matmul for the
-    group forward, one backward. Same math, summed in another order. Plain (unquantized) base weights only, not with parallel.tp > 1 or FSDP.
+    Same math, summed in another order. Plain (unquantized) base weights only, not with parallel.tp > 1 or FSDP.
     Measured on one H200: Qwen3-8B at 4,096-token rows 3.1-3.4% faster (75.0-75.1% MFU against 72.6-72.8%), packed
     Qwen3-4B rows 2.2% faster (benchmarks/journal/2026-12-02-in-matmul-one-h200.md)."""
 

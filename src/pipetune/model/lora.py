@@ -181,7 +181,8 @@ def _fast_lora_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     name = self.active_adapters[0]
     group = getattr(self, "shared_input", None)  # a SharedInput computes the down-projections of its members
     if getattr(self, "extended_weight", None) is not None:  # lora.adapter_in_matmul (extend_base_weights)
-        return group.take(self.shared_input_index, x, name)
+        extended, down = group.take(self.shared_input_index, x, name)
+        return _AdapterInMatmul.apply(extended, self.extended_weight, down, self.lora_B[name].weight)
     if group is not None:
         down = group.take(self.shared_input_index, x, name)
     else:
@@ -253,16 +254,15 @@ without, 3.1% less with R padded to 8 (16-byte rows only)."""
 
 class ExtendedInput(SharedInput):
     """lora.adapter_in_matmul: the LoRA linears of one module that read one input (q/k/v; gate/up), or one alone,
-    as one matmul: their extended input [x | each member's scaled down-projection | zeros to EXTENDED_MULTIPLE]
-    times their extended weights stacked ([W | lora_B in the member's own columns, zeros in the others'], one
-    member's rows after another's: `extend_base_weights`), so one matmul gives every member's base output plus its
-    LoRA term, and the up-projections' outputs are never written and read on their own. In backward, one matmul
-    (`_AdapterInMatmul`) gives the input's gradient and the down-projections' from every member's output gradient
-    at once: no member's input gradient is written, read and added apart (with separate q, k and v matmuls, three
-    [tokens, in + R] gradients; the k and v ones from matmuls of inner size 1,024 on Qwen3-4B). The
-    down-projections are one matmul where the members' dropout allows it (none, or lora.shared_dropout), else one
-    per member on its own mask. Held and handed out as SharedInput holds its down-projections: `take` gives a
-    member its output."""
+    and their extended input [x | each member's scaled down-projection | zeros to EXTENDED_MULTIPLE].
+
+    Each member's base weight lives in an extended weight [W | its lora_B in its own columns, zeros in the
+    others'] (`extend_base_weights`), so x_ext @ W_ext^T is the base output plus the LoRA term in one matmul:
+    the up-projection's output is never written and read on its own. In backward, grad @ W_ext is the input's
+    gradient and the down-projections' in one matmul (`_AdapterInMatmul`). The down-projections are one matmul
+    where the members' dropout allows it (none, or lora.shared_dropout), else one per member on its own mask.
+    Held and handed out as SharedInput holds its down-projections: `take` gives a member (the extended input, its
+    down-projection)."""
 
     def __init__(self, members: list[nn.Module], shared_dropout: bool) -> None:
         super().__init__(members)
@@ -271,7 +271,7 @@ class ExtendedInput(SharedInput):
     def ranks(self, name: str) -> list[int]:
         return [member.lora_A[name].weight.shape[0] for member in self.members]
 
-    def _compute(self, x: torch.Tensor, name: str) -> list[torch.Tensor]:
+    def _compute(self, x: torch.Tensor, name: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         if self.one_mask and len(self.members) > 1:
             downs = grouped_downs(self.members, x, name)
         else:
@@ -279,10 +279,7 @@ class ExtendedInput(SharedInput):
         pad = _padding(sum(self.ranks(name)))
         extra = [x.new_zeros(*x.shape[:-1], pad)] if pad else []
         extended = torch.cat([x, *downs, *extra], dim=-1)
-        weights = [member.lora_B[name].weight for member in self.members]
-        sizes = tuple(member.extended_weight.shape[0] for member in self.members)
-        out = _AdapterInMatmul.apply(extended, self.members[0].group_weight, sizes, *downs, *weights)
-        return list(out.split(sizes, dim=-1))
+        return [(extended, down) for down in downs]
 
 
 def _padding(ranks: int) -> int:
@@ -290,74 +287,53 @@ def _padding(ranks: int) -> int:
 
 
 class _AdapterInMatmul(torch.autograd.Function):
-    """out = extended @ weight^T: every member's base output with its LoRA term, side by side (`sizes` columns
-    each); `weight` is frozen, so backward gives the extended input its gradient (grad @ weight: the input's and
-    the down-projections') and each member's lora_B its own from its saved down-projection (grad^T @ down, on its
-    columns of grad, as the fast path's up-projection would)."""
+    """out = extended @ weight^T (the base output with the LoRA term); `weight` is frozen, so backward gives the
+    extended input its gradient (grad @ weight: the input's and the down-projections') and lora_B its own from
+    the saved down-projection (grad^T @ down, as the fast path's up-projection would)."""
 
     @staticmethod
-    def forward(ctx, extended, weight, sizes, *downs_and_bs):
-        downs, lora_bs = downs_and_bs[: len(sizes)], downs_and_bs[len(sizes) :]
-        ctx.save_for_backward(weight, *downs)
-        ctx.sizes, ctx.b_dtypes = sizes, [b.dtype for b in lora_bs]
+    def forward(ctx, extended, weight, down, lora_b):
+        ctx.save_for_backward(weight, down)
+        ctx.b_dtype = lora_b.dtype
         return F.linear(extended, weight)
 
     @staticmethod
     def backward(ctx, grad):
-        weight, *downs = ctx.saved_tensors
-        pieces = grad.flatten(0, -2).split(ctx.sizes, dim=-1)
-        grad_bs = [
-            (piece.t() @ down.flatten(0, -2)).to(dtype)
-            for piece, down, dtype in zip(pieces, downs, ctx.b_dtypes, strict=True)
-        ]
-        return grad @ weight, None, None, *[None] * len(downs), *grad_bs
+        weight, down = ctx.saved_tensors
+        grad_b = grad.flatten(0, -2).t() @ down.flatten(0, -2)
+        return grad @ weight, None, None, grad_b.to(ctx.b_dtype)
 
 
 def extend_base_weights(peft_model: peft.PeftModel) -> ExtendedWeights:
-    """Give each group of LoRA linears marked by use_fast_path(in_matmul=True) its stacked extended weight: a buffer
-    [sum of outs, in + R] (the group's first member's `group_weight`) holding each member's base weight W in its
-    rows (the base linear's weight becomes a view of it: no second copy) and lora_B's values in the member's
-    columns (zeros elsewhere; R: the group's ranks, padded), filled now; each member's `extended_weight` is its
-    rows. On a materialized model with plain weights (no quantized base, tensor parallelism or FSDP: the config
-    refuses those), or a shape-only one on the meta device (a memory probe's)."""
-    groups = {id(m.shared_input): m.shared_input for m in peft_model.modules() if hasattr(m, "shared_input")}
-    for group in groups.values():
-        if isinstance(group, ExtendedInput):
-            _stack_group(group)
-    extended = ExtendedWeights.of(peft_model)
-    extended.refresh()
-    return extended
-
-
-def _stack_group(group: ExtendedInput) -> None:
-    """One group's stacked extended weight (`extend_base_weights`)."""
-    first = group.members[0]
-    (name,) = first.lora_A.keys()
-    for module in group.members:
+    """Give each LoRA linear marked by use_fast_path(in_matmul=True) its extended weight: a buffer
+    [out, in + R] holding the base weight W (the base linear's weight becomes a view of it: no second copy) and
+    lora_B's values in the member's columns (zeros elsewhere; R: its group's ranks, padded), filled now. On a
+    materialized model with plain weights (no quantized base, tensor parallelism or FSDP: the config refuses
+    those), or a shape-only one on the meta device (a memory probe's)."""
+    for module in peft_model.modules():
+        group = getattr(module, "shared_input", None)
+        if not isinstance(group, ExtendedInput):
+            continue
+        (name,) = module.lora_A.keys()
         weight = module.base_layer.weight
         if type(weight.data) is not torch.Tensor or weight.dtype.itemsize < 2:
             raise ValueError(
                 f"lora.adapter_in_matmul needs plain base weights; {type(module.base_layer).__name__} holds "
                 f"{type(weight.data).__name__} {weight.dtype}: set lora.adapter_in_matmul = false"
             )
-    ranks = group.ranks(name)
-    weight = first.base_layer.weight
-    width = weight.shape[1]
-    columns = sum(ranks) + _padding(sum(ranks))
-    outs = [module.base_layer.weight.shape[0] for module in group.members]
-    stacked = torch.zeros(sum(outs), width + columns, dtype=weight.dtype, device=weight.device)
-    first.register_buffer("group_weight", stacked, persistent=False)
-    if stacked.device.type == "cuda":  # a parameter's address to CUDA graphs: never copied into a graph's pool
-        torch._dynamo.mark_static_address(stacked)
-    row, offset = 0, width
-    for module, out, rank in zip(group.members, outs, ranks, strict=True):
-        rows = stacked[row : row + out]
+        ranks = group.ranks(name)
+        out, width = weight.shape
+        offset = width + sum(ranks[: module.shared_input_index])
+        columns = sum(ranks) + _padding(sum(ranks))
+        extended = torch.zeros(out, width + columns, dtype=weight.dtype, device=weight.device)
         with torch.no_grad():
-            rows[:, :width] = module.base_layer.weight
-        module.base_layer.weight = nn.Parameter(rows[:, :width], requires_grad=False)
-        module.register_buffer("extended_weight", rows, persistent=False)
-        module.extended_columns = rows[:, offset : offset + rank]
-        row, offset = row + out, offset + rank
+            extended[:, :width] = weight
+        module.base_layer.weight = nn.Parameter(extended[:, :width], requires_grad=False)
+        module.register_buffer("extended_weight", extended, persistent=False)
+        module.extended_columns = extended[:, offset : offset + ranks[module.shared_input_index]]
+    extended = ExtendedWeights.of(peft_model)
+    extended.refresh()
+    return extended
 
 
 class ExtendedWeights:
