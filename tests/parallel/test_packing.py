@@ -184,8 +184,8 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not(monkeypatch) -> N
         torch.testing.assert_close(out, expected)
         for got, want in zip(torch.autograd.grad(out, inputs, grad), expected_grads, strict=True):
             torch.testing.assert_close(got, want)
-    # A value as the adapters' stacked q/k/v matmul hands it over (model/lora.py): a view, its tokens 64 apart, taken
-    # in the projections' layout (`projection_layout`: the plans built ahead are for that layout).
+    # A value handed over as a view of a wider output (q, k and v from one matmul): its tokens 64 apart, taken in the
+    # projections' layout (`projection_layout`: the plans built ahead are for that layout).
     wide = torch.zeros(4, row, 64)
     wide[..., 32:] = value.detach().transpose(1, 2).reshape(4, row, 32)
     wide.requires_grad_(True)

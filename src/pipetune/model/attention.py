@@ -195,8 +195,9 @@ def _documents_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 def projection_layout(t: torch.Tensor) -> torch.Tensor:
     """[b, heads, s, d] laid out [b, s, heads, d] (`plan_rows`' layout: one projection's output, transposed): `t`
     itself where it is, else a copy. The plans built ahead take the rows in that layout (cuDNN keys a plan by the
-    strides too): a value that is a view of the adapters' stacked q/k/v output (its tokens 6,144 apart on
-    Qwen3-4B, model/lora.py) met no plan built ahead, and its steps built them (3-9% slower steps, one H100)."""
+    strides too), so a value in another (a view of a wider output: q, k and v from one matmul, its tokens 6,144
+    apart on Qwen3-4B) would meet no plan built ahead and have the steps build them: 3-9% slower steps on one
+    H100 (benchmarks/journal/2026-12-07-stacked-adapters-one-h100.md)."""
     batch, heads, seq, dim = t.shape
     if t.stride(3) == 1 and t.stride(1) == dim and (seq == 1 or t.stride(2) == heads * dim):
         return t
