@@ -127,15 +127,17 @@ def test_shared_masks_are_the_same_compiled_and_recomputed() -> None:
 )
 def test_adapter_in_matmul_is_the_fast_paths_math(lora: LoraConfig, fast_path: dict) -> None:
     """lora.adapter_in_matmul (each LoRA term inside its base matmul, [x | down-projections] @ [W | lora_B]^T) gives
-    the fast path's loss and gradients, eagerly and with every layer recomputed (not compiled here: a compiled
-    layer's graphs outlive the test, holding tensors that tests/model/test_stage.py counts). After a write to
-    lora_B, an optimizer's or any other, the next forward sees it (the stage copies lora_B into the extended
-    weights before each forward), and the base weights are views of the extended ones."""
+    the fast path's loss and gradients, eagerly, with every layer recomputed, and without dropout compiled by
+    inductor as a GPU run compiles it (its graphs dropped after, so that none outlives the test holding tensors
+    that tests/model/test_stage.py counts). After a write to lora_B, an optimizer's or any other, the next forward
+    sees it (the stage copies lora_B into the extended weights before each forward), and the base weights are
+    views of the extended ones."""
     from pipetune.model import lora as lora_module
     from pipetune.model.lora import extend_base_weights
 
     expected_loss, expected = _loss_and_gradients(_stage(lora, fast=True, **fast_path))
-    for variant in ("eager", "checkpointed", "groups only"):
+    compiled = ("compiled",) if lora.dropout == 0 else ()
+    for variant in ("eager", "checkpointed", "groups only", *compiled):
         with mock.patch.object(lora_module, "IN_MATMUL_ALONE", variant != "groups only"):
             stage = _stage(lora, fast=True, in_matmul=True, **fast_path)
         # 7 adapted linears in each of the 2 layers; groups only: o and down on the fast path
@@ -148,7 +150,13 @@ def test_adapter_in_matmul_is_the_fast_paths_math(lora: LoraConfig, fast_path: d
         assert q_proj.extended_weight.shape[1] == TINY.config.hidden_size + 64 >= TINY.config.hidden_size + 3 * lora.r
         if variant == "checkpointed":
             stage.checkpoint_layers = len(stage.layers)
+        if variant == "compiled":
+            torch._dynamo.reset()
+            for layer in stage.layers:
+                layer.compile(fullgraph=True)
         loss, gradients = _loss_and_gradients(stage)
+        if variant == "compiled":
+            torch._dynamo.reset()
         torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=0, msg=variant)
         assert sorted(gradients) == sorted(expected)
         for name, gradient in expected.items():  # float32 sums in another order
