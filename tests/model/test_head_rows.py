@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pipetune.config import LoraConfig, ModelConfig
 from pipetune.data.batching import IGNORE
+from pipetune.model import attention
 from pipetune.model.attention import document_mask, use_document_attention
 from pipetune.model.head_rows import (
     RUNS_STEP,
@@ -92,11 +93,25 @@ def _train_step(stage: StageModule, ids, labels, positions, head_rows: bool):
 @pytest.mark.parametrize(
     "kind, packed, in_matmul", [("qwen3", True, True), ("qwen3", False, False), ("llama", True, False)]
 )
-def test_the_last_layer_on_the_loss_rows_trains_as_the_whole_layer(kind: str, packed: bool, in_matmul: bool) -> None:
+def test_the_last_layer_on_the_loss_rows_trains_as_the_whole_layer(
+    kind: str, packed: bool, in_matmul: bool, monkeypatch
+) -> None:
     """On the rows the loss reads the last layer's output is the whole layer's, and so are the loss and every
     adapter's gradient (the last layer's, and the earlier ones' through its keys and values), packed rows (the
     documents kernel on the CPU, each query masked to its own document) or one sample a row; the other rows keep
-    the layer's input."""
+    the layer's input. The documents kernel gets q, k and v in the projections' layout, the one its plans are
+    built ahead for: it copies none (`projection_layout`)."""
+    seen, copied = [], []
+    layout = attention.projection_layout
+
+    def recorded(t: torch.Tensor) -> torch.Tensor:
+        kept = layout(t)
+        seen.append(tuple(t.shape))
+        if kept is not t:
+            copied.append(tuple(t.shape))
+        return kept
+
+    monkeypatch.setattr(attention, "projection_layout", recorded)
     stage = StageModule(_model(kind, in_matmul))
     stage.head_in_loss = True
     ids, labels, positions = _batch(stage.embed.num_embeddings, packed)
@@ -109,6 +124,7 @@ def test_the_last_layer_on_the_loss_rows_trains_as_the_whole_layer(kind: str, pa
     for name, grad in whole_grads.items():  # float32 sums in another order
         assert float((rows_grads[name] - grad).norm() / grad.norm()) < 1e-5, name
     assert not torch.equal(rows[~chosen], whole[~chosen])  # elsewhere the layer's input, normed: not computed
+    assert bool(seen) == packed and copied == []
 
 
 def test_the_runner_names_the_loss_rows_and_validation_takes_the_whole_layer(monkeypatch) -> None:
