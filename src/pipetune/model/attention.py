@@ -193,15 +193,17 @@ def _documents_backend(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
 
 def projection_layout(t: torch.Tensor) -> torch.Tensor:
-    """[b, heads, s, d] laid out [b, s, heads, d] (`plan_rows`' layout: one projection's output, transposed): `t`
-    itself where it is, else a copy. The plans built ahead take the rows in that layout (cuDNN keys a plan by the
-    strides too), so a value in another (a view of a wider output: q, k and v from one matmul, its tokens 6,144
-    apart on Qwen3-4B) would meet no plan built ahead and have the steps build them: 3-9% slower steps on one
-    H100 (benchmarks/journal/2026-12-07-stacked-adapters-one-h100.md)."""
+    """[b, heads, s, d] laid out [b, s, heads, d] (`plan_rows`' and `row_like`'s layout: one projection's output,
+    transposed): `t` itself where it is (its strides row_like's, a dimension of size 1 aside), else a copy. The
+    plans built ahead take the rows, and the output's gradient, in that layout (cuDNN keys a plan by the strides
+    too), so a value in another (a view of a wider output: q, k and v from one matmul, its tokens 6,144 apart on
+    Qwen3-4B) would meet no plan built ahead and have the steps build them: 3-9% slower steps on one H100
+    (benchmarks/journal/2026-12-07-stacked-adapters-one-h100.md)."""
     batch, heads, seq, dim = t.shape
-    if t.stride(3) == 1 and t.stride(1) == dim and (seq == 1 or t.stride(2) == heads * dim):
+    rows = (seq * heads * dim, dim, heads * dim, 1)
+    if all(size == 1 or got == want for size, got, want in zip(t.shape, t.stride(), rows, strict=True)):
         return t
-    return t.transpose(1, 2).contiguous().transpose(1, 2)
+    return row_like(t).copy_(t)
 
 
 def padded_length(length: int) -> int:
@@ -505,10 +507,8 @@ def document_sdpa_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`document_sdpa`'s query, key and value gradients: each span through `_document_backward`."""
     heads, seq = query.shape[1], query.shape[2]
-    if grad.stride() != out.stride():  # the output's layout, as the plans built ahead take it
-        grad = row_like(query).copy_(grad)
     grads = [torch.empty_like(t) for t in (query, key, value)]
-    query, key, value = (projection_layout(t) for t in (query, key, value))
+    grad, query, key, value = (projection_layout(t) for t in (grad, query, key, value))
     backend = _documents_backend(query, key, value)
     _build_plans(query, key, value, scale, backend, backward=True)
     documents, tails = _documents(spans, seq)
