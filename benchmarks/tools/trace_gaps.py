@@ -6,9 +6,11 @@ then the longest gaps with the host operators that cover each gap's start (outer
 calls during it. With --launchers, it prints instead where the GPU's time goes by what launched it: each kernel,
 copy and fill's time summed by its kind and the host operators around its launch (the innermost non-aten operator,
 e.g. a custom operator or a compiled graph, then the innermost aten one), which tells, say, whose copies the
-"Memcpy DtoD" rows are.
+"Memcpy DtoD" rows are. With --between, it sums the idle time by the gaps' widths (how much lies in launch-sized
+gaps, how much in long ones) and the gaps of at least --min-us by the GPU events on their two sides (the kernel that
+ended, the one that started), which tells which boundaries of a step the GPU waits at.
 
-    python3 benchmarks/tools/trace_gaps.py DIR/trace-rank0.json.gz [--top 12] [--min-us 50] [--launchers]
+    python3 benchmarks/tools/trace_gaps.py DIR/trace-rank0.json.gz [--top 12] [--min-us 50] [--launchers | --between]
 """
 
 from __future__ import annotations
@@ -67,14 +69,45 @@ def launchers(events: list[dict]) -> Counter:
     return totals
 
 
+WIDTHS_US = (5, 20, 50, 200, 1000)
+"""--between's buckets of gap widths (µs): under 5, 5-20, ..., 1,000 and over."""
+
+
+def between(events: list[dict], min_us: float) -> tuple[Counter, Counter, Counter]:
+    """The idle µs and count of gaps between the GPU's busy intervals by width bucket, and the gaps of at least
+    `min_us` summed by (the GPU event that ended last before the gap, the one that started it), names cut."""
+    spans = sorted((e["ts"], e["ts"] + e["dur"], e["name"][:44]) for e in events if e.get("cat") in GPU_CATEGORIES)
+    idle, count, pairs = Counter(), Counter(), Counter()
+    last_end, last_name = None, ""
+    for start, end, name in spans:
+        if last_end is not None and start > last_end:
+            width = start - last_end
+            bucket = next((f"< {w} us" for w in WIDTHS_US if width < w), f">= {WIDTHS_US[-1]} us")
+            idle[bucket] += width
+            count[bucket] += 1
+            if width >= min_us:
+                pairs[(last_name, name)] += width
+        if last_end is None or end > last_end:
+            last_end, last_name = end, name
+    return idle, count, pairs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("trace")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--min-us", type=float, default=50.0, help="gaps shorter than this are counted, not listed")
     parser.add_argument("--launchers", action="store_true", help="GPU time by what launched it, not the gaps")
+    parser.add_argument("--between", action="store_true", help="idle time by gap width and by the events around")
     args = parser.parse_args()
     events = load(args.trace)
+    if args.between:
+        idle, count, pairs = between(events, args.min_us)
+        print("idle time by gap width: " + ", ".join(f"{k} {idle[k] / 1e3:.2f} ms ({count[k]})" for k in idle))
+        print(f"gaps >= {args.min_us:.0f} us by the GPU events around them (ended | started):")
+        for (before, after), us in pairs.most_common(args.top):
+            print(f"{us / 1e3:10.2f} ms  {before:<44} | {after}")
+        return
     if args.launchers:
         totals = launchers(events)
         whole = sum(totals.values()) or 1

@@ -124,6 +124,11 @@ def test_trace_gaps_finds_the_gpu_idle_gap(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out.splitlines()
     assert "0.30 ms  75.0%  gpu_memcpy" in out[1] and out[1].endswith("pipetune::document_sdpa > aten::copy_")
     assert "0.10 ms  25.0%  gemm" in out[2] and out[2].endswith("aten::mm")
+    # --between: the gap (20-320 µs after the copy, before the gemm) by its width and the events around it
+    run_tool("trace_gaps", str(trace), "--between", monkeypatch=monkeypatch)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "idle time by gap width: < 200 us 0.08 ms (1)"
+    assert out[2].split() == ["0.08", "ms", "Memcpy", "DtoD", "|", "gemm"]
 
 
 def test_packed_attention_packs_and_checks_the_cpu_kernel(tmp_path, monkeypatch, capsys):
