@@ -27,6 +27,7 @@ ARGPARSE_TOOLS = [
     "dropout_rng",
     "layer_levers",
     "load_memory",
+    "matmul_shapes",
     "packed_attention",
     "pad_waste",
     "plan_calibrate",
@@ -129,6 +130,20 @@ def test_trace_gaps_finds_the_gpu_idle_gap(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "idle time by gap width: < 200 us 0.08 ms (1)"
     assert out[2].split() == ["0.08", "ms", "Memcpy", "DtoD", "|", "gemm"]
+
+
+def test_matmul_shapes_times_each_member_and_the_stacked_groups(tmp_path, monkeypatch, capsys):
+    """The layer's matmuls at the extended inputs' widths (tiny-qwen3: hidden 256, r 16: q/k/v take 256 + 48 + 16
+    padding = 320 columns), each forward and backward, and q/k/v and gate/up stacked, summed per group."""
+    out = tmp_path / "shapes.json"
+    args = ["--config", "configs/qwen3-4b-meetings.toml", "--set", "model.name=tiny-qwen3", "--tokens", "32"]
+    run_tool("matmul_shapes", *args, "--repeats", "1", "--out", str(out), monkeypatch=monkeypatch)
+    rows = {row["matmul"]: row for row in json.loads(out.read_text())["rows"]}
+    assert "k backward [32, 128] @ [128, 320]" in rows and "qkv stacked backward [32, 512] @ [512, 320]" in rows
+    assert "down forward [32, 752] @ [256, 752]^T" in rows  # intermediate 688 + 16 + 48 padding
+    assert all(row["ms"] > 0 for row in rows.values())
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].startswith("qkv: forward") and lines[-1].startswith("gate_up: forward")
 
 
 def test_packed_attention_packs_and_checks_the_cpu_kernel(tmp_path, monkeypatch, capsys):
