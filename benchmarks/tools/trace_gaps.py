@@ -103,7 +103,9 @@ def main() -> None:
     events = load(args.trace)
     if args.between:
         idle, count, pairs = between(events, args.min_us)
-        print("idle time by gap width: " + ", ".join(f"{k} {idle[k] / 1e3:.2f} ms ({count[k]})" for k in idle))
+        buckets = [f"< {w} us" for w in WIDTHS_US] + [f">= {WIDTHS_US[-1]} us"]  # narrowest first
+        widths = [f"{k} {idle[k] / 1e3:.2f} ms ({count[k]})" for k in buckets if k in idle]
+        print("idle time by gap width: " + ", ".join(widths))
         print(f"gaps >= {args.min_us:.0f} us by the GPU events around them (ended | started):")
         for (before, after), us in pairs.most_common(args.top):
             print(f"{us / 1e3:10.2f} ms  {before:<44} | {after}")
