@@ -5,7 +5,9 @@ With lora.adapter_in_matmul each LoRA linear's matmul takes its input extended b
 `grad [M, N] @ weight [N, K+R]`. Where a run's time goes among them, and whether one matmul over the members of a
 group (q, k and v; gate and up) would be faster than each alone plus the adds of their input gradients, is read
 here on one GPU, without the rest of a layer around it: each shape timed with CUDA events over calls issued back
-to back, its TFLOP/s beside a large square matmul's (the GPU's practical peak for this dtype).
+to back, its TFLOP/s beside a large square matmul's (the GPU's practical peak for this dtype). Under the GPU's
+power limit one shape timed twice in a row differed by up to 12% on an H100 (gate's and up's forward,
+2026-12-07-where-the-step-goes-one-h100.md): read differences of a few percent as noise.
 
     python3 benchmarks/tools/matmul_shapes.py --config configs/qwen3-4b-meetings.toml --set model.name=qwen3-4b \
         [--tokens 16384] [--repeats 20] [--out shapes.json]
