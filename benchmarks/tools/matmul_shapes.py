@@ -21,7 +21,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -31,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 from pipetune.config import load_config  # noqa: E402
 from pipetune.model.lora import EXTENDED_MULTIPLE  # noqa: E402
 from pipetune.model.shapes import head_dim, resolve_model  # noqa: E402
+from pipetune.planner.calibrate import Mark  # noqa: E402
 
 
 def extended(width: int, ranks: int) -> int:
@@ -52,22 +52,14 @@ def layer_matmuls(config, r: int) -> dict[str, list[tuple[str, int, int]]]:
 
 
 def timed(fn, repeats: int, device: torch.device) -> float:
-    """Seconds a call of `fn`, over `repeats` calls issued back to back after two untimed ones."""
+    """Seconds a call of `fn`, over `repeats` calls issued back to back after two untimed ones (the planner's
+    marks: CUDA events on a GPU, the host's clock on a CPU)."""
     for _ in range(2):
         fn()
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(device)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        end.record()
-        torch.cuda.synchronize(device)
-        return start.elapsed_time(end) / 1e3 / repeats
-    began = time.perf_counter()
+    start = Mark(device)
     for _ in range(repeats):
         fn()
-    return (time.perf_counter() - began) / repeats
+    return start.seconds_to(Mark(device)) / repeats
 
 
 def group_rows(name, members, tokens, dtype, device, repeats) -> list[dict]:

@@ -220,11 +220,11 @@ def time_layer(
         forwards, backwards = [], []
         for call in range(WARMUP + REPEATS):
             mark_graph_step(device)  # graphs: each call a step of its own, as in a run
-            marks = [_Mark(device)]
+            marks = [Mark(device)]
             out = hidden_states(layer(hidden, **kwargs))
-            marks.append(_Mark(device))
+            marks.append(Mark(device))
             out.backward(torch.ones_like(out))
-            marks.append(_Mark(device))
+            marks.append(Mark(device))
             if call >= WARMUP:
                 forwards.append(marks[0].seconds_to(marks[1]))
                 backwards.append(marks[1].seconds_to(marks[2]))
@@ -235,7 +235,7 @@ def time_layer(
     return statistics.median(forwards), statistics.median(backwards)
 
 
-class _Mark:
+class Mark:
     """A point in time on `device`'s stream (a CUDA event), or on the host's clock for a CPU."""
 
     def __init__(self, device: torch.device) -> None:
@@ -246,7 +246,7 @@ class _Mark:
         else:
             self.time = time.perf_counter()
 
-    def seconds_to(self, later: _Mark) -> float:
+    def seconds_to(self, later: Mark) -> float:
         if self.device.type == "cuda":
             later.event.synchronize()
             return self.event.elapsed_time(later.event) / 1e3
