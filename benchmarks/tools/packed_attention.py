@@ -63,6 +63,7 @@ from pipetune.model.attention import document_block_mask, document_sdpa, span_ta
 from pipetune.model.head_rows import HeadRows, head_rows_sdpa  # noqa: E402
 from pipetune.model.kept_attention import FLASH, sdpa_backend, sdpa_backward, sdpa_forward  # noqa: E402
 from pipetune.model.shapes import head_dim as head_size  # noqa: E402
+from pipetune.planner.calibrate import Mark  # noqa: E402
 from pipetune.preflight import prepare  # noqa: E402
 
 VARIANTS: dict[str, dict] = {
@@ -370,20 +371,14 @@ def run(kernel, inputs: list[torch.Tensor], grad: torch.Tensor) -> list[torch.Te
 
 
 def timed(call, warmup: int, repeats: int, cuda: bool) -> float:
-    """Milliseconds of one call (CUDA events around `repeats` calls; wall time on a CPU)."""
+    """Milliseconds of one call (the planner's marks around `repeats` calls: CUDA events; wall time on a CPU)."""
     for _ in range(warmup):
         call()
-    if cuda:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-    began = time.perf_counter()
+    device = torch.device("cuda" if cuda else "cpu")
+    start = Mark(device)
     for _ in range(repeats):
         call()
-    if cuda:
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / repeats
-    return (time.perf_counter() - began) * 1e3 / repeats
+    return start.seconds_to(Mark(device)) * 1e3 / repeats
 
 
 def main() -> None:
