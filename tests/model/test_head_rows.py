@@ -183,7 +183,7 @@ def test_one_compiled_graph_serves_every_count_of_chosen_rows() -> None:
     trained = [hidden, *(p for p in layer.parameters() if p.requires_grad)]
     for keep in (ROW, 70, 45):  # fewer and fewer chosen rows (and runs)
         chosen = (labels != IGNORE) & (torch.arange(ROW) < keep)
-        rows = HeadRows.of(chosen, positions, hidden.device)
+        rows = HeadRows.of(chosen, positions, hidden.device, step=1)  # as many rows as chosen
         mark_dynamic(rows)
         grad = torch.randn_like(hidden)
         expected = head_rows_layer(layer, hidden, rows, kwargs)
@@ -206,13 +206,20 @@ def test_runs_are_the_consecutive_chosen_rows_of_one_document() -> None:
     chosen[0, [2, 3, 4, 5, 7, 8]] = True  # documents [0, 4), [4, 10), pad tail [10, 12)
     chosen[1, [5, 6]] = True
     positions = torch.stack([torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, -1]), torch.arange(12)])
-    rows = HeadRows.of(chosen, positions, torch.device("cpu"))
+    rows = HeadRows.of(chosen, positions, torch.device("cpu"), step=1)
     empty = [[0, 0, 0, 0]] * (RUNS_STEP - 4)  # a multiple of RUNS_STEP runs: a few shapes for the compiled layer
     assert rows.runs.tolist() == [[0, 0, 2, 4], [0, 4, 4, 6], [0, 4, 7, 9], [1, 0, 5, 7], *empty]
     assert rows.flat.tolist() == [2, 3, 4, 5, 7, 8, 17, 18]
-    unpacked = HeadRows.of(chosen, None, torch.device("cpu")).runs.tolist()
+    unpacked = HeadRows.of(chosen, None, torch.device("cpu"), step=1).runs.tolist()
     assert unpacked == [[0, 0, 2, 6], [0, 0, 7, 9], [1, 0, 5, 7], *empty, [0, 0, 0, 0]]
     assert HeadRows.of(torch.zeros(2, 12, dtype=torch.bool), None, torch.device("cpu")) is None
+    # to a multiple of `step` rows: runs start earlier in their documents, never before a document's start or into
+    # the row's run before them; where the documents leave no more room, fewer
+    padded = HeadRows.of(chosen, positions, torch.device("cpu"), step=5)
+    assert padded.runs.tolist() == [[0, 0, 0, 4], [0, 4, 4, 6], [0, 4, 7, 9], [1, 0, 5, 7], *empty]
+    assert padded.flat.tolist() == [0, 1, 2, 3, 4, 5, 7, 8, 17, 18]
+    full = HeadRows.of(chosen, positions, torch.device("cpu"), step=64)
+    assert full.runs.tolist() == [[0, 0, 0, 4], [0, 4, 4, 6], [0, 4, 6, 9], [1, 0, 0, 7], *empty]
 
 
 def test_the_runs_attention_is_each_documents_causal_attention_at_the_chosen_rows() -> None:
@@ -229,7 +236,7 @@ def test_the_runs_attention_is_each_documents_causal_attention_at_the_chosen_row
     documents = [[(0, 0, 4), (0, 4, 10)], [(1, 0, 12)]]
     query = torch.randn(batch, seq, heads, dim).transpose(1, 2).requires_grad_(True)
     key, value = (torch.randn(batch, seq, kv_heads, dim).transpose(1, 2).requires_grad_(True) for _ in range(2))
-    rows = HeadRows.of(chosen, positions, torch.device("cpu"))
+    rows = HeadRows.of(chosen, positions, torch.device("cpu"), step=1)
     out, _ = head_rows_sdpa(query, key, value, rows.runs, dim**-0.5)
     expected = torch.zeros_like(out)
     for row, start, end in (span for spans in documents for span in spans):

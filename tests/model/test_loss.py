@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pipetune.data.batching import IGNORE
+from pipetune.model.head_rows import ROWS_STEP
 from pipetune.model.loss import linear_cross_entropy
 
 
@@ -29,6 +30,19 @@ def test_fused_loss_and_gradient_match_plain(chunk: int) -> None:
     assert fused_grad[2].abs().max() == 0  # unsupervised rows get no gradient
     with torch.no_grad():  # forward only (validation): the loss alone
         torch.testing.assert_close(linear_cross_entropy(hidden, head, labels, chunk), plain, rtol=1e-6, atol=1e-6)
+
+
+def test_the_heads_matmuls_take_a_multiple_of_the_rows_step(monkeypatch) -> None:
+    """Microbatches with other counts of supervised rows meet the head's matmul in a few shapes (zero rows pad them
+    to ROWS_STEP; the loss is the same: the test above)."""
+    seen, linear = [], F.linear
+    monkeypatch.setattr(F, "linear", lambda x, *args: seen.append(x.shape[0]) or linear(x, *args))
+    head = torch.nn.Linear(16, 50, bias=False).requires_grad_(False)
+    for supervised in (3, 100, 130):
+        labels = torch.full((2, 80), IGNORE)
+        labels.view(-1)[:supervised] = 1
+        linear_cross_entropy(torch.randn(2, 80, 16, requires_grad=True), head, labels).backward()
+    assert seen == [ROWS_STEP, ROWS_STEP, 2 * ROWS_STEP]
 
 
 def test_fused_loss_refuses_a_trainable_head() -> None:

@@ -51,25 +51,38 @@ RUNS_STEP = 8
 meetings, one a row of single samples) then meet a compiled layer in one or two shapes (a count of 1 would be
 specialized apart from the others)."""
 
+ROWS_STEP = 128
+"""`HeadRows.flat` holds a multiple of this many rows where the documents leave room: runs are extended back over
+their documents' earlier positions (the layer computes those too; nothing reads them). The layer's matmuls over the
+chosen rows then meet a few shapes in a run instead of a new one each microbatch. Why: in a profiled H100 step of
+whole meetings, 0.9% of the step was the GPU idle in 2-4 ms gaps at each microbatch's turn to backward, the host
+inside a matmul and the kernel after each gap one of a new tile shape (cuBLAS choosing, and the driver loading, a
+kernel for a shape it has not seen: benchmarks/journal/2026-12-07-where-the-step-goes-one-h100.md). The fused loss
+pads its rows to the same step (model/loss.py)."""
+
 
 @dataclass(frozen=True)
 class HeadRows:
     """The rows a microbatch's loss reads, as the last layer takes them: `runs` [k, 4] int64 on the host, each run
     of consecutive chosen positions of one document as (row, key start: its document's first position, query
-    start, end); `flat` [n] on the device, every chosen position as row * seq + position, runs in order."""
+    start, end); `flat` [n] on the device, every chosen position as row * seq + position, runs in order. The runs
+    may start before the loss's first row of their document (ROWS_STEP)."""
 
     runs: torch.Tensor
     flat: torch.Tensor
     """`runs` ends in empty ones ((0, 0, 0, 0): `RUNS_STEP`)."""
 
     @classmethod
-    def of(cls, chosen: torch.Tensor, positions: torch.Tensor | None, device: torch.device) -> HeadRows | None:
+    def of(
+        cls, chosen: torch.Tensor, positions: torch.Tensor | None, device: torch.device, step: int = ROWS_STEP
+    ) -> HeadRows | None:
         """From a [b, s] bool table of the rows the loss reads and packed rows' [b, s] position ids (restarting at
         0 with each document; None: one document a row), both read on the host (where a step keeps them: no wait
-        for the device). None where no row is chosen."""
+        for the device). None where no row is chosen. The runs are extended back to a multiple of `step` rows
+        where their documents leave room (ROWS_STEP)."""
         chosen = chosen.cpu()
         seq = chosen.shape[1]
-        runs, flat = [], []
+        runs = []
         for row in range(chosen.shape[0]):
             index = torch.nonzero(chosen[row]).flatten()
             if not len(index):
@@ -80,12 +93,24 @@ class HeadRows:
             bounds = [0, *breaks.tolist(), len(index)]
             for a, b in zip(bounds[:-1], bounds[1:], strict=False):
                 start = int(index[a])
-                runs.append((row, start - int(place[a]), start, int(index[b - 1]) + 1))
-            flat.append(index + row * seq)
+                runs.append([row, start - int(place[a]), start, int(index[b - 1]) + 1])
         if not runs:
             return None
+        _extend_back(runs, step)
+        flat = torch.cat([torch.arange(start, end) + row * seq for row, _, start, end in runs])
         runs += [(0, 0, 0, 0)] * (-len(runs) % RUNS_STEP)  # empty runs: a few shapes for a compiled layer
-        return cls(torch.tensor(runs, dtype=torch.int64), torch.cat(flat).to(device, non_blocking=True))
+        return cls(torch.tensor(runs, dtype=torch.int64), flat.to(device, non_blocking=True))
+
+
+def _extend_back(runs: list[list[int]], step: int) -> None:
+    """Move runs' query starts back (in order, each no further than its document's start or the row's run before
+    it) until the runs hold a multiple of `step` rows, or every run is at its limit."""
+    missing = -sum(end - start for _, _, start, end in runs) % step
+    before = {}  # each row's end of its run before
+    for run in runs:
+        row, keys, start, end = run
+        take = min(missing, start - max(keys, before.get(row, 0)))
+        run[2], missing, before[row] = start - take, missing - take, end
 
 
 def _flash(query: torch.Tensor) -> bool:

@@ -17,6 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from pipetune.model.head_rows import ROWS_STEP
+
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
@@ -36,14 +38,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # positions are found where the labels live: on the host for a training batch (no wait for the GPU), on
         # the device for validation's (a host sync: their count sizes the rows).
         keep, targets = supervised_positions(labels, ignore_index, hidden.device)
-        rows = flat.index_select(0, keep)
+        real = keep.shape[0]
+        # zero rows to a multiple of ROWS_STEP: the head's matmuls meet a few shapes, not a new one each microbatch
+        pad = -real % ROWS_STEP
+        rows = F.pad(flat.index_select(0, keep), (0, 0, 0, pad))
+        targets = F.pad(targets, (0, pad))
         if vocab is not None:  # this rank's columns: targets outside them pick nothing here
             targets = targets - vocab.start
             owned = ((targets >= 0) & (targets < weight.shape[0])).unsqueeze(1)
             targets = targets.clamp(0, weight.shape[0] - 1)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad = torch.empty_like(rows) if with_grad else None
-        for start in range(0, rows.shape[0], chunk):
+        for start in range(0, real, chunk):  # the last chunk's padding rides along
             part = slice(start, start + chunk)
             logits = F.linear(rows[part], weight, bias).float()
             picked = targets[part].unsqueeze(1)
@@ -51,13 +57,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             target_logits = logits.gather(1, picked).squeeze(1)
             if vocab is not None:
                 lse, target_logits = vocab.combine(lse, target_logits * owned[part].squeeze(1))
-            total += (lse - target_logits).sum()
+            total += (lse - target_logits)[: real - start].sum()  # the padding's rows left out of the loss
             if with_grad:  # d(sum of losses)/d logits = softmax - onehot
                 probs = logits.sub_(lse.unsqueeze(1)).exp_()
                 onehot = torch.ones_like(picked, dtype=probs.dtype) if vocab is None else owned[part].to(probs.dtype)
                 probs.scatter_add_(1, picked, -onehot)
                 grad[part] = probs.to(weight.dtype) @ weight
         if with_grad:
+            grad = grad[:real]
             if vocab is not None:  # each rank holds its columns' share of the hidden states' gradient
                 dist.all_reduce(grad, group=vocab.group)
             ctx.save_for_backward(torch.zeros_like(flat).index_copy_(0, keep, grad))
