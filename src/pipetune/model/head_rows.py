@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pipetune.model.host_tensors import to_device
 from pipetune.model.kept_attention import (
     FLASH,
     dense_kept,
@@ -99,7 +100,7 @@ class HeadRows:
         _extend_back(runs, step)
         flat = torch.cat([torch.arange(start, end) + row * seq for row, _, start, end in runs])
         runs += [(0, 0, 0, 0)] * (-len(runs) % RUNS_STEP)  # empty runs: a few shapes for a compiled layer
-        return cls(torch.tensor(runs, dtype=torch.int64), flat.to(device, non_blocking=True))
+        return cls(torch.tensor(runs, dtype=torch.int64), to_device(flat, device))
 
 
 def _extend_back(runs: list[list[int]], step: int) -> None:

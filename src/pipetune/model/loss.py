@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from pipetune.model.head_rows import ROWS_STEP
+from pipetune.model.host_tensors import to_device
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -85,9 +86,7 @@ def supervised_positions(
     flat = labels.reshape(-1)
     keep = (flat != ignore_index).nonzero().squeeze(1)
     targets = flat.index_select(0, keep)
-    if keep.device != device:
-        keep, targets = keep.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-    return keep, targets
+    return to_device(keep, device), to_device(targets, device)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from torch.distributed.pipelining import PipelineStage, schedules
 
 from pipetune.data.batching import IGNORE
 from pipetune.model.graphs import mark_graph_step
+from pipetune.model.host_tensors import to_device
 from pipetune.model.loss import linear_cross_entropy
 from pipetune.parallel.torch_compat import schedule_step_options
 from pipetune.schedules import SCHEDULES, stage_ids
@@ -104,7 +105,7 @@ class TokenLoss:
     def __call__(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.head is not None:
             return linear_cross_entropy(output, self.head, labels, self.chunk, ignore_index=IGNORE) / self.normalizer
-        labels = labels.flatten().to(output.device, non_blocking=True)
+        labels = to_device(labels.flatten(), output.device)
         total = F.cross_entropy(output.flatten(0, 1).float(), labels, ignore_index=IGNORE, reduction="sum")
         return total / self.normalizer
 
