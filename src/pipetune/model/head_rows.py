@@ -54,12 +54,13 @@ specialized apart from the others)."""
 
 ROWS_STEP = 128
 """`HeadRows.flat` holds a multiple of this many rows where the documents leave room: runs are extended back over
-their documents' earlier positions (the layer computes those too; nothing reads them). The layer's matmuls over the
-chosen rows then meet a few shapes in a run instead of a new one each microbatch. Why: in a profiled H100 step of
-whole meetings, 0.9% of the step was the GPU idle in 2-4 ms gaps at each microbatch's turn to backward, the host
-inside a matmul and the kernel after each gap one of a new tile shape (cuBLAS choosing, and the driver loading, a
-kernel for a shape it has not seen: benchmarks/journal/2026-12-07-where-the-step-goes-one-h100.md). The fused loss
-pads its rows to the same step (model/loss.py)."""
+their documents' earlier positions (the layer computes those rows too; nothing reads them). The layer's matmuls over
+the chosen rows then meet a few shapes in a run instead of a new one most microbatches, and the fused loss pads its
+rows to the same step (model/loss.py). A bf16 matmul at a shape cuBLAS has not seen took the host 0.15-0.2 ms
+(median; up to ~4 ms where it loaded a kernel) against 0.02 ms for a shape seen before (an H100, torch 2.11), and
+in a profiled step of whole meetings the GPU waited for such matmuls at each microbatch's turn to backward. With
+both, the whole-meeting defaults ran 0.2-0.8% faster over the same 64 rows in three pairs of runs on one H100
+(benchmarks/journal/2026-12-07-loss-rows-in-few-shapes-one-h100.md)."""
 
 
 @dataclass(frozen=True)
