@@ -77,9 +77,18 @@ def whole_on_cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def adapter_parameters(peft_model: peft.PeftModel) -> dict[str, torch.Tensor]:
-    """The adapter tensors themselves (DTensor shards under FSDP) under PEFT's saved names; no copy."""
+    """The adapter tensors themselves (DTensor shards under FSDP and tp) under PEFT's saved names; no copy: a
+    checkpoint's resume writes into them.
+
+    PEFT picks and names them (`get_peft_model_state_dict`) over empty stand-ins for the model's state: from peft
+    0.22 on, that function gathers DTensors into whole CPU copies, which a resume would load into instead of the
+    model (its first resumed step then trained from the initial adapters)."""
+    live = peft_model.state_dict()  # detached views of the parameters (DTensor shards stay shards)
+    stand_ins = {name: torch.empty(0) for name in live}
+    names = {id(t): name for name, t in stand_ins.items()}
     # save_embedding_layers=False: the embeddings are frozen; True makes PEFT look the base up on the hub.
-    return peft.get_peft_model_state_dict(peft_model, save_embedding_layers=False)
+    picked = peft.get_peft_model_state_dict(peft_model, state_dict=stand_ins, save_embedding_layers=False)
+    return {key: live[names[id(t)]] for key, t in picked.items()}
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
