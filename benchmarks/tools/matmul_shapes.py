@@ -28,14 +28,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 from pipetune.config import load_config  # noqa: E402
-from pipetune.model.lora import EXTENDED_MULTIPLE  # noqa: E402
+from pipetune.model.lora import extended_padding  # noqa: E402
 from pipetune.model.shapes import head_dim, resolve_model  # noqa: E402
 from pipetune.planner.calibrate import Mark  # noqa: E402
 
 
 def extended(width: int, ranks: int) -> int:
     """An extended input's columns: `width` and the group's `ranks`, padded as model/lora.py pads them."""
-    return width + ranks + (-ranks % EXTENDED_MULTIPLE)
+    return width + ranks + extended_padding(ranks)
 
 
 def layer_matmuls(config, r: int) -> dict[str, list[tuple[str, int, int]]]:

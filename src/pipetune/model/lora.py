@@ -285,13 +285,14 @@ class ExtendedInput(SharedInput):
             downs = grouped_downs(self.members, x, name)
         else:
             downs = [m.lora_A[name](m.lora_dropout[name](x)) * m.scaling[name] for m in self.members]
-        pad = _padding(sum(self.ranks(name)))
+        pad = extended_padding(sum(self.ranks(name)))
         extra = [x.new_zeros(*x.shape[:-1], pad)] if pad else []
         extended = torch.cat([x, *downs, *extra], dim=-1)
         return [(extended, down) for down in downs]
 
 
-def _padding(ranks: int) -> int:
+def extended_padding(ranks: int) -> int:
+    """The zero columns after a group's `ranks` down-projections in its extended input (to EXTENDED_MULTIPLE)."""
     return -ranks % EXTENDED_MULTIPLE
 
 
@@ -333,7 +334,7 @@ def extend_base_weights(peft_model: peft.PeftModel) -> ExtendedWeights:
         ranks = group.ranks(name)
         out, width = weight.shape
         offset = width + sum(ranks[: module.shared_input_index])
-        columns = sum(ranks) + _padding(sum(ranks))
+        columns = sum(ranks) + extended_padding(sum(ranks))
         extended = torch.zeros(out, width + columns, dtype=weight.dtype, device=weight.device)
         with torch.no_grad():
             extended[:, :width] = weight
