@@ -52,6 +52,7 @@ from pipetune.model.attention import (
     use_document_attention,
 )
 from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory, graphs_untried
+from pipetune.model.host_tensors import to_device
 from pipetune.model.load import DTYPES
 from pipetune.model.lora import adapter_state, save_adapter
 from pipetune.model.shapes import head_dim
@@ -704,14 +705,13 @@ def forward_backward(loop: Loop, batches: torch.Tensor, lengths: torch.Tensor) -
             input_ids, labels, position_ids = packed_batch(loop.data.split, index, length, loop.data.pad_id)
         else:
             input_ids, labels = loop.data.split.batch(index, length, loop.data.pad_id)
-        # The ids are copied from pinned memory without waiting for the device; the labels stay on the host,
-        # where the loss finds its supervised positions (model/loss.py) and copies them likewise.
-        if env.device.type == "cuda":
-            input_ids = input_ids.pin_memory()
-            position_ids = position_ids.pin_memory() if position_ids is not None else None
-        if position_ids is not None and t.packed_attention != "documents":  # that kernel reads them on the host
-            position_ids = position_ids.to(env.device, non_blocking=True)
-        out = runners.by_length[length].step(input_ids.to(env.device, non_blocking=True), labels, position_ids)
+        # The ids go through pinned memory without waiting for the device (model/host_tensors.py); the labels stay
+        # on the host, where the loss finds its supervised positions (model/loss.py) and copies them likewise.
+        if position_ids is not None and env.device.type == "cuda":
+            position_ids = position_ids.pin_memory()  # the documents kernel reads them on the host, the stage copies
+        if position_ids is not None and t.packed_attention != "documents":
+            position_ids = to_device(position_ids, env.device)
+        out = runners.by_length[length].step(to_device(input_ids, env.device), labels, position_ids)
         if stashed is not None:
             restore_gradients(params, stashed)
         if out is not None:

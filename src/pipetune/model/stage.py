@@ -25,6 +25,7 @@ from pipetune.config import ConfigError
 from pipetune.model.attention import document_mask
 from pipetune.model.families import Family, LayerInputs, family_of
 from pipetune.model.head_rows import HeadRows, HeadRowsLayer, head_rows_layer, mark_dynamic
+from pipetune.model.host_tensors import to_device
 from pipetune.model.kept_attention import KeptAttention
 from pipetune.model.lora import ExtendedWeights
 from pipetune.model.offload import ActivationOffload, offloading
@@ -309,7 +310,7 @@ class StageModule(nn.Module):
             batch, seq = hidden.shape[0], hidden.shape[1] * self.sequence_shards
             position_ids = torch.arange(seq, device=hidden.device).unsqueeze(0).expand(batch, -1)
         else:
-            host, position_ids = position_ids, position_ids.to(hidden.device, non_blocking=True)
+            host, position_ids = position_ids, to_device(position_ids, hidden.device)
             document = document_mask(position_ids, self.packed_attention, self.documents_per_row, host)
         inputs = layer_call_kwargs(self.family, self.rotary, hidden, position_ids, document)
         runs = self.layers if self.runs is None else self.runs
