@@ -154,9 +154,9 @@ def test_compiled_groups_leave_the_last_layer_a_graph_of_its_own() -> None:
     checkpointed layers (the whole layer: a checkpoint recomputes what it ran)."""
     stage = StageModule(_model("qwen3", in_matmul=False))
     stage.head_rows = True
-    stage.compile_layers(per_graph=2)  # tiny-qwen3's 4 layers: groups of the first 3, the last alone
+    stage.compile_layers(per_graph=2)  # tiny-qwen3's 4 layers: the first 3 grouped, short group first; the last alone
     layers = list(stage.layers)
-    assert [list(run.layers) for run in stage.runs[:-1]] == [layers[:2], layers[2:3]]
+    assert [list(run.layers) for run in stage.runs[:-1]] == [layers[:1], layers[1:3]]
     assert isinstance(stage.runs[-1], HeadRowsLayer) and stage.runs[-1].layer is layers[3]
     assert stage.runs[-1]._compiled_call_impl is not None
     stage.head_rows = False

@@ -83,10 +83,11 @@ def _tensors_with_history() -> int:
 @pytest.mark.parametrize(
     "model_name, per_graph, checkpointed, sizes",
     [
-        ("tiny-qwen3", 3, 0, [3, 1]),
+        ("tiny-qwen3", 3, 0, [1, 3]),  # the short group first
         ("tiny-qwen3", 0, 1, [1, 3]),
+        ("tiny-qwen3", 2, 1, [1, 1, 2]),  # a checkpointed layer, then the short group
         ("tiny-qwen3", 1, 0, [1, 1, 1, 1]),
-        ("tiny-gemma3", 3, 0, [3, 1]),  # groups of sliding-window and full-attention layers, each with its inputs
+        ("tiny-gemma3", 3, 0, [1, 3]),  # groups of sliding-window and full-attention layers, each with its inputs
     ],
 )
 def test_compiled_layers_run_in_groups_of_layers_per_graph(
@@ -106,6 +107,29 @@ def test_compiled_layers_run_in_groups_of_layers_per_graph(
     assert [name for name, _ in stage.named_parameters()] == names
     with torch.compiler.set_stance("force_eager"):
         torch.testing.assert_close(stage(ids), expected, rtol=0, atol=0)
+
+
+def test_the_short_group_comes_first_so_each_size_is_traced_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first stage's first run takes the embeddings' output, which needs no gradient: dynamo traces it apart
+    from the runs after it. Five layers in groups of 2 run as [1, 2, 2], two graphs (that first run's and the
+    groups of 2'), where [2, 2, 1] was three (a group of 2 twice, and the group of 1)."""
+    from torch._dynamo.testing import CompileCounter
+
+    from pipetune.model.shapes import BUILTIN_SHAPES
+
+    monkeypatch.setitem(BUILTIN_SHAPES, "tiny-qwen3", {**BUILTIN_SHAPES["tiny-qwen3"], "num_hidden_layers": 5})
+    resolved = resolve_model(ModelConfig(name="tiny-qwen3", init="random"))
+    model, _ = build_model(resolved, torch.float32, torch.device("cpu"), layers=range(5), seed=0)
+    stage = StageModule(apply_lora(model, LoraConfig(dropout=0.0), "tiny-qwen3", seed=0)).train()
+    stage.compile_layers(per_graph=2)
+    assert [len(run.layers) for run in stage.runs] == [1, 2, 2]
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    for run in stage.runs:  # dynamo's traces counted, none compiled
+        run.compile(backend=counter)
+    stage(torch.randint(0, 1000, (2, 24))).float().pow(2).mean().backward()
+    torch._dynamo.reset()
+    assert counter.frame_count == 2
 
 
 def test_a_sliding_window_layer_on_meta_saves_no_attention_scores() -> None:
