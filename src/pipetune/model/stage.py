@@ -215,8 +215,8 @@ class StageModule(nn.Module):
         once more for the stage's first run, whose input needs no gradient on the first stage (the embeddings'
         output), which dynamo guards on. A group short of `per_graph` therefore comes first, where it is that
         extra trace, not another one after it: Qwen3-4B's 35 grouped layers are traced as 5 + 6 layers, not
-        6 + 6 + 5 (`pipetune train` on the CPU with tiny-qwen3 at 36 layers: the warm cache's compile 11.8 s
-        -> ~8.5 s). `cuda_graphs`: replay each call as a CUDA graph ("reduce-overhead"); the runners mark each
+        6 + 6 + 5 (`pipetune train` on the CPU with tiny-qwen3 at 36 layers, warm cache: the compile 10.9-11.8 s
+        -> 8.5-9.7 s). `cuda_graphs`: replay each call as a CUDA graph ("reduce-overhead"); the runners mark each
         schedule step's start, after which the graphs may reuse the previous step's output memory, and the
         tensors the pipeline sends are copies (`own_boundary_memory`)."""
         mode = "reduce-overhead" if cuda_graphs else None
