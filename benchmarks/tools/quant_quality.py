@@ -1,6 +1,7 @@
 """The demo trained with an unquantized and a quantized base, side by side: validation loss and ROUGE after training.
 
-    PYTHONPATH=src python3 benchmarks/tools/quant_quality.py OUT_DIR [--steps N] [--methods none,nf4] [--set KEY=VALUE ...]
+    PYTHONPATH=src python3 benchmarks/tools/quant_quality.py OUT_DIR [--steps N] [--methods none,nf4] \
+        [--set KEY=VALUE ...]
 
 Each method is one `pipetune train` of the demo config (one process: a pipeline computes the same, see
 tests/parallel/test_quantized.py) and one `pipetune eval --run` of it. val_loss is the last validation loss of
