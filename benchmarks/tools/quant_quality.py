@@ -1,6 +1,6 @@
 """The demo trained with an unquantized and a quantized base, side by side: validation loss and ROUGE after training.
 
-    PYTHONPATH=src python3 benchmarks/tools/quant_quality.py OUT_DIR [--steps N] [--methods none,nf4] \
+    PYTHONPATH=src python3 benchmarks/tools/quant_quality.py OUT_DIR [--steps N] [--methods none,nf4]
         [--set KEY=VALUE ...]
 
 Each method is one `pipetune train` of the demo config (one process: a pipeline computes the same, see
