@@ -707,10 +707,10 @@ def forward_backward(loop: Loop, batches: torch.Tensor, lengths: torch.Tensor) -
             input_ids, labels = loop.data.split.batch(index, length, loop.data.pad_id)
         # The ids go through pinned memory without waiting for the device (model/host_tensors.py); the labels stay
         # on the host, where the loss finds its supervised positions (model/loss.py) and copies them likewise.
-        if position_ids is not None and env.device.type == "cuda":
-            position_ids = position_ids.pin_memory()  # the documents kernel reads them on the host, the stage copies
         if position_ids is not None and t.packed_attention != "documents":
             position_ids = to_device(position_ids, env.device)
+        elif position_ids is not None and env.device.type == "cuda":  # the documents kernel reads them on the host;
+            position_ids = position_ids.pin_memory()  # the stage copies them (to_device), from this pinned block
         out = runners.by_length[length].step(to_device(input_ids, env.device), labels, position_ids)
         if stashed is not None:
             restore_gradients(params, stashed)
