@@ -138,13 +138,17 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not(monkeypatch) -> N
     meta = [torch.empty(1, n, 8, 16, device="meta") for n in (4, 2, 2)]  # float32: no fused kernel off the CPU
     with pytest.raises(ValueError, match='set model.dtype = "bfloat16", or train.packed_attention = "flex"'):
         attention._documents_backend(*meta)
-    padded = [padded_length(n) for n in range(1, 16385)]  # what cuDNN builds plans for: few lengths, little padding
+    fresh = (("_EXPECTED_LENGTHS", set()), ("_SEEN_LENGTHS", []), ("_PLAN_LENGTHS", []))
+    for name, value_ in (*fresh, ("_BUILT", threading.local()), ("PLAN_BUILDS", [])):
+        monkeypatch.setattr(attention, name, value_)
+    padded = [padded_length(n) for n in range(1, 16385)]  # no lengths named: the octave rule's
     assert all(0 <= p - n < max(64, n / 32) for n, p in enumerate(padded, 1)) and len(set(padded)) <= 130
     assert all(padded_length(p) == p for p in set(padded))
-    for name, value_ in (("_EXPECTED_LENGTHS", set()), ("_BUILT", threading.local()), ("PLAN_BUILDS", [])):
-        monkeypatch.setattr(attention, name, value_)
     attention.expect_document_lengths(torch.tensor([0, 30, 100, 128, 129, 300]))
-    assert attention._EXPECTED_LENGTHS == {64, 128, 192, 320}  # 320: past the row of 300, a copy
+    # the octave rule's 64, 128, 192 and 320 cost as many 128-token tiles as 128, 192 and 320; 320: past the row
+    # of 300, a copy
+    assert attention._EXPECTED_LENGTHS == {128, 192, 320}
+    assert [padded_length(n) for n in (1, 128, 129, 193, 320, 321)] == [128, 128, 192, 320, 320, 384]
 
     def build(backward: bool) -> None:
         attention._build_plans(query.detach(), key.detach(), value.detach(), 0.25, attention.CUDNN, backward)
@@ -161,7 +165,7 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not(monkeypatch) -> N
     # device thread: `prebuild_backward_plans` starts one before the model compiles); no forward runs there, the
     # log-sum-exp's shape of a length no forward has met inferred from one that has.
     recorded = dict(attention._LSE_SHAPES)
-    monkeypatch.setattr(attention, "_LSE_SHAPES", {k: v for k, v in recorded.items() if k[-1] == 64})
+    monkeypatch.setattr(attention, "_LSE_SHAPES", {k: v for k, v in recorded.items() if k[-1] == 128})
     rows = [t.detach()[:1] for t in (query, key, value)]
     zero = torch.zeros(1, requires_grad=True)
     prebuilt = threading.Thread(
@@ -169,15 +173,15 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not(monkeypatch) -> N
     )
     prebuilt.start()
     prebuilt.join()
-    assert zero.grad is not None and attention._LSE_SHAPES.keys() == {k for k in recorded if k[-1] == 64}
+    assert zero.grad is not None and attention._LSE_SHAPES.keys() == {k for k in recorded if k[-1] == 128}
     assert all(attention._lse_shape(*k) == v for k, v in recorded.items())
     # no backward build ran a forward: each length's log-sum-exp shape was known (or inferred)
     assert sorted(forwards) == sorted(attention._EXPECTED_LENGTHS)
     assert [(count, passes) for count, _, passes in attention.PLAN_BUILDS] == [
-        (4, "forward"),
-        (4, "backward"),
-        (4, "backward"),
-        (4, "backward"),
+        (3, "forward"),
+        (3, "backward"),
+        (3, "backward"),
+        (3, "backward"),
     ]
     for call in (attend, torch.compile(attend, backend="aot_eager", fullgraph=True)):
         out = call(query, key, value, mask)

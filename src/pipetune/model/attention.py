@@ -42,6 +42,7 @@ reference implementation).
 
 from __future__ import annotations
 
+import bisect
 import functools
 import os
 import threading
@@ -70,6 +71,7 @@ from pipetune.model.kept_attention import (
     sdpa_backward,
     sdpa_forward,
 )
+from pipetune.model.plan_lengths import choose_lengths, octave_length
 from pipetune.switches import LONG_DOCUMENT
 
 DOCUMENT_ATTENTION = "pipetune_document"
@@ -207,14 +209,15 @@ def projection_layout(t: torch.Tensor) -> torch.Tensor:
 
 
 def padded_length(length: int) -> int:
-    """The length `document_sdpa` runs a document of `length` tokens at: rounded up to a thirty-second of its power
-    of two (at least 64), so cuDNN, which builds an execution plan (~65 ms, forward and backward) for every shape it
-    has not seen, meets at most 32 lengths an octave: `qwen3-4b-meetings`' epoch, 107 lengths (a sixty-fourth: 166),
-    for ~1.9% more attention work (a sixty-fourth: 1.0%). Measured on one H200 (2026-12-07-head-rows-and-pad32-
-    one-h200.md): the first step's plan builds 13 s against 27-31 s, the first step 39 s against 50-57 s, real
-    tokens/s 0.2% lower."""
-    step = max(64, 1 << max(length.bit_length() - 6, 0))
-    return -(-length // step) * step
+    """The length `document_sdpa` runs a document of `length` tokens at: the shortest of the run's chosen lengths
+    that holds it (`expect_document_lengths`, model/plan_lengths.py), else `octave_length`'s (a thirty-second of its
+    power of two, at least 64). cuDNN builds an execution plan (~65 ms a length, forward and backward) for every
+    shape it has not seen, so few lengths keep a first step short: on one H200 the octave rule's 107 lengths for
+    `qwen3-4b-meetings`' epoch (a sixty-fourth: 166) built in 13 s against 27-31 s, the first step 39 s against
+    50-57 s, real tokens/s 0.2% lower (2026-12-07-head-rows-and-pad32-one-h200.md); the run's own lengths are 68
+    there, for the same attention work."""
+    at = bisect.bisect_left(_PLAN_LENGTHS, length)
+    return _PLAN_LENGTHS[at] if at < len(_PLAN_LENGTHS) else octave_length(length)
 
 
 def _window(t: torch.Tensor, row: int, start: int, length: int) -> torch.Tensor:
@@ -336,6 +339,10 @@ def _on_streams(device: torch.device, spans: Iterable[tuple[int, int, int]]) -> 
 
 _EXPECTED_LENGTHS: set[int] = set()
 """The padded document lengths this process's packed rows hold (`expect_document_lengths`)."""
+_SEEN_LENGTHS: list[int] = []
+"""The document lengths (tokens) named so far (`expect_document_lengths`)."""
+_PLAN_LENGTHS: list[int] = []
+"""The padded lengths chosen for them (model/plan_lengths.py), sorted: `padded_length`'s."""
 _BUILT = threading.local()
 """Per thread (`.shapes`), as torch keeps cuDNN's plans: (backward, attention shape: kernel, device, dtype, heads,
 key-value heads, head size, scale, and the query's, key's and value's strides) of each build of the plans for every
@@ -351,8 +358,14 @@ def expect_document_lengths(lengths) -> None:
     meetings otherwise pays step after step (0.79x flex's speed, 2026-12-02-documents-attention-one-h200.md); with
     the lengths known, `document_sdpa`'s first call builds the plans of all their padded lengths at once, and its
     backward's first call those of the backward (`_build_plans`: ~65 ms a length on an H200, ~4 s for whole
-    meetings'). A length not named costs its build when it comes."""
-    _EXPECTED_LENGTHS.update(padded_length(int(n)) for n in lengths if int(n) > 0)
+    meetings'). The lengths padded to are chosen for these (`choose_lengths`: the fewest that cost no more
+    attention work than `octave_length`'s); a length not named pads to the shortest of them that holds it, or
+    costs its own build when it comes. Named once, before the steps: a change between a microbatch's forward and
+    its backward would pad a document two ways."""
+    _SEEN_LENGTHS.extend(int(n) for n in lengths if int(n) > 0)
+    _PLAN_LENGTHS[:] = choose_lengths(_SEEN_LENGTHS) if _SEEN_LENGTHS else []
+    _EXPECTED_LENGTHS.clear()
+    _EXPECTED_LENGTHS.update(_PLAN_LENGTHS)
 
 
 def _build_plans(
