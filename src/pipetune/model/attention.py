@@ -215,7 +215,8 @@ def padded_length(length: int) -> int:
     shape it has not seen, so few lengths keep a first step short: on one H200 the octave rule's 107 lengths for
     `qwen3-4b-meetings`' epoch (a sixty-fourth: 166) built in 13 s against 27-31 s, the first step 39 s against
     50-57 s, real tokens/s 0.2% lower (2026-12-07-head-rows-and-pad32-one-h200.md); the run's own lengths are 68
-    there, for the same attention work."""
+    there, for the same attention work: on one H100 the plans 0.63x forward and 0.73x backward, the first step
+    43-45 s against 47-48 s, real tokens/s unchanged (2026-12-07-plan-lengths-and-an-eighth-machine-one-h100.md)."""
     at = bisect.bisect_left(_PLAN_LENGTHS, length)
     return _PLAN_LENGTHS[at] if at < len(_PLAN_LENGTHS) else octave_length(length)
 
