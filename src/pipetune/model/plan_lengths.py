@@ -46,12 +46,15 @@ def choose_lengths(lengths: list[int]) -> list[int]:
     """The padded lengths (sorted) for documents of these `lengths` (tokens, > 0): the fewest, each covering the
     lengths up to it, whose tiles over all documents are no more than `octave_length`'s; the octave rule's own
     where there are too many distinct lengths (MAX_DISTINCT)."""
-    octave = sorted({octave_length(n) for n in lengths})
-    rounded = torch.tensor([-(-n // STEP) * STEP for n in lengths], dtype=torch.int64)
-    values, counts = torch.unique(rounded, return_counts=True)
+    distinct, repeats = torch.unique(torch.as_tensor(lengths, dtype=torch.int64), return_counts=True)
+    octave_of = {n: octave_length(n) for n in distinct.tolist()}
+    octave = sorted(set(octave_of.values()))
+    rounded = -(-distinct // STEP) * STEP
+    values = torch.unique(rounded)
+    counts = torch.zeros_like(values).index_add_(0, torch.searchsorted(values, rounded), repeats)
     if len(values) > MAX_DISTINCT or len(values) <= 1:
         return octave if len(values) > 1 else values.tolist()
-    budget = sum(tiles(octave_length(n)) - tiles(n) for n in lengths)
+    budget = sum(int(r) * (tiles(octave_of[n]) - tiles(n)) for n, r in zip(distinct.tolist(), repeats, strict=True))
     groups = _fewest_groups(values.double(), counts.double(), float(budget))
     return octave if groups is None or len(groups) >= len(octave) else groups
 
