@@ -280,7 +280,8 @@ def _time_layout(q, k, v, g, group: int, backend: int, scale: float, warmup: int
 
 NEW_LENGTH_SHIFT = 1031
 """Tokens `--new-lengths` moves a row's first document boundary by, per call: more than the padding's step
-(`attention.padded_length`: up to 1,024 below 32,768 tokens), so each call's documents run at lengths not seen."""
+(`attention.padded_length` with no lengths named: `plan_lengths.octave_length`, up to 1,024 below 32,768
+tokens), so each call's documents run at lengths not seen."""
 
 
 def moved(position_ids: torch.Tensor, shift: int) -> torch.Tensor:

@@ -138,7 +138,7 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not(monkeypatch) -> N
     meta = [torch.empty(1, n, 8, 16, device="meta") for n in (4, 2, 2)]  # float32: no fused kernel off the CPU
     with pytest.raises(ValueError, match='set model.dtype = "bfloat16", or train.packed_attention = "flex"'):
         attention._documents_backend(*meta)
-    fresh = (("_EXPECTED_LENGTHS", set()), ("_SEEN_LENGTHS", []), ("_PLAN_LENGTHS", []))
+    fresh = (("_SEEN_LENGTHS", []), ("_PLAN_LENGTHS", []))
     for name, value_ in (*fresh, ("_BUILT", threading.local()), ("PLAN_BUILDS", [])):
         monkeypatch.setattr(attention, name, value_)
     padded = [padded_length(n) for n in range(1, 16385)]  # no lengths named: the octave rule's
@@ -147,7 +147,7 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not(monkeypatch) -> N
     attention.expect_document_lengths(torch.tensor([0, 30, 100, 128, 129, 300]))
     # the octave rule's 64, 128, 192 and 320 cost as many 128-token tiles as 128, 192 and 320; 320: past the row
     # of 300, a copy
-    assert attention._EXPECTED_LENGTHS == {128, 192, 320}
+    assert attention._PLAN_LENGTHS == [128, 192, 320]
     assert [padded_length(n) for n in (1, 128, 129, 193, 320, 321)] == [128, 128, 192, 320, 320, 384]
 
     def build(backward: bool) -> None:
@@ -176,7 +176,7 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not(monkeypatch) -> N
     assert zero.grad is not None and attention._LSE_SHAPES.keys() == {k for k in recorded if k[-1] == 128}
     assert all(attention._lse_shape(*k) == v for k, v in recorded.items())
     # no backward build ran a forward: each length's log-sum-exp shape was known (or inferred)
-    assert sorted(forwards) == sorted(attention._EXPECTED_LENGTHS)
+    assert sorted(forwards) == attention._PLAN_LENGTHS
     assert [(count, passes) for count, _, passes in attention.PLAN_BUILDS] == [
         (3, "forward"),
         (3, "backward"),

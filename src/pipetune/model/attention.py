@@ -338,12 +338,11 @@ def _on_streams(device: torch.device, spans: Iterable[tuple[int, int, int]]) -> 
             current.wait_stream(stream)
 
 
-_EXPECTED_LENGTHS: set[int] = set()
-"""The padded document lengths this process's packed rows hold (`expect_document_lengths`)."""
 _SEEN_LENGTHS: list[int] = []
 """The document lengths (tokens) named so far (`expect_document_lengths`)."""
 _PLAN_LENGTHS: list[int] = []
-"""The padded lengths chosen for them (model/plan_lengths.py), sorted: `padded_length`'s."""
+"""The padded lengths chosen for them (model/plan_lengths.py), sorted: `padded_length`'s, and those cuDNN's plans
+are built for ahead (`_build_plans`)."""
 _BUILT = threading.local()
 """Per thread (`.shapes`), as torch keeps cuDNN's plans: (backward, attention shape: kernel, device, dtype, heads,
 key-value heads, head size, scale, and the query's, key's and value's strides) of each build of the plans for every
@@ -365,8 +364,6 @@ def expect_document_lengths(lengths) -> None:
     its backward would pad a document two ways."""
     _SEEN_LENGTHS.extend(int(n) for n in lengths if int(n) > 0)
     _PLAN_LENGTHS[:] = choose_lengths(_SEEN_LENGTHS) if _SEEN_LENGTHS else []
-    _EXPECTED_LENGTHS.clear()
-    _EXPECTED_LENGTHS.update(_PLAN_LENGTHS)
 
 
 def _build_plans(
@@ -387,13 +384,13 @@ def _build_plans(
     shape = (backend, query.device, query.dtype, query.shape[1], key.shape[1], query.shape[3], scale)
     layout = tuple(t.stride() for t in (query, key, value))  # cuDNN keys a plan by its strides as well
     built, here = (backward, *shape, layout), _BUILT.__dict__.setdefault("shapes", set())
-    if backend != CUDNN or built in here or not _EXPECTED_LENGTHS:
+    if backend != CUDNN or built in here or not _PLAN_LENGTHS:
         return
     here.add(built)
     started = time.perf_counter()
     q, k, v, out = (torch.zeros_like(t[:1]) for t in (query, key, value, row_like(query)))  # the rows' strides
     heads = query.shape[1]
-    for length in sorted(_EXPECTED_LENGTHS):  # one document at the row's start: windows as the steps' are
+    for length in _PLAN_LENGTHS:  # one document at the row's start: windows as the steps' are
         known = _lse_shape(backend, query.device.type, heads, length) is not None
         if backward and known:  # the backward's plan alone: a forward here would build one no step may use
             lse = torch.zeros(heads, length, dtype=torch.float32, device=query.device)
@@ -404,7 +401,7 @@ def _build_plans(
     if query.device.type == "cuda":
         torch.cuda.synchronize(query.device)
     passes = "backward" if backward else "forward"  # a backward build runs forwards only for lengths not met yet
-    PLAN_BUILDS.append((len(_EXPECTED_LENGTHS), time.perf_counter() - started, passes))
+    PLAN_BUILDS.append((len(_PLAN_LENGTHS), time.perf_counter() - started, passes))
 
 
 class _BackwardPlans(torch.autograd.Function):
@@ -455,7 +452,7 @@ def prebuild_backward_plans(
     52.2 s without, on one H100 in one call (2026-12-06-fast-by-default-sixth-round-one-h100.md). True where the
     thread was started (cuDNN's kernel, on a GPU, with expected lengths); should it fail, the steps' backward
     builds what is missing, as without it."""
-    if device.type != "cuda" or not _EXPECTED_LENGTHS:
+    if device.type != "cuda" or not _PLAN_LENGTHS:
         return False
     query, key, value = plan_rows(device, dtype, heads, kv_heads, head_dim, seq)
     try:
@@ -467,7 +464,7 @@ def prebuild_backward_plans(
         return False
     _PREBUILDS.add(shape)
     try:
-        _document_forward(query, key, value, 0, 0, min(_EXPECTED_LENGTHS), scale, backend)
+        _document_forward(query, key, value, 0, 0, _PLAN_LENGTHS[0], scale, backend)
     except RuntimeError:  # the steps' first call meets it again, where its error says which layer
         return False
 

@@ -64,7 +64,7 @@ def _fewest_groups(values: torch.Tensor, counts: torch.Tensor, budget: float) ->
     value padded to its group's last, stay within `budget`; None if no count of groups under len(values) does.
 
     cost[i, j]: the extra tiles of the group values[i..j] (i <= j); best[j]: the least extra tiles of values[0..j]
-    in k groups, k = 1, 2, ...; `ends` keeps each k's choice of the last group's start, to walk back."""
+    in k groups, k = 1, 2, ...; `starts` keeps each k's choice of the last group's start, to walk back."""
     m = len(values)
     own = torch.cumsum(torch.cat([values.new_zeros(1), counts * tiles(values)]), 0)
     number = torch.cumsum(torch.cat([counts.new_zeros(1), counts]), 0)
