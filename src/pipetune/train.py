@@ -48,7 +48,7 @@ from pipetune.model.attention import (
     PLAN_BUILDS,
     documents_advice,
     expect_document_lengths,
-    prebuild_backward_plans,
+    prebuild_plans,
     use_document_attention,
 )
 from pipetune.model.graphs import choose_cuda_graphs, give_gradients_own_memory, graphs_untried
@@ -144,10 +144,10 @@ def train(config: Config, env: DistEnv, quiet: bool = False, status: LoopStatus 
         expect_document_lengths(data.real_tokens)  # the samples' (pad tails take no attention there)
         if advice := documents_advice(data.real_tokens, device.type == "cuda"):
             say(advice)
-        if p.tp == 1:  # the backward's plans, in autograd's thread while the model loads and compiles
+        if p.tp == 1:  # forward and backward, each in the thread that will use them, as the model loads and compiles
             hf, size = prepared.model.config, head_dim(prepared.model.config)
             heads = (hf.num_attention_heads, hf.num_key_value_heads, size)
-            prebuild_backward_plans(device, DTYPES[config.model.dtype], *heads, config.data.max_length, size**-0.5)
+            prebuild_plans(device, DTYPES[config.model.dtype], *heads, config.data.max_length, size**-0.5)
     stages = build_stages(config, env, mesh, prepared, phases, say, quiet)
     runners = build_runners(config, env, mesh, prepared, stages)
     say(speed.line(*runners.decisions))

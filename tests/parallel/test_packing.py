@@ -27,6 +27,7 @@ from pipetune.model.attention import (
     padded_length,
     use_document_attention,
 )
+from pipetune.model.forward_thread import start_forward_thread, stop_forward_thread
 from pipetune.model.load import build_model
 from pipetune.model.lora import apply_lora
 from pipetune.model.shapes import resolve_model
@@ -162,7 +163,7 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not(monkeypatch) -> N
     thread.start()
     thread.join()
     # A backward of zeros through _BackwardPlans builds the backward's plans where autograd runs it (on a GPU, its
-    # device thread: `prebuild_backward_plans` starts one before the model compiles); no forward runs there, the
+    # device thread: `prebuild_plans` starts one before the model compiles); no forward runs there, the
     # log-sum-exp's shape of a length no forward has met inferred from one that has.
     recorded = dict(attention._LSE_SHAPES)
     monkeypatch.setattr(attention, "_LSE_SHAPES", {k: v for k, v in recorded.items() if k[-1] == 128})
@@ -188,6 +189,20 @@ def test_documents_kernel_is_the_document_mask_compiled_or_not(monkeypatch) -> N
         torch.testing.assert_close(out, expected)
         for got, want in zip(torch.autograd.grad(out, inputs, grad), expected_grads, strict=True):
             torch.testing.assert_close(got, want)
+    # With a forward thread started (a GPU run's, model/forward_thread.py), the forwards run there: the same values
+    ran_in = []
+    inner = attention._document_sdpa
+    monkeypatch.setattr(attention, "_document_sdpa", lambda *a: ran_in.append(threading.current_thread()) or inner(*a))
+    started = start_forward_thread(query.device)
+    try:
+        out = attend(query, key, value, mask)
+        grads = torch.autograd.grad(out, inputs, grad)
+    finally:
+        stop_forward_thread(query.device)
+    assert ran_in == [started.thread]
+    torch.testing.assert_close(out, expected)
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want)
     # A value handed over as a view of a wider output (q, k and v from one matmul): its tokens 64 apart, taken in the
     # projections' layout (`projection_layout`: the plans built ahead are for that layout).
     wide = torch.zeros(4, row, 64)

@@ -16,8 +16,9 @@ builds its mask from them (`document_mask`), once per microbatch for all its lay
   Unsloth's real tokens/s over an epoch in rows of 16,384 (flex 1.18-1.19x); on the bench config's ~550-token
   meetings 6-7x slower than flex's a layer (2026-12-02-documents-streams-and-plans-one-h200.md): a run with short
   samples says so (`documents_advice`). With cuDNN, a plan is built for each new (padded) document length and
-  kept for the process, per thread: a training run names its lengths ahead (`expect_document_lengths`) and the
-  forward's and backward's first calls build them all, each in its own thread (`_build_plans`).
+  kept for the process, per thread: a training run names its lengths ahead (`expect_document_lengths`) and
+  builds them all before its first step, the forward's in the thread that will run every forward
+  (model/forward_thread.py), the backward's in autograd's (`prebuild_plans`, `_build_plans`).
 
 Tried and dropped (benchmarks/journal/): torch's flash attention variable-length kernel measured 1.45x slower
 than flex on the bench config's packed 4,096-token rows and 1.27x on a 16,384-token row of whole meetings
@@ -57,6 +58,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from pipetune.model.forward_thread import forward_thread, start_forward_thread
 from pipetune.model.head_rows import HeadRows, head_rows_attention
 from pipetune.model.kept_attention import (
     CUDNN,
@@ -373,14 +375,15 @@ def _build_plans(
     backward if `backward`), once per shape and thread: the plans the steps will use, built before the first
     step's documents. Torch keeps cuDNN's attention plans per thread (aten/src/ATen/native/cudnn/MHA.cpp), and
     autograd runs a GPU's backward, a checkpointed layer's recomputed forward with it, in a thread of its own:
-    `document_sdpa` builds the forward's plans in its thread, its backward the backward's in autograd's (built in
+    `document_sdpa` builds the forward's plans in the thread that runs it (model/forward_thread.py, where one was
+    started), its backward the backward's in autograd's (built in
     the forward's thread alone, every backward plan was built again in the steps, ~55 ms each: the whole-meeting
     epoch's missing 5%, 2026-12-02-documents-streams-and-plans-one-h200.md). A forward that runs in autograd's
     thread (a checkpointed layer's recomputation) builds its own there, at its first call, as any thread's first
     forward does. The backward's builds run no forward where the length's log-sum-exp shape is known
     (`_lse_shape`: recorded, or inferred from another length's): Qwen3-4B's 166 whole-meeting lengths took 7.1 s
     forward and 15.1 s forward and backward again on one H100, then 7.5 s forward and 8.9 s backward alone
-    (2026-12-06). A run starts the backward's before its model compiles (`prebuild_backward_plans`)."""
+    (2026-12-06). A run starts both before its model loads (`prebuild_plans`)."""
     shape = (backend, query.device, query.dtype, query.shape[1], key.shape[1], query.shape[3], scale)
     layout = tuple(t.stride() for t in (query, key, value))  # cuDNN keys a plan by its strides as well
     built, here = (backward, *shape, layout), _BUILT.__dict__.setdefault("shapes", set())
@@ -422,7 +425,7 @@ class _BackwardPlans(torch.autograd.Function):
 
 
 _PREBUILDS: set[tuple] = set()
-"""The shapes whose backward plans a thread of `prebuild_backward_plans` was started for."""
+"""The shapes whose backward plans a thread of `prebuild_plans` was started for."""
 
 
 def plan_rows(
@@ -437,21 +440,20 @@ def plan_rows(
     )
 
 
-def prebuild_backward_plans(
+def prebuild_plans(
     device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, seq: int, scale: float
 ) -> bool:
-    """Have autograd's thread build cuDNN's backward plans for every expected length (`_build_plans`) now, before
-    the model compiles, rather than at the first backward: a second thread runs a backward of zeros through
-    `_BackwardPlans` (its own forward holds no plan); the plans it builds are autograd's thread's, where the steps'
-    backward runs, and the first backward waits for it in that thread's queue. This thread first runs the shortest
-    length's forward, which records the log-sum-exp's shape the backward's builds need (so they run no forward).
-    cuDNN's plan builds do not run side by side: started beside the forward's (at the first `document_sdpa`), both
-    took 2.3x as long, the first step no shorter (17.0 s and 21.8 s against 7.5 s and 8.9 s one after the other;
-    one H100, 2026-12-06); started here they run while the run builds its optimizer and compiles, ~2x as long as
-    alone but ended before the first backward: the whole-meeting config's first step 46.5 s from launch against
-    52.2 s without, on one H100 in one call (2026-12-06-fast-by-default-sixth-round-one-h100.md). True where the
-    thread was started (cuDNN's kernel, on a GPU, with expected lengths); should it fail, the steps' backward
-    builds what is missing, as without it."""
+    """Build cuDNN's plans for every expected length (`_build_plans`) now, beside the model's load and compile,
+    rather than at the first step's forward and backward: the forward's in the thread that will run every forward
+    of the documents kernel (model/forward_thread.py), then the backward's in autograd's thread, where the steps'
+    backward runs, by a second thread's backward of zeros through `_BackwardPlans` (its own forward holds no plan;
+    the first step's backward waits for it in that thread's queue). One after the other: cuDNN's plan builds do not
+    run side by side (the forward's and the backward's at once both took 2.3x as long, the first step no shorter:
+    17.0 s and 21.8 s against 7.5 s and 8.9 s, one H100, 2026-12-06), and the forward's builds record each length's
+    log-sum-exp shape, which the backward's builds need (so they run no forward). The backward's alone, started
+    here with the forward's left to the first step, gave a first step of 46.5 s from launch against 52.2 s without,
+    on one H100 in one call (2026-12-06-fast-by-default-sixth-round-one-h100.md). True where the builds were
+    started (cuDNN's kernel, on a GPU, with expected lengths); should one fail, the steps build what is missing."""
     if device.type != "cuda" or not _PLAN_LENGTHS:
         return False
     query, key, value = plan_rows(device, dtype, heads, kv_heads, head_dim, seq)
@@ -463,12 +465,10 @@ def prebuild_backward_plans(
     if backend != CUDNN or shape in _PREBUILDS:
         return False
     _PREBUILDS.add(shape)
-    try:
-        _document_forward(query, key, value, 0, 0, _PLAN_LENGTHS[0], scale, backend)
-    except RuntimeError:  # the steps' first call meets it again, where its error says which layer
-        return False
+    forwards = start_forward_thread(device).submit(_build_plans, query, key, value, scale, backend, False)
 
     def build() -> None:
+        forwards.done.wait()  # an error there: the steps' first forward meets it again, naming its layer
         try:
             x = torch.zeros(1, device=device, requires_grad=True)
             _BackwardPlans.apply(x, query, key, value, scale, backend).sum().backward()
@@ -489,6 +489,16 @@ def document_sdpa(
     row; causal attention keeps the document's outputs exact whatever follows it): the [b, heads, s, d] output
     (laid out as [b, s, heads, d]) and the documents' float32 log-sum-exps, flat ([b x heads x s], `lse_slice`),
     for the backward."""
+    started = forward_thread(query.device)  # where one runs the forwards (its plans built ahead): there
+    if started is not None:
+        return started.run(_document_sdpa, query, key, value, spans, scale)
+    return _document_sdpa(query, key, value, spans, scale)
+
+
+def _document_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, spans: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`document_sdpa`'s work, in the thread that runs it."""
     batch, heads, seq, dim = query.shape
     query, key, value = (projection_layout(t) for t in (query, key, value))
     out = row_like(query)

@@ -1,0 +1,107 @@
+"""The thread that runs the documents kernel's forwards on a GPU, so that cuDNN's forward plans are built there
+while the model loads and compiles, off the first step's path.
+
+Torch keeps cuDNN's attention plans per thread (aten/src/ATen/native/cudnn/MHA.cpp), and the thread that runs
+the steps is busy from the data to the first step: it loads the model, builds the optimizer, then traces and
+compiles the layer groups. Built there, at the first `document_sdpa` (model/attention.py), the forward's plans for
+whole meetings' 68 lengths took 2.7-4.6 s of a warm first step of 43-45 s on one H100, after the first group's
+compile and before the others' (2026-12-07-plan-lengths-and-an-eighth-machine-one-h100.md). A `ForwardThread`
+builds them as soon as the lengths are known, then runs every forward call of the kernel: the caller hands it the
+call and waits for its result, which the thread computes on the caller's CUDA stream, without autograd (as a
+custom operator's implementation runs), so the kernels are queued exactly as the caller would queue them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class Job:
+    """One call handed to a `ForwardThread`: `fn(*args)` on `stream` (None: the thread's own), its result or the
+    exception it raised, and `done` set once either is there."""
+
+    def __init__(self, fn: Callable, args: tuple, stream: torch.cuda.Stream | None) -> None:
+        self.fn, self.args, self.stream = fn, args, stream
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        on_stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
+        try:
+            with torch.no_grad(), on_stream:
+                self.result = self.fn(*self.args)
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread (`wait`)
+            self.error = e
+        finally:
+            self.args = ()
+            self.done.set()
+
+    def wait(self) -> Any:
+        """The call's result, once it ran; its exception raised here if it raised one."""
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class ForwardThread:
+    """A long-lived daemon thread for one device that runs the calls handed to it (`run`, `submit`) in order."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="pipetune-attention-forwards", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # the current device is the thread's own
+        while (job := self.jobs.get()) is not None:
+            job.run()
+
+    def submit(self, fn: Callable, *args: Any) -> Job:
+        """Queue `fn(*args)`, to run on the caller's current CUDA stream; the job, not waited for."""
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        job = Job(fn, args, stream)
+        self.jobs.put(job)
+        return job
+
+    def run(self, fn: Callable, *args: Any) -> Any:
+        """`fn(*args)` run in this thread (in place where called from it), as `submit` queues it; its result."""
+        if threading.current_thread() is self.thread:
+            return fn(*args)
+        return self.submit(fn, *args).wait()
+
+    def close(self) -> None:
+        """End the thread once the calls queued before are done."""
+        self.jobs.put(None)
+        self.thread.join()
+
+
+_THREADS: dict[torch.device, ForwardThread] = {}
+"""The started thread of each device (`start_forward_thread`)."""
+
+
+def start_forward_thread(device: torch.device) -> ForwardThread:
+    """The device's `ForwardThread`, started here if it has none."""
+    if device not in _THREADS:
+        _THREADS[device] = ForwardThread(device)
+    return _THREADS[device]
+
+
+def forward_thread(device: torch.device) -> ForwardThread | None:
+    """The device's started `ForwardThread`, or None: the caller's thread runs the forward itself."""
+    return _THREADS.get(device)
+
+
+def stop_forward_thread(device: torch.device) -> None:
+    """End and forget the device's thread, if started: later forwards run in the caller's thread."""
+    if (started := _THREADS.pop(device, None)) is not None:
+        started.close()
