@@ -375,10 +375,10 @@ def _build_plans(
     backward if `backward`), once per shape and thread: the plans the steps will use, built before the first
     step's documents. Torch keeps cuDNN's attention plans per thread (aten/src/ATen/native/cudnn/MHA.cpp), and
     autograd runs a GPU's backward, a checkpointed layer's recomputed forward with it, in a thread of its own:
-    `document_sdpa` builds the forward's plans in the thread that runs it (model/forward_thread.py, where one was
-    started), its backward the backward's in autograd's (built in
-    the forward's thread alone, every backward plan was built again in the steps, ~55 ms each: the whole-meeting
-    epoch's missing 5%, 2026-12-02-documents-streams-and-plans-one-h200.md). A forward that runs in autograd's
+    `document_sdpa` builds the forward's plans in the thread that runs its forwards (model/forward_thread.py's,
+    where one was started), its backward the backward's in autograd's (built in the forward's thread alone, every
+    backward plan was built again in the steps, ~55 ms each: the whole-meeting epoch's missing 5%,
+    2026-12-02-documents-streams-and-plans-one-h200.md). Where no forward thread runs, a forward in autograd's
     thread (a checkpointed layer's recomputation) builds its own there, at its first call, as any thread's first
     forward does. The backward's builds run no forward where the length's log-sum-exp shape is known
     (`_lse_shape`: recorded, or inferred from another length's): Qwen3-4B's 166 whole-meeting lengths took 7.1 s
@@ -452,8 +452,11 @@ def prebuild_plans(
     17.0 s and 21.8 s against 7.5 s and 8.9 s, one H100, 2026-12-06), and the forward's builds record each length's
     log-sum-exp shape, which the backward's builds need (so they run no forward). The backward's alone, started
     here with the forward's left to the first step, gave a first step of 46.5 s from launch against 52.2 s without,
-    on one H100 in one call (2026-12-06-fast-by-default-sixth-round-one-h100.md). True where the builds were
-    started (cuDNN's kernel, on a GPU, with expected lengths); should one fail, the steps build what is missing."""
+    on one H100 in one call (2026-12-06-fast-by-default-sixth-round-one-h100.md); the forward's too: the first
+    step's part past the compile 13.2-14.3 s against 17.0-19.5 s, both builds slower beside the load and the
+    tracing, which hold the interpreter's lock, but ended before the first backward
+    (2026-12-07-forward-thread-and-a-ninth-machine-one-h100.md). True where the builds were started (cuDNN's
+    kernel, on a GPU, with expected lengths); should one fail, the steps build what is missing."""
     if device.type != "cuda" or not _PLAN_LENGTHS:
         return False
     query, key, value = plan_rows(device, dtype, heads, kv_heads, head_dim, seq)
