@@ -62,14 +62,16 @@ TWO_EPOCHS = ("train.epochs=2", "train.max_steps=-1", "train.save_every=3", "lor
 exact match with another run needs every rank's dropout masks drawn alike."""
 
 
+TWO_EPOCHS_NO_DROPOUT = (*TWO_EPOCHS, "lora.dropout=0.0", "train.seed=7")
+"""TWO_EPOCHS without dropout, whose random stream belongs to a rank, not to a layer: tests/test_resume.py resumes
+its step-6 checkpoint under another layout and the continued run matches. With a non-default seed, so that
+tests/test_summarize.py reads it too: a base rebuilt with the default seed would differ."""
+
+
 SHARED_RUNS = {
     "pipeline": PIPELINE_RUN,  # pipeline_run
     "two-epochs": TWO_EPOCHS,  # two_epoch_run
-    # tests/test_resume.py resumes its step-6 checkpoint under another layout: without dropout, whose random
-    # stream belongs to a rank, not to a layer, the continued run matches
-    "two-epochs-no-dropout": (*TWO_EPOCHS, "lora.dropout=0.0"),
-    # tests/test_summarize.py: a non-default seed, so that a base rebuilt with the default seed would differ
-    "seed-7": ("train.seed=7",),
+    "two-epochs-no-dropout": TWO_EPOCHS_NO_DROPOUT,  # tests/test_resume.py and tests/test_summarize.py
 }
 """The 2-stage runs (tiny_config's pp = 2) that tests only read, by name: the run directory's. They are trained
 with the other 2-process runs of the session (two_process_runs), by the same start of the workers."""

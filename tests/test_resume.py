@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from pipetune.checkpoint import MARKER, committed_checkpoints
 from pipetune.config import Config, load_config
 from pipetune.parallel.torch_compat import keep_rng_out_of_no_grad_forwards
-from tests.conftest import TWO_EPOCHS, run_cli, tiny_config, write_config
+from tests.conftest import TWO_EPOCHS, TWO_EPOCHS_NO_DROPOUT, run_cli, tiny_config, write_config
 from tests.parity import assert_adapter_matches, learning_rates
 
 
@@ -101,7 +101,7 @@ def two_process_configs(tmp: Path) -> dict[str, tuple[Config, dict[Path, Path]]]
         reference / "metrics.csv": resumed / "metrics.csv",
         reference / "checkpoints" / "step-6": resumed / "checkpoints" / "step-6",
     }
-    config = tiny_config(resumed, *TWO_EPOCHS, "lora.dropout=0.0", *INTERLEAVED, 'train.resume="auto"')
+    config = tiny_config(resumed, *TWO_EPOCHS_NO_DROPOUT, *INTERLEAVED, 'train.resume="auto"')
     return {"four-stages": (config, copies)}
 
 
@@ -112,7 +112,7 @@ def test_checkpoint_of_two_stages_resumes_under_four(shared_runs: Path, two_proc
     rank 0), on the same two processes.
 
     Without dropout (its random stream belongs to a rank, not a layer), the continued run matches: the reference
-    is tests/conftest.py's two-epochs-no-dropout (TWO_EPOCHS, lora.dropout = 0).
+    is tests/conftest.py's two-epochs-no-dropout (TWO_EPOCHS_NO_DROPOUT: lora.dropout = 0, train.seed = 7).
     """
     reference = shared_runs / "two-epochs-no-dropout"
     assert load_config(reference / "config.toml").lora.dropout == 0.0

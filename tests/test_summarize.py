@@ -31,9 +31,9 @@ MAX_NEW_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def run_dir(shared_runs: Path) -> Path:
-    """A 3-step tiny pipeline run with a non-default seed, so a base rebuilt with the default seed would differ
-    (tests/conftest.py: SHARED_RUNS)."""
-    return shared_runs / "seed-7"
+    """A tiny pipeline run with a non-default seed, so a base rebuilt with the default seed would differ: the shared
+    2-epoch run without dropout (tests/conftest.py: TWO_EPOCHS_NO_DROPOUT), which tests/test_resume.py reads too."""
+    return shared_runs / "two-epochs-no-dropout"
 
 
 @pytest.fixture(scope="module")
