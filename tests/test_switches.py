@@ -102,6 +102,11 @@ def test_forced_values_stay_and_their_refusals_stay() -> None:
     refused = _config("demo", "lora.adapter_in_matmul=true", "lora.fast_path=false")
     with pytest.raises(ConfigError, match="set lora.fast_path = true, or set lora.adapter_in_matmul = false"):
         validate(resolve(refused, GPU).config, 2)
+    # forced CUDA graphs keep "auto" packed attention off the documents kernel, which validation refuses with them
+    graphs = fit_to_gpus(_config("qwen3-4b-meetings", "train.cuda_graphs=true"), gpus=1, explicit=False)
+    resolved = resolve(graphs, GPU, WHOLE).config
+    assert (resolved.train.packed_attention, resolved.train.cuda_graphs) == ("flex", True)
+    validate(resolved, resolved.parallel.world_size)
 
 
 def test_the_last_layer_runs_on_the_loss_rows_where_the_loss_reads_a_small_share() -> None:

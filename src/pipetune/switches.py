@@ -24,7 +24,8 @@ The rules and the measurements behind them (benchmarks/journal, one H200 or H100
   (2026-12-07-head-rows-and-pad32-one-h200.md); the seed's job reads up to half a row, so there the whole layer.
 - Packed rows of long samples (>= 4,096 tokens on average) on one GPU or data-parallel ranks: the "documents"
   attention kernel, 1.13x flex's tokens/s on whole meetings; 6-7x slower than flex a layer on ~550-token samples
-  (2026-12-02-documents-streams-and-plans-one-h200.md), and not measured under a GPU pipeline: flex there.
+  (2026-12-02-documents-streams-and-plans-one-h200.md), and not measured under a GPU pipeline: flex there, and
+  with train.cuda_graphs forced on (the documents kernel reads the host at every call).
 - Microbatches: without a pipeline, the fewest that still hold MICROBATCH_TOKENS tokens each (packed 4,096-token
   rows two to a microbatch: 1.23x Unsloth, one to a microbatch: 1.09x; 2026-12-02-packed-attention-one-h200.md);
   in a pipeline, microbatches of PIPELINE_MICROBATCH_TOKENS, at least one per stage (Qwen3-4B at 512 tokens on 2x
@@ -292,6 +293,8 @@ def _kernel(config: Config, gpu: bool, lengths: torch.Tensor | None) -> tuple[st
         return "flex", "CPU: each sample alone either way"
     if config.parallel.pipelined:
         return "flex", "documents kernel not measured under a GPU pipeline"
+    if config.train.cuda_graphs is True:
+        return "flex", "train.cuda_graphs = true: the documents kernel reads the host, which a graph cannot replay"
     if config.model.dtype == "float32":
         return "flex", "float32: no fused SDPA kernel"
     if lengths is None or not len(lengths):
