@@ -33,7 +33,7 @@ def test_a_call_runs_in_the_thread_without_autograd_and_gives_its_result_or_erro
         with pytest.raises(torch.OutOfMemoryError, match="no room"):  # the caller's handlers see its own type
             worker.run(fail)
         queued = [worker.submit(lambda i=i: i) for i in range(5)]  # in order, each its own result
-        assert [job.wait() for job in queued] == list(range(5))
+        assert [job.result() for job in queued] == list(range(5))
     finally:
         worker.close()
     assert not worker.thread.is_alive()

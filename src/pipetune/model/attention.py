@@ -425,7 +425,7 @@ class _BackwardPlans(torch.autograd.Function):
 
 
 _PREBUILDS: set[tuple] = set()
-"""The shapes whose backward plans a thread of `prebuild_plans` was started for."""
+"""The shapes whose plans `prebuild_plans` started building."""
 
 
 def plan_rows(
@@ -471,7 +471,7 @@ def prebuild_plans(
     forwards = start_forward_thread(device).submit(_build_plans, query, key, value, scale, backend, False)
 
     def build() -> None:
-        forwards.done.wait()  # an error there: the steps' first forward meets it again, naming its layer
+        forwards.exception()  # waits; an error there: the steps' first forward meets it again, naming its layer
         try:
             x = torch.zeros(1, device=device, requires_grad=True)
             _BackwardPlans.apply(x, query, key, value, scale, backend).sum().backward()

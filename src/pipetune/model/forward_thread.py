@@ -16,75 +16,49 @@ slow host's H100 the first step's part past the compile went from 17.0-19.5 s to
 from __future__ import annotations
 
 import contextlib
-import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 
-class Job:
-    """One call handed to a `ForwardThread`: `fn(*args)` on `stream` (None: the thread's own), its result or the
-    exception it raised, and `done` set once either is there."""
-
-    def __init__(self, fn: Callable, args: tuple, stream: torch.cuda.Stream | None) -> None:
-        self.fn, self.args, self.stream = fn, args, stream
-        self.done = threading.Event()
-        self.result: Any = None
-        self.error: BaseException | None = None
-
-    def run(self) -> None:
-        on_stream = torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext()
-        try:
-            with torch.no_grad(), on_stream:
-                self.result = self.fn(*self.args)
-        except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread (`wait`)
-            self.error = e
-        finally:
-            self.args = ()
-            self.done.set()
-
-    def wait(self) -> Any:
-        """The call's result, once it ran; its exception raised here if it raised one."""
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
 class ForwardThread:
-    """A long-lived daemon thread for one device that runs the calls handed to it (`run`, `submit`) in order."""
+    """One thread for one device (a single-worker executor) that runs the calls handed to it (`run`, `submit`) in
+    order, each on its caller's current CUDA stream, without autograd."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._serve, name="pipetune-attention-forwards", daemon=True)
-        self.thread.start()
+        self.thread: threading.Thread | None = None  # the executor's worker, once started
+        self.executor = ThreadPoolExecutor(1, "pipetune-attention-forwards", initializer=self._started)
 
-    def _serve(self) -> None:
+    def _started(self) -> None:
+        self.thread = threading.current_thread()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # the current device is the thread's own
-        while (job := self.jobs.get()) is not None:
-            job.run()
 
-    def submit(self, fn: Callable, *args: Any) -> Job:
-        """Queue `fn(*args)`, to run on the caller's current CUDA stream; the job, not waited for."""
+    def submit(self, fn: Callable, *args: Any) -> Future:
+        """Queue `fn(*args)`, to run on the caller's current CUDA stream; its future, not waited for."""
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        job = Job(fn, args, stream)
-        self.jobs.put(job)
-        return job
+        return self.executor.submit(_on_stream, stream, fn, *args)
 
     def run(self, fn: Callable, *args: Any) -> Any:
-        """`fn(*args)` run in this thread (in place where called from it), as `submit` queues it; its result."""
+        """`fn(*args)` run in this thread (in place where called from it), as `submit` queues it; its result, or its
+        exception raised here."""
         if threading.current_thread() is self.thread:
             return fn(*args)
-        return self.submit(fn, *args).wait()
+        return self.submit(fn, *args).result()
 
     def close(self) -> None:
         """End the thread once the calls queued before are done."""
-        self.jobs.put(None)
-        self.thread.join()
+        self.executor.shutdown()
+
+
+def _on_stream(stream: torch.cuda.Stream | None, fn: Callable, *args: Any) -> Any:
+    """`fn(*args)` without autograd (as a custom operator's implementation runs), on `stream` (None: as it is)."""
+    with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        return fn(*args)
 
 
 _THREADS: dict[torch.device, ForwardThread] = {}
