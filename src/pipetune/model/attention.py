@@ -46,6 +46,7 @@ from __future__ import annotations
 import bisect
 import functools
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -427,6 +428,13 @@ class _BackwardPlans(torch.autograd.Function):
 _PREBUILDS: set[tuple] = set()
 """The shapes whose plans `prebuild_plans` started building."""
 
+BUILD_SWITCH_INTERVAL = 5e-4
+"""The interpreter's switch interval (seconds; Python's default 0.005) while `prebuild_plans`' builds run beside the
+model's load and compile. A build gives up the interpreter's lock in each operator call (cuDNN's plan build,
+tens of ms, among them) and may then wait a whole interval to take it back from the thread that loads and traces,
+which holds it most of the time: on one H100 the builds took 1.5x as long there as in a step
+(2026-12-07-forward-thread-and-a-ninth-machine-one-h100.md). Restored when the backward's builds end."""
+
 
 def plan_rows(
     device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, seq: int
@@ -455,7 +463,8 @@ def prebuild_plans(
     on one H100 in one call (2026-12-06-fast-by-default-sixth-round-one-h100.md); the forward's too: the first
     step's part past the compile 13.2-14.3 s against 17.0-19.5 s, both builds slower beside the load and the
     tracing, which hold the interpreter's lock, but ended before the first backward
-    (2026-12-07-forward-thread-and-a-ninth-machine-one-h100.md). True where the builds were started (cuDNN's
+    (2026-12-07-forward-thread-and-a-ninth-machine-one-h100.md); the switch interval is shortened while they run
+    (`BUILD_SWITCH_INTERVAL`). True where the builds were started (cuDNN's
     kernel, on a GPU, with expected lengths); should one fail, the steps build what is missing."""
     if device.type != "cuda" or not _PLAN_LENGTHS:
         return False
@@ -468,6 +477,8 @@ def prebuild_plans(
     if backend != CUDNN or shape in _PREBUILDS:
         return False
     _PREBUILDS.add(shape)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(interval, BUILD_SWITCH_INTERVAL))
     forwards = start_forward_thread(device).submit(_build_plans, query, key, value, scale, backend, False)
 
     def build() -> None:
@@ -477,6 +488,8 @@ def prebuild_plans(
             _BackwardPlans.apply(x, query, key, value, scale, backend).sum().backward()
         except Exception:  # noqa: BLE001 - the steps' first backward builds the plans then
             pass
+        finally:
+            sys.setswitchinterval(interval)
 
     threading.Thread(target=build, name="pipetune-backward-plans", daemon=True).start()
     return True
