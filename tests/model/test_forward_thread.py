@@ -3,6 +3,7 @@ would have given it, computed in that thread without autograd, an exception incl
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -37,3 +38,19 @@ def test_a_call_runs_in_the_thread_without_autograd_and_gives_its_result_or_erro
     finally:
         worker.close()
     assert not worker.thread.is_alive()
+
+
+def test_plan_builds_shorten_the_switch_interval_until_the_last_ends() -> None:
+    from pipetune.model.attention import BUILD_SWITCH_INTERVAL, FastSwitching
+
+    before, switching = sys.getswitchinterval(), FastSwitching()
+    try:
+        switching.enter()
+        switching.enter()  # a second build beside the first: the interval it finds is already short
+        assert sys.getswitchinterval() == pytest.approx(BUILD_SWITCH_INTERVAL)
+        switching.leave()
+        assert sys.getswitchinterval() == pytest.approx(BUILD_SWITCH_INTERVAL)  # one still runs
+        switching.leave()
+        assert sys.getswitchinterval() == before
+    finally:
+        sys.setswitchinterval(before)

@@ -433,7 +433,31 @@ BUILD_SWITCH_INTERVAL = 5e-4
 model's load and compile. A build gives up the interpreter's lock in each operator call (cuDNN's plan build,
 tens of ms, among them) and may then wait a whole interval to take it back from the thread that loads and traces,
 which holds it most of the time: on one H100 the builds took 1.5x as long there as in a step
-(2026-12-07-forward-thread-and-a-ninth-machine-one-h100.md). Restored when the backward's builds end."""
+(2026-12-07-forward-thread-and-a-ninth-machine-one-h100.md). Restored when the last builds running end."""
+
+
+class FastSwitching:
+    """The switch interval set to BUILD_SWITCH_INTERVAL while at least one build runs: the first `enter` sets it,
+    the last `leave` puts back the interval the first found."""
+
+    def __init__(self) -> None:
+        self.runs, self.interval, self.lock = 0, 0.0, threading.Lock()
+
+    def enter(self) -> None:
+        with self.lock:
+            if self.runs == 0:
+                self.interval = sys.getswitchinterval()
+                sys.setswitchinterval(min(self.interval, BUILD_SWITCH_INTERVAL))
+            self.runs += 1
+
+    def leave(self) -> None:
+        with self.lock:
+            self.runs -= 1
+            if self.runs == 0:
+                sys.setswitchinterval(self.interval)
+
+
+_FAST_SWITCHING = FastSwitching()
 
 
 def plan_rows(
@@ -477,8 +501,7 @@ def prebuild_plans(
     if backend != CUDNN or shape in _PREBUILDS:
         return False
     _PREBUILDS.add(shape)
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, BUILD_SWITCH_INTERVAL))
+    _FAST_SWITCHING.enter()
     forwards = start_forward_thread(device).submit(_build_plans, query, key, value, scale, backend, False)
 
     def build() -> None:
@@ -489,7 +512,7 @@ def prebuild_plans(
         except Exception:  # noqa: BLE001 - the steps' first backward builds the plans then
             pass
         finally:
-            sys.setswitchinterval(interval)
+            _FAST_SWITCHING.leave()
 
     threading.Thread(target=build, name="pipetune-backward-plans", daemon=True).start()
     return True
