@@ -35,6 +35,7 @@ ARGPARSE_TOOLS = [
     "quant_quality",
     "smollm2_rouge",
     "summarize_speed",
+    "switch_interval",
     "trace_gaps",
 ]
 
@@ -186,3 +187,13 @@ def test_packed_attention_packs_and_checks_the_cpu_kernel(tmp_path, monkeypatch,
     with pytest.raises(SystemExit):
         run_tool("packed_attention", *args, "--variants", "fwd 1x1", monkeypatch=monkeypatch)
     assert "unknown variants ['fwd 1x1']" in capsys.readouterr().err
+
+
+def test_switch_interval_times_each_interval_alone_and_beside_a_busy_thread(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "probe.json"
+    args = ["--lengths", "2", "--long", "1", "--long-ms", "1", "--small", "2", "--repeats", "1", "--out", str(out)]
+    before = sys.getswitchinterval()
+    run_tool("switch_interval", *args, monkeypatch=monkeypatch)
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["interval_ms"] for row in rows] == [5.0, 0.5] and all(row["alone_ms"] > 0 for row in rows)
+    assert sys.getswitchinterval() == before and capsys.readouterr().out.count("beside a busy thread") == 2
