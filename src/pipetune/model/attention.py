@@ -433,7 +433,9 @@ BUILD_SWITCH_INTERVAL = 5e-4
 model's load and compile. A build gives up the interpreter's lock in each operator call (cuDNN's plan build,
 tens of ms, among them) and may then wait a whole interval to take it back from the thread that loads and traces,
 which holds it most of the time: on one H100 the builds took 1.5x as long there as in a step
-(2026-12-07-forward-thread-and-a-ninth-machine-one-h100.md). Restored when the last builds running end."""
+(2026-12-07-forward-thread-and-a-ninth-machine-one-h100.md). Whether the lock is what slowed them there is not yet
+measured on a GPU (benchmarks/journal/NOTES.md, twenty-first round: the call and its keep rule); on a CPU the wait
+halves (benchmarks/tools/switch_interval.py). Restored when the last builds running end."""
 
 
 class FastSwitching:
@@ -502,7 +504,11 @@ def prebuild_plans(
         return False
     _PREBUILDS.add(shape)
     _FAST_SWITCHING.enter()
-    forwards = start_forward_thread(device).submit(_build_plans, query, key, value, scale, backend, False)
+    try:
+        forwards = start_forward_thread(device).submit(_build_plans, query, key, value, scale, backend, False)
+    except BaseException:
+        _FAST_SWITCHING.leave()
+        raise
 
     def build() -> None:
         forwards.exception()  # waits; an error there: the steps' first forward meets it again, naming its layer
