@@ -10,7 +10,8 @@ from pipetune.config import ConfigError, load_config, validate
 from pipetune.planner.plan import fit_to_gpus, layout_asked
 from pipetune.switches import AUTO, Hardware, resolve, unresolved
 
-GPU, CPU = Hardware(True, "NVIDIA H100 80GB HBM3"), Hardware(False)
+GPU, CPU = Hardware(True, "NVIDIA H100 80GB HBM3", (9, 0)), Hardware(False)
+T4, P100 = Hardware(True, "Tesla T4", (7, 5)), Hardware(True, "Tesla P100-PCIE-16GB", (6, 0))
 WHOLE = torch.full((8,), 7371)  # whole meetings' tokens a sample
 SHORT = torch.full((8,), 550)
 
@@ -80,7 +81,7 @@ def test_the_cpu_runs_the_plain_path() -> None:
 def test_auto_never_resolves_into_a_refusal(layout: list[str]) -> None:
     """Where a switch cannot work (tp, FSDP, a quantized base, a split backward, eager kept attention, the CPU),
     "auto" resolves it off; validation then accepts the run on a GPU and on a CPU alike."""
-    for hardware in (GPU, CPU):
+    for hardware in (GPU, CPU, T4, P100):
         for lengths in (WHOLE, SHORT, None):
             config = _config("qwen3-4b-meetings", *layout)
             resolved = resolve(config, hardware, lengths).config
@@ -90,6 +91,22 @@ def test_auto_never_resolves_into_a_refusal(layout: list[str]) -> None:
         assert tp.config.lora.adapter_in_matmul is False and tp.config.train.layers_per_graph == 1
     if 'parallel.schedule="zbv"' in layout:
         assert tp.config.train.compile is False and tp.config.train.activation_checkpointing is False
+
+
+def test_gpus_before_ampere_keep_what_they_cannot_run_off() -> None:
+    """Below compute capability 8.0 there is no bfloat16 in hardware: inductor skips bfloat16 graphs (after tracing
+    them) and SDPA has neither flash nor cuDNN attention, which the documents kernel runs; below 7.0 no Triton."""
+    one_gpu = fit_to_gpus(_config(), gpus=1, explicit=False)
+    old = resolve(one_gpu, T4, WHOLE)
+    assert (old.config.train.compile, old.config.train.packed_attention) == (False, "flex")
+    line = old.line()
+    assert "compile off (Tesla T4, compute capability 7.5: inductor compiles bfloat16 from 8.0)" in line
+    assert "flex attention kernel (Tesla T4, compute capability 7.5: no flash or cuDNN attention" in line
+    half = fit_to_gpus(_config("qwen3-4b-meetings", 'model.dtype="float16"'), gpus=1, explicit=False)
+    assert resolve(half, T4, WHOLE).config.train.compile is True  # float16: Triton compiles it on a T4
+    assert "Triton needs 7.0 or higher" in resolve(half, P100, WHOLE).line()
+    # a GPU whose capability is not known (the planned GPUs of `pipetune plan`) keeps the measured rules
+    assert resolve(one_gpu, Hardware(True, "the planned GPU"), WHOLE).config.train.packed_attention == "documents"
 
 
 def test_forced_values_stay_and_their_refusals_stay() -> None:

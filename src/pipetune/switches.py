@@ -30,6 +30,10 @@ The rules and the measurements behind them (benchmarks/journal, one H200 or H100
   rows two to a microbatch: 1.23x Unsloth, one to a microbatch: 1.09x; 2026-12-02-packed-attention-one-h200.md);
   in a pipeline, microbatches of PIPELINE_MICROBATCH_TOKENS, at least one per stage (Qwen3-4B at 512 tokens on 2x
   H200: 4 microbatches of 4 rows fastest, wave 8).
+- GPUs before Ampere (compute capability below BFLOAT16_CAPABILITY, 8.0: T4, V100): compile off for a bfloat16
+  model (inductor traces each graph, then skips it: no bfloat16 in their hardware), and flex for packed rows (the
+  documents kernel runs flash or cuDNN attention, which need 8.0); below TRITON_CAPABILITY, compile off for any
+  dtype. From torch's own limits, checked on the CPU with such GPUs described; none was measured.
 - CPU: the plain path (PEFT's adapters, eager layers, the plain loss); checkpointing planned, as on a GPU, for each
   rank's memory: train.memory_gb, else its share of what the machine has available (parallel/memory.py:
   cpu_budget), so that a run fits the machine it starts on without a setting. The fused loss where a microbatch's
@@ -90,10 +94,11 @@ SWITCHES = (
 
 @dataclass(frozen=True)
 class Hardware:
-    """What a run's switches are resolved for: a GPU (its name) or the CPU."""
+    """What a run's switches are resolved for: a GPU (its name and CUDA compute capability, where known) or the CPU."""
 
     gpu: bool
     name: str = ""
+    capability: tuple[int, int] | None = None
 
     @classmethod
     def here(cls) -> Hardware:
@@ -101,7 +106,7 @@ class Hardware:
         import torch
 
         if torch.cuda.is_available():
-            return cls(True, torch.cuda.get_device_name(torch.cuda.current_device()))
+            return cls.of(torch.device("cuda", torch.cuda.current_device()))
         return cls(False)
 
     @classmethod
@@ -110,8 +115,14 @@ class Hardware:
         import torch
 
         if device.type == "cuda":
-            return cls(True, torch.cuda.get_device_name(device))
+            return cls(True, torch.cuda.get_device_name(device), tuple(torch.cuda.get_device_capability(device)))
         return cls(False)
+
+    def below(self, capability: tuple[int, int]) -> str:
+        """Its name and compute capability where this is a GPU known to be below `capability`; else empty."""
+        if not self.gpu or self.capability is None or self.capability >= capability:
+            return ""
+        return f"{self.name}, compute capability {self.capability[0]}.{self.capability[1]}"
 
 
 PLANNED_GPU = Hardware(True, "the planned GPU")
@@ -181,12 +192,12 @@ def resolve(
     gpu = hardware.gpu
     fast = decide(lora, "fast_path", "lora.fast_path", _fast_path(config, gpu))
     decide(lora, "adapter_in_matmul", "lora.adapter_in_matmul", _in_matmul(config, gpu, fast is True))
-    compiled = decide(t, "compile", "train.compile", _compile(config, gpu))
+    compiled = decide(t, "compile", "train.compile", _compile(config, hardware))
     decide(t, "layers_per_graph", "train.layers_per_graph", _per_graph(config, compiled is True))
     m = decide(p, "n_microbatches", "parallel.n_microbatches", _microbatches(config))
     fused = decide(t, "fused_loss", "train.fused_loss", _fused_loss(config, gpu, m, vocab))
     decide(t, "head_rows", "train.head_rows", _head_rows(config, fused is True, pre_norm))
-    kernel = decide(t, "packed_attention", "train.packed_attention", _kernel(config, gpu, lengths))
+    kernel = decide(t, "packed_attention", "train.packed_attention", _kernel(config, hardware, lengths))
     decide(t, "activation_checkpointing", "train.activation_checkpointing", _checkpointing(config, gpu))
     decide(t, "cuda_graphs", "train.cuda_graphs", _graphs(config, gpu, compiled is True, kernel))
     decide(t, "mlp_chunk", "train.mlp_chunk", (AUTO, "8,192-token chunks at rows of 32,768 or more"))
@@ -224,9 +235,21 @@ def _in_matmul(config: Config, gpu: bool, fast: bool) -> tuple[bool, str]:
     return True, f"plain {config.model.dtype} base, no tp/FSDP"
 
 
-def _compile(config: Config, gpu: bool) -> tuple[bool, str]:
-    if not gpu:
+TRITON_CAPABILITY = (7, 0)
+"""The oldest GPUs Triton (inductor's GPU code) compiles for."""
+BFLOAT16_CAPABILITY = (8, 0)
+"""The oldest GPUs with bfloat16 in hardware (Ampere): below it inductor skips bfloat16 graphs, running them eagerly
+after tracing them (torch/_inductor/compile_fx.py), and SDPA has neither flash nor cuDNN attention, the two kernels
+the documents kernel runs."""
+
+
+def _compile(config: Config, hardware: Hardware) -> tuple[bool, str]:
+    if not hardware.gpu:
         return False, "CPU"
+    if old := hardware.below(TRITON_CAPABILITY):
+        return False, f"{old}: Triton needs 7.0 or higher"
+    if config.model.dtype == "bfloat16" and (old := hardware.below(BFLOAT16_CAPABILITY)):
+        return False, f"{old}: inductor compiles bfloat16 from 8.0"
     if _splits_backward(config):
         return False, f"{config.parallel.schedule} splits each backward"
     if config.train.keep_attention:
@@ -286,11 +309,13 @@ def _head_rows(config: Config, fused: bool, pre_norm: bool) -> tuple[bool, str]:
     return True, reads
 
 
-def _kernel(config: Config, gpu: bool, lengths: torch.Tensor | None) -> tuple[str, str]:
+def _kernel(config: Config, hardware: Hardware, lengths: torch.Tensor | None) -> tuple[str, str]:
     if not config.data.packing:
         return "flex", "no packing"
-    if not gpu:
+    if not hardware.gpu:
         return "flex", "CPU: each sample alone either way"
+    if old := hardware.below(BFLOAT16_CAPABILITY):
+        return "flex", f"{old}: no flash or cuDNN attention for the documents kernel"
     if config.parallel.pipelined:
         return "flex", "documents kernel not measured under a GPU pipeline"
     if config.train.cuda_graphs is True:
