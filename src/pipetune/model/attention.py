@@ -490,8 +490,8 @@ def prebuild_plans(
     step's part past the compile 13.2-14.3 s against 17.0-19.5 s, both builds slower beside the load and the
     tracing, which hold the interpreter's lock, but ended before the first backward
     (2026-12-07-forward-thread-and-a-ninth-machine-one-h100.md); the switch interval is shortened while they run
-    (`BUILD_SWITCH_INTERVAL`). True where the builds were started (cuDNN's
-    kernel, on a GPU, with expected lengths); should one fail, the steps build what is missing."""
+    (`BUILD_SWITCH_INTERVAL`). True where the builds were started (cuDNN's kernel, on a GPU, with expected
+    lengths); should one fail, the steps build what is missing."""
     if device.type != "cuda" or not _PLAN_LENGTHS:
         return False
     query, key, value = plan_rows(device, dtype, heads, kv_heads, head_dim, seq)
